@@ -1,0 +1,44 @@
+"""lightning-accel: PyTorch Lightning plugins that make training fast and show why it is slow.
+
+Public names are imported lazily (PEP 562), so ``import lightning_accel`` stays light: it imports no optional
+dependency (deepspeed, DALI, NVML, matplotlib), does not touch CUDA, and only registers the strategy strings
+(``Trainer(strategy="ddp_powersgd")``) with Lightning's ``StrategyRegistry``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # callbacks
+    "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
+    # core
+    "count_flops": "lightning_accel.core.flops",
+    "transformer_flops_per_token": "lightning_accel.core.flops",
+    "get_peak_flops": "lightning_accel.core.peak",
+    "measure_peak_flops": "lightning_accel.core.peak",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_accel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+from lightning_accel.strategies.registration import register_strategies  # noqa: E402
+
+register_strategies()

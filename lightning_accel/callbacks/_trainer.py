@@ -1,0 +1,64 @@
+"""Small readers of Trainer state shared by the callbacks (public Trainer API only)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["compute_dtype", "gather_floats", "rank_zero_print", "sync_fn"]
+
+
+def compute_dtype(trainer: pl.Trainer) -> str:
+    """The dtype the matmuls of this run use, as a name the peak table knows (fp32/tf32/bf16/fp16/fp64/fp8).
+
+    A precision plugin may say it directly with a ``compute_dtype`` attribute (``AutoMixedPrecision`` does);
+    otherwise it is read from ``trainer.precision`` ("bf16-mixed" → bf16, "16-mixed" → fp16, "32-true" → fp32,
+    or tf32 on an Ampere-or-newer GPU when ``torch.get_float32_matmul_precision()`` is not "highest").
+    """
+    from lightning_accel.core.peak import normalize_dtype
+
+    declared = getattr(trainer.precision_plugin, "compute_dtype", None)
+    if declared is not None:
+        return normalize_dtype(declared)
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    if precision.startswith("64"):
+        return "fp64"
+    if precision.startswith("transformer-engine"):
+        return "fp8"
+    device = trainer.strategy.root_device
+    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+            and torch.get_float32_matmul_precision() != "highest"):
+        return "tf32"
+    return "fp32"
+
+
+def sync_fn(device: torch.device) -> Any:
+    """A no-argument function that waits for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float]) -> torch.Tensor:
+    """Every rank's ``values`` as a ``(world_size, len(values))`` float64 tensor on the CPU (one collective)."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    if trainer.world_size <= 1:
+        return local.unsqueeze(0).cpu()
+    gathered = trainer.strategy.all_gather(local)
+    return gathered.reshape(trainer.world_size, len(values)).cpu()
+
+
+def rank_zero_print(trainer: pl.Trainer, renderable: Any) -> None:
+    """Print a rich renderable (table, text) on global rank 0 only."""
+    if trainer.is_global_zero:
+        from rich.console import Console
+
+        Console().print(renderable)

@@ -1,0 +1,297 @@
+"""MFUMonitor: throughput and model FLOPs utilisation, with FLOPs counted automatically."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
+from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
+from lightning_accel.core.flops import FlopCounter
+from lightning_accel.core.peak import PeakFlops, resolve_peak_flops
+from lightning_accel.core.throughput import WindowedThroughput
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["MFUMonitor"]
+
+
+class MFUMonitor(Callback):
+    """Logs throughput and MFU (model FLOPs utilisation) while training, and prints a summary after ``fit``.
+
+    FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode``
+    around the real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch``
+    is given. The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the
+    run's compute dtype, else a short matmul probe of the device (CPU, unknown GPUs). The first
+    ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up; callbacks can ask for
+    more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every micro-batch
+    of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
+
+    Logged every ``window`` batches through ``pl_module.log`` (so every logger and the progress bar see them):
+
+    ========================================  ==========  ====================================================
+    key                                       unit        scope
+    ========================================  ==========  ====================================================
+    ``perf/samples_per_sec``                  samples/s   global: all ranks' samples
+    ``perf/tokens_per_sec``                   tokens/s    global; only when the batch has tokens (see below)
+    ``perf/batches_per_sec``                  batches/s   per device (mean over ranks)
+    ``perf/tflops_per_sec_per_device``        TFLOP/s     per device (mean over ranks), model FLOPs
+    ``perf/mfu``                              fraction    per device: achieved ÷ peak FLOP/s (mean over ranks)
+    ========================================  ==========  ====================================================
+
+    Tokens per batch: ``tokens_per_batch(batch)`` if given, else the LightningModule's ``tokens_per_batch(batch)``
+    method if it has one, else the size of the first integer tensor shaped ``(batch, sequence)``.
+
+    Args:
+        window: batches per measuring window (logging interval).
+        warmup_batches: batches at the start of ``fit`` that are not measured.
+        flops_per_batch: model FLOPs of one batch on one device (forward + backward); skips counting.
+        peak_flops: peak FLOP/s of one device; overrides the table and the probe.
+        tokens_per_batch: ``fn(batch) -> int`` tokens in a batch.
+        prog_bar: show samples/s and MFU in the progress bar.
+        print_summary: print the summary table at the end of ``fit`` (rank 0).
+
+    After ``fit``, :attr:`summary` holds the numbers of the table as a dict.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        warmup_batches: int = 3,
+        flops_per_batch: float | None = None,
+        peak_flops: float | None = None,
+        tokens_per_batch: Callable[[Any], int] | None = None,
+        prog_bar: bool = True,
+        print_summary: bool = True,
+    ) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"MFUMonitor(window={window!r}): window must be a positive number of batches, e.g. 20")
+        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
+            raise ValueError(f"MFUMonitor(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        if flops_per_batch is not None and (not isinstance(flops_per_batch, (int, float)) or flops_per_batch <= 0):
+            raise ValueError(f"MFUMonitor(flops_per_batch={flops_per_batch!r}): give a positive FLOP count or None "
+                             "to count automatically")
+        if peak_flops is not None and (not isinstance(peak_flops, (int, float)) or peak_flops <= 0):
+            raise ValueError(f"MFUMonitor(peak_flops={peak_flops!r}): give a positive FLOP/s figure (e.g. 989e12) "
+                             "or None to look it up / measure it")
+        self.window = window
+        self.warmup_batches = warmup_batches
+        self.flops_per_batch = float(flops_per_batch) if flops_per_batch is not None else None
+        self.peak_flops = peak_flops
+        self.tokens_per_batch = tokens_per_batch
+        self.prog_bar = prog_bar
+        self.print_summary = print_summary
+        self.summary: dict[str, Any] = {}
+        self.history: list[dict[str, float | None]] = []
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._flops: float | None = self.flops_per_batch
+        self._flops_source = "given by the user" if self.flops_per_batch is not None else None
+        self._counter = FlopCounter()
+        self._counting_done = self.flops_per_batch is not None
+        self._peak: PeakFlops | None = None
+        self._dtype = "fp32"
+        self._meter: WindowedThroughput | None = None
+        self._batches_seen = 0
+        self._skip = self.warmup_batches
+        self._tokens_fn: Callable[[Any], int | None] = tokens_in_batch
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_run_state()
+        self.summary, self.history = {}, []
+        device = trainer.strategy.root_device
+        self._dtype = compute_dtype(trainer)
+        try:
+            self._peak = resolve_peak_flops(device, self._dtype, self.peak_flops)
+        except ValueError as err:  # e.g. an fp8 run on an unknown device: nothing to probe
+            rank_zero_warn(f"MFUMonitor: no peak FLOP/s for {device} {self._dtype} ({err}); MFU is not reported. "
+                           "Pass MFUMonitor(peak_flops=...) to get it.")
+        if self._peak is None:
+            rank_zero_warn(f"MFUMonitor: no peak FLOP/s known for {device} {self._dtype}; MFU is not reported. "
+                           "Pass MFUMonitor(peak_flops=...) to get it.")
+        extra = [getattr(cb, "warmup_batches", 0) for cb in trainer.callbacks if cb is not self]
+        self._skip = self.warmup_batches + max([int(x) for x in extra if isinstance(x, int)] or [0])
+        self._meter = WindowedThroughput(window=self.window, synchronize=sync_fn(device))
+        if self.tokens_per_batch is not None:
+            self._tokens_fn = self.tokens_per_batch
+        elif callable(getattr(pl_module, "tokens_per_batch", None)):
+            self._tokens_fn = pl_module.tokens_per_batch
+
+    # ------------------------------------------------------------------ per batch
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._counting_done and not self._counter.running:
+            self._counter.start()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._counter.running:
+            self._finish_counting()
+        meter = self._meter
+        if meter is None:
+            return
+        self._batches_seen += 1
+        if not meter.started:
+            if self._batches_seen >= self._skip:
+                meter.start()
+            return
+        rates = meter.update(samples_in_batch(batch), self._tokens_fn(batch), self._flops)
+        if rates is not None:
+            self._publish(trainer, pl_module, rates.samples, rates.tokens, rates.flops, rates.seconds,
+                          rates.batches, log=True)
+
+    def _finish_counting(self) -> None:
+        self._counting_done = True
+        try:
+            flops = self._counter.stop()
+        except Exception as err:  # measuring must never stop training
+            rank_zero_warn(f"MFUMonitor: FLOP counting failed ({err!r}); reporting throughput without MFU. "
+                           "Pass MFUMonitor(flops_per_batch=...) to get MFU.")
+            return
+        if flops <= 0:
+            rank_zero_warn("MFUMonitor: FlopCounterMode counted no FLOPs on the first batch (no matmul/conv/"
+                           "attention ran through the dispatcher, e.g. a custom kernel); reporting throughput "
+                           "without MFU. Pass MFUMonitor(flops_per_batch=...) to get MFU.")
+            return
+        self._flops = float(flops)
+        self._flops_source = "counted on the first batch (FlopCounterMode)"
+
+    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, samples: float, tokens: float | None,
+                 flops: float | None, seconds: float, batches: int, *, log: bool) -> None:
+        peak = self._peak.flops if self._peak is not None else math.nan
+        rows = gather_floats(trainer, trainer.strategy.root_device, [
+            samples, math.nan if tokens is None else tokens, math.nan if flops is None else flops,
+            seconds, batches, peak])
+        sec = rows[:, 3].clamp_min(1e-12)
+        record: dict[str, float | None] = {
+            "samples_per_sec": float((rows[:, 0] / sec).sum()),
+            "batches_per_sec": float((rows[:, 4] / sec).mean()),
+            "tokens_per_sec": None if rows[:, 1].isnan().any() else float((rows[:, 1] / sec).sum()),
+            "flops_per_sec_per_device": None if rows[:, 2].isnan().any() else float((rows[:, 2] / sec).mean()),
+            "seconds": float(sec.max()),
+            "batches": float(rows[:, 4].sum()),
+        }
+        fps = record["flops_per_sec_per_device"]
+        record["mfu"] = (None if fps is None or rows[:, 5].isnan().any()
+                         else float((rows[:, 2] / sec / rows[:, 5]).mean()))
+        self.history.append(record)
+        if not log:
+            return
+        values = {"perf/samples_per_sec": record["samples_per_sec"], "perf/batches_per_sec": record["batches_per_sec"]}
+        if record["tokens_per_sec"] is not None:
+            values["perf/tokens_per_sec"] = record["tokens_per_sec"]
+        if fps is not None:
+            values["perf/tflops_per_sec_per_device"] = fps / 1e12
+        if record["mfu"] is not None:
+            values["perf/mfu"] = record["mfu"]
+        for key, value in values.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1,
+                          prog_bar=self.prog_bar and key in ("perf/samples_per_sec", "perf/mfu"))
+
+    # ------------------------------------------------------------------ pauses
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._meter is not None and not trainer.sanity_checking:
+            self._meter.pause()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._meter is not None and not trainer.sanity_checking:
+            self._meter.resume()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._counter.running:
+            self._counter.stop()
+            self._counting_done = True
+
+    # ------------------------------------------------------------------ end
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        meter = self._meter
+        if meter is None:
+            return
+        last = meter.close()
+        if last is not None:
+            self._publish(trainer, pl_module, last.samples, last.tokens, last.flops, last.seconds, last.batches,
+                          log=False)
+        self.summary = self._summarize(trainer)
+        if self.print_summary:
+            rank_zero_print(trainer, self._summary_table())
+
+    def _summarize(self, trainer: pl.Trainer) -> dict[str, Any]:
+        device = trainer.strategy.root_device
+        out: dict[str, Any] = {
+            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+            "devices": trainer.world_size,
+            "dtype": self._dtype,
+            "flops_per_batch": self._flops,
+            "flops_source": self._flops_source,
+            "peak_flops": self._peak.flops if self._peak else None,
+            "peak_source": self._peak.detail if self._peak else None,
+            "warmup_batches": self._skip,
+            "batches_measured": int(sum(h["batches"] or 0 for h in self.history)),
+        }
+        if not self.history:
+            out["note"] = (f"too few batches to measure: {self._batches_seen} ran, {self._skip} are warm-up; "
+                           f"train longer or lower warmup_batches")
+            return out
+        weights = [h["seconds"] or 0.0 for h in self.history]
+
+        def weighted(key: str) -> float | None:
+            vals = [h[key] for h in self.history]
+            if any(v is None for v in vals) or sum(weights) <= 0:
+                return None
+            return sum(v * w for v, w in zip(vals, weights)) / sum(weights)  # type: ignore[operator]
+
+        out.update(
+            samples_per_sec=weighted("samples_per_sec"),
+            median_samples_per_sec=statistics.median(h["samples_per_sec"] for h in self.history),
+            tokens_per_sec=weighted("tokens_per_sec"),
+            flops_per_sec_per_device=weighted("flops_per_sec_per_device"),
+            mfu=weighted("mfu"),
+            seconds_measured=sum(weights),
+        )
+        return out
+
+    def _summary_table(self) -> Any:
+        from rich.table import Table
+
+        s = self.summary
+        table = Table(title="MFUMonitor summary", show_header=True, header_style="bold")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        table.add_column("what it is")
+        table.add_row("device", f"{s['device']} × {s['devices']}", f"compute dtype {s['dtype']}")
+        if "note" in s:
+            table.add_row("measured", "—", s["note"])
+            return table
+        table.add_row("samples/s", f"{s['samples_per_sec']:,.1f}", "global (all ranks), time-weighted mean")
+        if s.get("tokens_per_sec") is not None:
+            table.add_row("tokens/s", f"{s['tokens_per_sec']:,.0f}", "global (all ranks)")
+        if s.get("flops_per_batch") is not None:
+            table.add_row("model FLOPs / batch", f"{s['flops_per_batch'] / 1e9:,.3f} G", f"per device, "
+                          f"{s['flops_source']}")
+        if s.get("flops_per_sec_per_device") is not None:
+            table.add_row("achieved", f"{s['flops_per_sec_per_device'] / 1e12:,.4f} TFLOP/s", "per device")
+        if s.get("peak_flops") is not None:
+            table.add_row("peak", f"{s['peak_flops'] / 1e12:,.4f} TFLOP/s", f"per device, {s['peak_source']}")
+        mfu = s.get("mfu")
+        table.add_row("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %", "achieved ÷ peak, per device")
+        table.add_row("measured over", f"{s['batches_measured']} batches / {s['seconds_measured']:.1f} s",
+                      f"after {s['warmup_batches']} warm-up batches; validation excluded")
+        return table

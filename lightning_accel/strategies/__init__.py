@@ -1,0 +1,1 @@
+"""Strategy strings for ``Trainer(strategy=...)``: registered lazily by :mod:`.registration`."""

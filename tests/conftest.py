@@ -1,0 +1,64 @@
+"""Shared test helpers: skips for missing hardware/extras and a runner for 2-process Lightning DDP on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from lightning_accel._imports import is_available
+
+    needs = {
+        "gpu": (torch.cuda.is_available(), "needs a CUDA GPU"),
+        "deepspeed": (is_available("deepspeed"), "needs deepspeed: pip install 'lightning-accel[deepspeed]'"),
+        "dali": (is_available("nvidia.dali"), "needs NVIDIA DALI: pip install 'lightning-accel[dali]'"),
+    }
+    for item in items:
+        for marker, (ok, reason) in needs.items():
+            if marker in item.keywords and not ok:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
+               args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a script file in a fresh interpreter (Lightning's DDP launcher re-runs the script per rank).
+
+    The script runs with the repository on ``PYTHONPATH`` and ``tmp_path`` as its working directory; it fails the
+    test with the script's output if it exits non-zero.
+    """
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, str(script), *(args or [])], cwd=tmp_path, env=full_env, text=True,
+                          capture_output=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"script exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+                    f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_rank_json(tmp_path: Path, stem: str, world_size: int = 2) -> list[Any]:
+    """Load ``{stem}_rank{r}.json`` written by each rank of a :func:`run_script` DDP run."""
+    return [json.loads((tmp_path / f"{stem}_rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.fixture
+def ddp_script(tmp_path: Path):
+    """``ddp_script(code)`` runs a script (typically ``Trainer(devices=2, strategy="ddp", accelerator="cpu")``)."""
+
+    def run(code: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return run_script(code, tmp_path, **kwargs)
+
+    return run
