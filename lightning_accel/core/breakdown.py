@@ -1,0 +1,154 @@
+"""Stage breakdown over windows and ranks: seconds per stage → shares of the step time that sum to 1.
+
+A window is a run of consecutive training batches. Each rank measures, per window, its wall time (the batches'
+host time between window edges, validation excluded) and the seconds of each measured stage; the ranks' rows are
+gathered once per window and added here.
+
+Per rank and window:
+
+* ``backward`` as timed between ``on_before_backward`` and ``on_after_backward`` contains the exposed
+  communication (DDP waits for the all-reduce before ``backward()`` returns), so ``communication`` is subtracted
+  from it;
+* ``other`` is the wall time no measured stage accounts for (framework overhead, logging, callbacks);
+* on a GPU the device stages come from CUDA events and the data wait from the host clock; when the host waited
+  for data while the GPU was still busy, the stages can add up to more than the wall time. The window's total is
+  then the larger of the two, so shares still sum to 1 and ``other`` is 0.
+
+Shares over several windows and ranks are time-weighted: total seconds of a stage ÷ total time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_accel.core.rules import STAGES
+
+__all__ = ["MEASURED_STAGES", "ROW_FIELDS", "Breakdown", "WindowBreakdown", "split_seconds"]
+
+#: Stages timed directly; ``other`` is derived.
+MEASURED_STAGES: tuple[str, ...] = ("data", "transfer", "forward", "backward", "optimizer", "communication")
+#: Layout of one rank's row for a window, as gathered across ranks.
+ROW_FIELDS: tuple[str, ...] = ("wall", *MEASURED_STAGES, "samples", "batches")
+
+
+def split_seconds(wall: float, measured: Mapping[str, float]) -> dict[str, float]:
+    """One rank's window: seconds per stage for every stage of ``STAGES`` (see the module docstring).
+
+    Args:
+        wall: host wall time of the window's batches, seconds.
+        measured: seconds per measured stage; ``backward`` includes the exposed ``communication``.
+    """
+    if wall < 0:
+        raise ValueError(f"wall time must be >= 0, got {wall}")
+    out = {s: max(0.0, float(measured.get(s, 0.0))) for s in MEASURED_STAGES}
+    out["backward"] = max(0.0, out["backward"] - out["communication"])
+    out["other"] = max(0.0, wall - sum(out.values()))
+    return {s: out[s] for s in STAGES}
+
+
+@dataclass(frozen=True)
+class WindowBreakdown:
+    """One window over all ranks.
+
+    Attributes:
+        shares: stage → fraction of the window's time (sums to 1).
+        stage_seconds: stage → mean seconds per batch (per device).
+        step_seconds: mean time of one batch (per device).
+        samples_per_sec: global: sum over ranks of each rank's samples ÷ its wall time.
+        batches: batches per device in the window.
+        per_rank_shares: one ``shares`` dict per rank (to spot a straggler).
+    """
+
+    shares: dict[str, float]
+    stage_seconds: dict[str, float]
+    step_seconds: float
+    samples_per_sec: float
+    batches: int
+    per_rank_shares: list[dict[str, float]]
+
+
+@dataclass
+class Breakdown:
+    """Adds windows (rows of :data:`ROW_FIELDS`, one per rank) and keeps time-weighted totals."""
+
+    windows: list[WindowBreakdown] = field(default_factory=list)
+    _seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    _batches: float = 0.0  # summed over ranks
+    _rank_batches: int = 0  # per device
+
+    def add(self, rows: Sequence[Sequence[float]]) -> WindowBreakdown | None:
+        """Add one window (``rows[r]`` = rank ``r``'s values in :data:`ROW_FIELDS` order; extra columns are
+        ignored). Returns ``None`` when no rank measured a batch."""
+        if not rows:
+            raise ValueError("a window needs at least one rank's row")
+        n = len(ROW_FIELDS)
+        for r, row in enumerate(rows):
+            if len(row) < n:
+                raise ValueError(f"rank {r}: row has {len(row)} values, expected {n} ({', '.join(ROW_FIELDS)})")
+        per_rank = []
+        totals = dict.fromkeys(STAGES, 0.0)
+        batches = samples_rate = 0.0
+        for row in rows:
+            values = dict(zip(ROW_FIELDS, (float(v) for v in row[:n])))
+            if values["batches"] <= 0:
+                continue
+            split = split_seconds(values["wall"], values)
+            total = sum(split.values())
+            per_rank.append({s: (split[s] / total if total > 0 else 0.0) for s in STAGES})
+            for s in STAGES:
+                totals[s] += split[s]
+            batches += values["batches"]
+            if values["wall"] > 0:
+                samples_rate += values["samples"] / values["wall"]
+        if not per_rank or batches <= 0:
+            return None
+        grand = sum(totals.values())
+        if grand <= 0:
+            return None
+        window = WindowBreakdown(
+            shares={s: totals[s] / grand for s in STAGES},
+            stage_seconds={s: totals[s] / batches for s in STAGES},
+            step_seconds=grand / batches,
+            samples_per_sec=samples_rate,
+            batches=int(round(batches / len(per_rank))),
+            per_rank_shares=per_rank,
+        )
+        self.windows.append(window)
+        for s in STAGES:
+            self._seconds[s] += totals[s]
+        self._batches += batches
+        self._rank_batches += window.batches
+        return window
+
+    @property
+    def batches(self) -> int:
+        """Batches measured per device."""
+        return self._rank_batches
+
+    def shares(self) -> dict[str, float] | None:
+        """Time-weighted shares over all windows, or ``None`` before the first window."""
+        grand = sum(self._seconds.values())
+        if not self.windows or grand <= 0:
+            return None
+        return {s: self._seconds[s] / grand for s in STAGES}
+
+    def stage_seconds(self) -> dict[str, float] | None:
+        """Mean seconds per batch and device, per stage."""
+        if self._batches <= 0:
+            return None
+        return {s: self._seconds[s] / self._batches for s in STAGES}
+
+    def step_seconds(self) -> float | None:
+        if self._batches <= 0:
+            return None
+        return sum(self._seconds.values()) / self._batches
+
+    def samples_per_sec(self) -> float | None:
+        """Global throughput, time-weighted over windows."""
+        if not self.windows:
+            return None
+        weights = [w.step_seconds * w.batches for w in self.windows]
+        if sum(weights) <= 0:
+            return None
+        return sum(w.samples_per_sec * wt for w, wt in zip(self.windows, weights)) / sum(weights)

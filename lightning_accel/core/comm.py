@@ -1,0 +1,148 @@
+"""Timing of DDP gradient communication through a comm-hook wrapper (framework-free: torch only).
+
+DDP splits the gradients into buckets and calls its communication hook once per bucket, as soon as the bucket's
+gradients are computed during backward; the hook starts an asynchronous all-reduce and returns a future. DDP
+overlaps these all-reduces with the rest of backward and, at the end of backward, waits for every future before
+``loss.backward()`` returns.
+
+**Exposed communication** (the doctor's ``communication`` stage) is the all-reduce time *not* hidden behind
+backward. For one backward pass:
+
+    exposed = max over buckets (completion of the bucket's future) − launch of the last bucket
+
+The last bucket is launched when the last gradients are ready, i.e. when local backward compute ends, so this is
+the time backward has to wait for the network after its own work is done (0 if every all-reduce finished before
+the last bucket was ready). It is part of the time ``backward()`` takes; the doctor subtracts it from
+``backward``.
+
+Clocks: on CPU (gloo) launch and completion are host ``perf_counter`` readings (gloo completes the future on its
+worker thread, where the completion callback runs). On CUDA (NCCL) host times say nothing about the device, so the
+recorder records a CUDA event on the current stream at launch and inside the completion callback (which runs
+with the collective's stream as current stream), and reads them only in :meth:`CommRecorder.flush` — no
+synchronisation per step.
+
+Usage::
+
+    recorder = CommRecorder()
+    ddp_model.register_comm_hook(None, timed_comm_hook(default_hooks.allreduce_hook, recorder))
+    ...                                   # train; after each backward: recorder.end_backward()
+    seconds, passes = recorder.flush()    # exposed seconds since the last flush
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["CommRecorder", "timed_comm_hook"]
+
+CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
+
+
+class CommRecorder:
+    """Collects launch/completion marks of bucket all-reduces and turns them into exposed seconds per backward.
+
+    Args:
+        cuda: mark with CUDA events instead of the host clock (a run whose gradients live on a GPU).
+        clock: host clock (injectable for tests).
+    """
+
+    def __init__(self, *, cuda: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cuda = cuda
+        self._clock = clock
+        self._lock = threading.Lock()  # completion callbacks can run on the backend's threads
+        self._launches: list[Any] = []
+        self._completions: list[Any] = []
+        self._passes: list[tuple[Any, list[Any]]] = []  # (last launch, completions) per finished backward
+        self._exposed = 0.0
+        self._n_passes = 0
+        #: bucket hooks run since construction (proof that the hook is installed and ran)
+        self.buckets = 0
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self._clock()
+
+    def launch(self) -> None:
+        """A bucket's all-reduce starts (called by the hook before it starts the collective)."""
+        mark = self._mark()
+        with self._lock:
+            self._launches.append(mark)
+            self.buckets += 1
+
+    def complete(self) -> None:
+        """A bucket's all-reduce finished (called from the future's completion callback)."""
+        mark = self._mark()
+        with self._lock:
+            self._completions.append(mark)
+
+    def end_backward(self) -> None:
+        """Close one backward pass (call after ``backward()`` returned; DDP has waited for all buckets)."""
+        with self._lock:
+            launches, completions = self._launches, self._completions
+            self._launches, self._completions = [], []
+        if not launches:
+            return  # no all-reduce in this pass (e.g. gradient accumulation under no_sync)
+        if self.cuda:
+            self._passes.append((launches[-1], completions))
+            return
+        self._n_passes += 1
+        if completions:
+            self._exposed += max(0.0, max(completions) - launches[-1])
+
+    def discard(self) -> None:
+        """Forget the marks of an unfinished pass (an exception inside backward)."""
+        with self._lock:
+            self._launches, self._completions = [], []
+
+    def flush(self) -> tuple[float, int]:
+        """``(exposed seconds, backward passes with an all-reduce)`` since the last flush.
+
+        On CUDA this waits for the last recorded event once.
+        """
+        if self._passes:
+            last = self._passes[-1]
+            if last[1]:
+                last[1][-1].synchronize()
+            for launch, completions in self._passes:
+                if completions:
+                    self._exposed += max(0.0, max(launch.elapsed_time(c) for c in completions) / 1000.0)
+                self._n_passes += 1
+            self._passes.clear()
+        out = (self._exposed, self._n_passes)
+        self._exposed, self._n_passes = 0.0, 0
+        return out
+
+
+def timed_comm_hook(hook: CommHook, recorder: CommRecorder) -> CommHook:
+    """Wrap a DDP communication hook so that each bucket's launch and completion are recorded.
+
+    The wrapped hook returns a future that resolves to the same tensor as ``hook``'s future, so it can stand in
+    for ``hook`` in ``DistributedDataParallel.register_comm_hook`` (and be wrapped again).
+
+    Args:
+        hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``default_hooks.allreduce_hook``.
+        recorder: where the marks go.
+    """
+
+    @functools.wraps(hook)
+    def timed(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        recorder.launch()
+        fut = hook(state, bucket)
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            recorder.complete()
+            return f.value()
+
+        return fut.then(done)
+
+    # functools.wraps keeps the hook's name and annotations: DDP validates both in register_comm_hook.
+    return timed

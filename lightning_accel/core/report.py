@@ -1,0 +1,306 @@
+"""The BottleneckDoctor report: stage breakdown, verdict, findings; JSON round-trip, terminal table, before/after.
+
+:class:`DoctorReport` is plain data (no Lightning), written by the callback at the end of ``fit`` and read back by
+``lightning-accel report``. :func:`compare` turns a baseline and a new report into the before/after lines
+("data 46.0 % → 4.0 %; the run is now compute-bound").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_accel.core.rules import STAGES, Finding, RunContext, SkippedRule
+
+__all__ = ["DoctorReport", "compare", "plot_timeline"]
+
+REPORT_VERSION = 1
+_COMPUTE = ("forward", "backward")
+
+
+@dataclass
+class DoctorReport:
+    """What the doctor measured over a run.
+
+    Attributes:
+        bottleneck: the stage with the largest share of the step time (one of ``STAGES``), ``None`` when too little
+            was measured (see ``notes``).
+        shares: stage → fraction of the step time (sums to 1), mean over the measured windows and ranks.
+        stage_seconds: stage → mean seconds per batch (per device).
+        step_seconds: mean wall time of one batch (per device), seconds.
+        batches: batches measured (per device, after warm-up).
+        windows: measuring windows closed.
+        world_size: number of ranks aggregated.
+        samples_per_sec: global throughput (all ranks) over the measured windows.
+        mfu: model FLOPs utilisation from ``MFUMonitor`` when it ran, else ``None``.
+        utilisation: means over windows: ``cpu_process_pct`` / ``cpu_workers_pct`` (% of one core, per rank),
+            ``gpu_util_pct`` (%), ``gpu_mem_used_frac`` and ``memory_peak_frac`` (fractions of capacity),
+            ``gpu_sm_clock_mhz``.
+        findings: diagnosed problems with their fixes, largest stage first.
+        skipped: rules that could not run and why.
+        context: what was known about the run (device, dtype, DataLoader settings, ...).
+        precision: ``loss_scale``, ``skipped_steps``, ``total_steps`` of the precision plugin when it has them.
+        timeline: one entry per window: ``{"batch": batches measured so far, "shares": {...}, "step_seconds": s}``.
+        notes: caveats (too little data, measuring problems).
+        thresholds: the thresholds the rules used.
+    """
+
+    bottleneck: str | None = None
+    shares: dict[str, float] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    step_seconds: float | None = None
+    batches: int = 0
+    windows: int = 0
+    world_size: int = 1
+    samples_per_sec: float | None = None
+    mfu: float | None = None
+    utilisation: dict[str, float] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    skipped: list[SkippedRule] = field(default_factory=list)
+    context: RunContext = field(default_factory=RunContext)
+    precision: dict[str, Any] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": REPORT_VERSION,
+            "bottleneck": self.bottleneck,
+            "shares": dict(self.shares),
+            "stage_seconds": dict(self.stage_seconds),
+            "step_seconds": self.step_seconds,
+            "batches": self.batches,
+            "windows": self.windows,
+            "world_size": self.world_size,
+            "samples_per_sec": self.samples_per_sec,
+            "mfu": self.mfu,
+            "utilisation": dict(self.utilisation),
+            "findings": [f.to_dict() for f in self.findings],
+            "skipped": [s.to_dict() for s in self.skipped],
+            "context": self.context.to_dict(),
+            "precision": dict(self.precision),
+            "timeline": list(self.timeline),
+            "notes": list(self.notes),
+            "thresholds": dict(self.thresholds),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "report") -> DoctorReport:
+        """Rebuild a report; ``source`` (e.g. the file name) is named in errors."""
+        if not isinstance(data, Mapping) or "shares" not in data or "bottleneck" not in data:
+            raise ValueError(f"{source}: not a BottleneckDoctor report (no 'shares'/'bottleneck' keys)")
+        version = data.get("version", REPORT_VERSION)
+        if version != REPORT_VERSION:
+            raise ValueError(f"{source}: report version {version!r}; this lightning-accel reads version "
+                             f"{REPORT_VERSION}")
+        bottleneck = data["bottleneck"]
+        if bottleneck is not None and bottleneck not in STAGES:
+            raise ValueError(f"{source}: bottleneck {bottleneck!r} is not a stage ({', '.join(STAGES)})")
+        try:
+            return cls(
+                bottleneck=bottleneck,
+                shares={str(k): float(v) for k, v in data["shares"].items()},
+                stage_seconds={str(k): float(v) for k, v in data.get("stage_seconds", {}).items()},
+                step_seconds=_opt_float(data.get("step_seconds")),
+                batches=int(data.get("batches", 0)),
+                windows=int(data.get("windows", 0)),
+                world_size=int(data.get("world_size", 1)),
+                samples_per_sec=_opt_float(data.get("samples_per_sec")),
+                mfu=_opt_float(data.get("mfu")),
+                utilisation={str(k): float(v) for k, v in data.get("utilisation", {}).items()},
+                findings=[Finding.from_dict(f) for f in data.get("findings", [])],
+                skipped=[SkippedRule(str(s["rule"]), str(s["reason"])) for s in data.get("skipped", [])],
+                context=RunContext.from_dict(data.get("context", {})),
+                precision=dict(data.get("precision", {})),
+                timeline=list(data.get("timeline", [])),
+                notes=[str(n) for n in data.get("notes", [])],
+                thresholds=dict(data.get("thresholds", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{source}: malformed BottleneckDoctor report ({err!r})") from err
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the JSON atomically (a temporary file renamed into place: never a half-written report)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.to_json()
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> DoctorReport:
+        """Read a report written by :meth:`save`; errors name the file."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no report at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from err
+        return cls.from_dict(data, source=str(path))
+
+    # ------------------------------------------------------------------ terminal
+    def table(self) -> Any:
+        """A rich renderable: the stage table, throughput, findings with fixes, skipped rules, notes."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        parts: list[Any] = []
+        title = "BottleneckDoctor report"
+        if self.bottleneck is not None:
+            title += f" — bottleneck: {self.bottleneck}"
+        table = Table(title=title, show_header=True, header_style="bold")
+        table.add_column("stage")
+        table.add_column("share of step", justify="right")
+        table.add_column("ms / batch", justify="right")
+        table.add_column("")
+        for stage in STAGES:
+            share = self.shares.get(stage)
+            if share is None:
+                continue
+            ms = self.stage_seconds.get(stage)
+            bar = "█" * int(round(30 * share))
+            style = "bold red" if stage == self.bottleneck else None
+            table.add_row(stage, f"{100 * share:.1f} %", "—" if ms is None else f"{1000 * ms:.2f}", bar, style=style)
+        if self.step_seconds is not None:
+            table.add_row("step", "100 %", f"{1000 * self.step_seconds:.2f}", "per device, mean over ranks")
+        parts.append(table)
+        facts = [f"measured {self.batches} batches per device in {self.windows} windows on {self.world_size} "
+                 f"rank(s)"]
+        if self.samples_per_sec is not None:
+            facts.append(f"throughput {self.samples_per_sec:,.1f} samples/s (global)")
+        if self.mfu is not None:
+            facts.append(f"MFU {100 * self.mfu:.1f} %")
+        util = self.utilisation
+        if "gpu_util_pct" in util:
+            facts.append(f"GPU utilisation {util['gpu_util_pct']:.0f} %")
+        if "cpu_process_pct" in util:
+            facts.append(f"CPU: process {util['cpu_process_pct']:.0f} %, DataLoader workers "
+                         f"{util.get('cpu_workers_pct', 0.0):.0f} % (of one core, per rank)")
+        if "memory_peak_frac" in util:
+            facts.append(f"device memory peak {100 * util['memory_peak_frac']:.0f} % of capacity")
+        if self.precision:
+            facts.append("precision plugin: " + ", ".join(f"{k}={v}" for k, v in self.precision.items()))
+        parts.append(Text("; ".join(facts)))
+        if self.findings:
+            for i, f in enumerate(self.findings, 1):
+                parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), f.evidence))
+                parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
+        elif self.bottleneck is not None:
+            parts.append(Text("No finding: no stage crosses its threshold.", style="green"))
+        if self.skipped:
+            parts.append(Text("skipped rules: " + "; ".join(f"{s.rule} ({s.reason})" for s in self.skipped),
+                              style="dim"))
+        for note in self.notes:
+            parts.append(Text(f"note: {note}", style="yellow"))
+        return Group(*parts)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+
+
+def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
+    """Before/after lines: per-stage shares and times, throughput, MFU, and whether the bottleneck moved."""
+    lines = []
+    if new.bottleneck is None or baseline.bottleneck is None:
+        which = "new" if new.bottleneck is None else "baseline"
+        lines.append(f"the {which} report measured too little to compare stages "
+                     f"({'; '.join((new if which == 'new' else baseline).notes) or 'no windows'})")
+    width = max(len(s) for s in STAGES)
+    for stage in STAGES:
+        old_s, new_s = baseline.shares.get(stage), new.shares.get(stage)
+        if old_s is None and new_s is None:
+            continue
+        line = f"{stage:<{width}}  {_fmt_pct(old_s):>8} → {_fmt_pct(new_s):>8}"
+        old_t, new_t = baseline.stage_seconds.get(stage), new.stage_seconds.get(stage)
+        if old_t is not None and new_t is not None:
+            line += f"   {1000 * old_t:8.2f} → {1000 * new_t:8.2f} ms/batch"
+        lines.append(line)
+    if baseline.step_seconds and new.step_seconds:
+        lines.append(f"{'step':<{width}}  {1000 * baseline.step_seconds:.2f} → {1000 * new.step_seconds:.2f} ms/batch "
+                     f"({baseline.step_seconds / new.step_seconds:.2f}x faster per batch)")
+    if baseline.samples_per_sec and new.samples_per_sec:
+        lines.append(f"throughput: {baseline.samples_per_sec:,.1f} → {new.samples_per_sec:,.1f} samples/s "
+                     f"({new.samples_per_sec / baseline.samples_per_sec:.2f}x)")
+    else:
+        lines.append("throughput: not measured in both reports")
+    if baseline.mfu is not None or new.mfu is not None:
+        lines.append(f"MFU: {_fmt_pct(baseline.mfu)} → {_fmt_pct(new.mfu)}")
+    if new.bottleneck is not None and baseline.bottleneck is not None:
+        old_b, new_b = baseline.bottleneck, new.bottleneck
+        headline = (f"{old_b} {_fmt_pct(baseline.shares.get(old_b))} → {_fmt_pct(new.shares.get(old_b))}")
+        if new_b == old_b:
+            lines.append(f"bottleneck unchanged: {headline}; still {new_b}-bound")
+        else:
+            kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
+            lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
+                         f"{_fmt_pct(new.shares.get(new_b))})")
+    old_rules = {f.rule for f in baseline.findings}
+    new_rules = {f.rule for f in new.findings}
+    if old_rules - new_rules:
+        lines.append("resolved findings: " + ", ".join(sorted(old_rules - new_rules)))
+    if new_rules - old_rules:
+        lines.append("new findings: " + ", ".join(sorted(new_rules - old_rules)))
+    for f in new.findings:
+        lines.append(f"  [{f.stage}] {f.evidence} Fix: {f.fix}")
+    return lines
+
+
+def plot_timeline(report: DoctorReport, path: str | os.PathLike[str]) -> Path:
+    """PNG of the stacked stage shares per window over the run (needs matplotlib: the ``plots`` extra)."""
+    from lightning_accel._imports import require
+
+    require("matplotlib", "BottleneckDoctor plots")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg without touching the global backend
+    from matplotlib.figure import Figure
+
+    if not report.timeline:
+        raise ValueError("no window was measured: nothing to plot")
+    x = [w["batch"] for w in report.timeline]
+    ys = [[100 * w["shares"].get(s, 0.0) for w in report.timeline] for s in STAGES]
+    fig = Figure(figsize=(8, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if len(x) == 1:  # a stacked area needs two points: draw one bar
+        bottom = 0.0
+        for stage, y in zip(STAGES, ys):
+            ax.bar(x, y, bottom=bottom, label=stage, width=max(1, x[0] * 0.5))
+            bottom += y[0]
+    else:
+        ax.stackplot(x, ys, labels=list(STAGES))
+    ax.set_xlabel("batches measured (per device)")
+    ax.set_ylabel("share of step time (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"Stage breakdown per window — bottleneck: {report.bottleneck}")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path

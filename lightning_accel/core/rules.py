@@ -1,0 +1,464 @@
+"""Bottleneck rules: stage shares of the step time + what is known about the run → findings, each with the fix.
+
+Pure functions over plain data (no Lightning, no device access), so every rule is unit-tested with exact numbers.
+:func:`diagnose` runs every rule; a rule whose inputs are unknown (``None`` in :class:`RunContext`: no GPU, no NVML,
+no MFU, ...) is *skipped*, and the result says which rules were skipped and why.
+
+Stages (the vocabulary of :data:`STAGES`, in the order a step runs them): ``data`` (waiting for the next batch),
+``transfer`` (host→device copy), ``forward``, ``backward``, ``optimizer``, ``communication`` (gradient all-reduce
+not hidden behind backward) and ``other`` (the rest of the wall time: framework overhead, logging, callbacks).
+
+Default thresholds come from the project's playbook (``PLAYBOOK.md``) and the sources it summarises:
+
+* data wait > 10 % of the step: the input pipeline starves the device (PyTorch performance tuning guide; Lightning
+  issues #1216, #6981);
+* GPU utilisation < 90 % means "suspect the input pipeline first" (NVIDIA's and the playbook's rule of thumb;
+  some use 85 %);
+* optimizer step > 25 % of the step: the update is memory-bound and unfused (``torch.optim`` docs: foreach/fused
+  implementations);
+* communication > 15 % of the step: all-reduce cost is ~10–15 % of the step on 8 GPUs and grows with scale
+  (playbook, "Communication");
+* memory peak ≥ 90 % of the device with a per-device batch ≤ 8: no room to grow the batch (auto batch size keeps
+  the peak under ~80 %);
+* MFU ÷ compute share < 0.30: the compute stages take the time but deliver little of the peak, the signature of a
+  launch-bound step (well-tuned stacks reach 40–60 % MFU overall, playbook "Compute").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "bottleneck_of",
+           "diagnose"]
+
+#: The stages of a training step, in the order a step runs them.
+STAGES: tuple[str, ...] = ("data", "transfer", "forward", "backward", "optimizer", "communication", "other")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where each rule fires. Shares and fractions are in [0, 1] (0.10 = 10 % of the step time).
+
+    Args:
+        data_share: ``data`` share above which the input pipeline is the finding (default 0.10).
+        gpu_utilisation: GPU utilisation (NVML, fraction of time a kernel ran) below which the device is
+            underfed (default 0.90).
+        transfer_share: ``transfer`` share above which the host→device copy is the finding (default 0.10).
+        compute_share: ``forward + backward`` share from which the run counts as compute-bound, for the
+            mixed-precision and launch-bound rules (default 0.50).
+        optimizer_share: ``optimizer`` share above which the optimizer step is the finding (default 0.25).
+        communication_share: ``communication`` share above which the all-reduce is the finding (default 0.15).
+        memory_fraction: device memory peak ÷ capacity from which memory is "near capacity" (default 0.90).
+        small_batch: per-device batch at or below which a batch counts as small (default 8).
+        mfu_per_compute: MFU ÷ compute share below which the compute stages are launch-bound (default 0.30).
+    """
+
+    data_share: float = 0.10
+    gpu_utilisation: float = 0.90
+    transfer_share: float = 0.10
+    compute_share: float = 0.50
+    optimizer_share: float = 0.25
+    communication_share: float = 0.15
+    memory_fraction: float = 0.90
+    small_batch: int = 8
+    mfu_per_compute: float = 0.30
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "small_batch":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"thresholds: small_batch={value!r} must be a positive integer batch size, "
+                                     "e.g. 8")
+                continue
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
+                    or not 0.0 < value < 1.0):
+                raise ValueError(f"thresholds: {f.name}={value!r} must be a fraction strictly between 0 and 1 "
+                                 f"(e.g. {f.default} for {100 * f.default:.0f} %)")
+
+    @classmethod
+    def from_kwargs(cls, **overrides: Any) -> Thresholds:
+        """Defaults with ``overrides``; an unknown name raises ``ValueError`` listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown threshold(s) {unknown}; known: {sorted(known)}")
+        return cls(**overrides)
+
+
+@dataclass
+class RunContext:
+    """What is known about the run besides the stage shares. ``None`` means unknown: rules needing it are skipped.
+
+    Attributes:
+        device_type: ``"cuda"``, ``"cpu"``, ``"mps"``, ...
+        device_name: e.g. ``"NVIDIA H100 80GB HBM3"``.
+        device_capability: CUDA compute capability, e.g. ``(9, 0)``.
+        compute_dtype: the matmul dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ...).
+        world_size: number of data-parallel processes.
+        num_workers / pin_memory / prefetch_factor / persistent_workers: the training DataLoader's settings.
+        cpu_count: CPU cores this process may use (for the ``num_workers`` suggestion).
+        batch_size: per-device samples per batch.
+        accumulate_grad_batches: micro-batches per optimizer step.
+        optimizer: optimizer class name; ``optimizer_fused`` / ``optimizer_foreach`` its flags when it has them.
+        gpu_utilisation: mean NVML GPU utilisation over the measured windows (fraction).
+        memory_peak_fraction: peak allocated device memory ÷ device capacity.
+        mfu: model FLOPs utilisation (from ``MFUMonitor``).
+        sdpa_backend: the scaled-dot-product-attention kernel seen (``flash``, ``efficient``, ``cudnn``,
+            ``math``), or ``None`` when the model ran no SDPA or it was not observed.
+        communication_measured: whether the gradient all-reduce was timed (a DDP comm hook ran).
+    """
+
+    device_type: str | None = None
+    device_name: str | None = None
+    device_capability: tuple[int, int] | None = None
+    compute_dtype: str | None = None
+    world_size: int | None = None
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    prefetch_factor: int | None = None
+    persistent_workers: bool | None = None
+    cpu_count: int | None = None
+    batch_size: int | None = None
+    accumulate_grad_batches: int | None = None
+    optimizer: str | None = None
+    optimizer_fused: bool | None = None
+    optimizer_foreach: bool | None = None
+    gpu_utilisation: float | None = None
+    memory_peak_fraction: float | None = None
+    mfu: float | None = None
+    sdpa_backend: str | None = None
+    communication_measured: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.device_capability is not None:
+            out["device_capability"] = list(self.device_capability)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunContext:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("device_capability") is not None:
+            values["device_capability"] = tuple(values["device_capability"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosed problem: which stage, the numbers that show it, and the concrete change that fixes it.
+
+    Attributes:
+        rule: stable rule id (``data_wait``, ``gpu_utilisation``, ``transfer``, ``fp32_compute``, ``optimizer``,
+            ``communication``, ``memory``, ``launch_bound``, ``math_sdpa``).
+        stage: the stage it holds back (one of :data:`STAGES`).
+        evidence: the measured numbers, as a sentence.
+        fix: what to change, naming the lightning-accel component where one applies.
+        value: the number the rule compared (a share or fraction), for rate-limiting and comparisons.
+    """
+
+    rule: str
+    stage: str
+    evidence: str
+    fix: str
+    value: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(rule=str(data["rule"]), stage=str(data["stage"]), evidence=str(data["evidence"]),
+                   fix=str(data["fix"]), value=float(data["value"]))
+
+    def __str__(self) -> str:
+        return f"[{self.stage}] {self.evidence} Fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class SkippedRule:
+    """A rule that could not be evaluated, and why (e.g. ``gpu_utilisation``: no GPU in use)."""
+
+    rule: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class Diagnosis:
+    """The result of :func:`diagnose`: findings (largest share first) and the rules that were skipped."""
+
+    findings: list[Finding] = field(default_factory=list)
+    skipped: list[SkippedRule] = field(default_factory=list)
+
+
+class _Skip(Exception):
+    """Raised by a rule whose inputs are unknown; the message is the reason shown in the report."""
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def bottleneck_of(shares: Mapping[str, float]) -> str | None:
+    """The stage with the largest share (ties: the earlier stage), or ``None`` when there are no shares."""
+    present = [(shares.get(s, 0.0), -i, s) for i, s in enumerate(STAGES) if s in shares]
+    if not present or max(present)[0] <= 0:
+        return None
+    return max(present)[2]
+
+
+# ---------------------------------------------------------------------------------------------------- the rules
+def _rule_data_wait(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    data = shares.get("data", 0.0)
+    if data <= th.data_share:
+        return None
+    settings = []
+    if ctx.num_workers is not None:
+        settings.append(f"num_workers={ctx.num_workers}")
+    if ctx.prefetch_factor is not None:
+        settings.append(f"prefetch_factor={ctx.prefetch_factor}")
+    if ctx.persistent_workers is not None:
+        settings.append(f"persistent_workers={ctx.persistent_workers}")
+    evidence = (f"waiting for the next batch takes {_pct(data)} of the step time (threshold {_pct(th.data_share)})"
+                + (f"; DataLoader({', '.join(settings)})" if settings else "") + ".")
+    # Start around 4 workers per GPU, or 1/4-1/2 of the cores (playbook, "Data"), never more than the cores.
+    cores = ctx.cpu_count or 4
+    steps = []
+    if ctx.num_workers is not None and ctx.num_workers == 0:
+        suggest = max(1, min(cores, 4 if ctx.device_type == "cuda" else max(1, cores // 2)))
+        steps.append(f"load in parallel: DataLoader(num_workers={suggest}, persistent_workers=True, "
+                     "prefetch_factor=4)")
+    else:
+        more = []
+        if ctx.num_workers is not None and ctx.num_workers < cores:
+            more.append(f"num_workers={min(cores, 2 * ctx.num_workers)}")
+        if ctx.prefetch_factor is None or ctx.prefetch_factor < 4:
+            more.append("prefetch_factor=4")
+        if ctx.persistent_workers is False:
+            more.append("persistent_workers=True")
+        steps.append(f"raise the DataLoader's {', '.join(more) or 'num_workers / prefetch_factor'}")
+    steps.append("let DataLoaderTuner search num_workers/prefetch_factor for you")
+    steps.append("pack many small files into sequential shards (pack_memmap, pack_webdataset)")
+    steps.append("decode and augment images on the GPU (DALIImageDataModule)")
+    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data)
+
+
+def _rule_gpu_utilisation(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.device_type != "cuda":
+        raise _Skip("no GPU in use")
+    if ctx.gpu_utilisation is None:
+        raise _Skip("GPU utilisation unknown: NVML unavailable (pip install 'lightning-accel[nvml]')")
+    util = ctx.gpu_utilisation
+    if util >= th.gpu_utilisation:
+        return None
+    host = {s: shares.get(s, 0.0) for s in ("data", "transfer", "communication", "other")}
+    stage = max(host, key=lambda s: host[s])
+    evidence = (f"GPU utilisation {_pct(util)} (threshold {_pct(th.gpu_utilisation)}): the GPU idles; the largest "
+                f"non-compute stage is {stage} at {_pct(host[stage])} of the step.")
+    fixes = {
+        "data": "feed it faster: more DataLoader workers / prefetch (DataLoaderTuner), packed data (pack_memmap, "
+                "pack_webdataset), GPU decode (DALIImageDataModule).",
+        "transfer": "overlap the copy: pin_memory=True + DevicePrefetcher.",
+        "communication": "shrink the all-reduce: strategy='ddp_bf16_compress' or 'ddp_powersgd', or accumulate "
+                         "gradients (accumulate_grad_batches).",
+        "other": "cut host overhead per step: TorchCompile / CUDA graphs, a larger batch (BatchSizeTuner), fewer "
+                 "host syncs (.item(), logging every step).",
+    }
+    return Finding("gpu_utilisation", stage, evidence, fixes[stage], util)
+
+
+def _rule_transfer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    transfer = shares.get("transfer", 0.0)
+    if transfer <= th.transfer_share:
+        return None
+    evidence = f"the host→device copy of the batch takes {_pct(transfer)} of the step (threshold " \
+               f"{_pct(th.transfer_share)})"
+    if ctx.pin_memory is None:
+        evidence += "."
+        fix = ("pin_memory=True in the DataLoader + DevicePrefetcher (copies the next batch on a side stream with "
+               "non_blocking=True while this one computes); send compact dtypes (uint8 images, int tokens) and "
+               "convert on the device.")
+    elif not ctx.pin_memory:
+        evidence += "; pin_memory=False."
+        fix = ("pin_memory=True + DevicePrefetcher: DataLoader(pin_memory=True) makes the copy asynchronous "
+               "(non_blocking=True) and DevicePrefetcher overlaps it with compute; send compact dtypes "
+               "(uint8 images, int tokens) and convert on the device.")
+    else:
+        evidence += "; pin_memory is already on."
+        fix = ("overlap the copy with compute (DevicePrefetcher) and move fewer bytes: uint8 instead of float "
+               "images, fp16 output from DALI (DALIImageDataModule), normalise on the device.")
+    return Finding("transfer", "transfer", evidence, fix, transfer)
+
+
+def _rule_fp32_compute(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.device_type != "cuda":
+        raise _Skip("no GPU in use (tensor cores are a GPU feature)")
+    if ctx.device_capability is None or ctx.compute_dtype is None:
+        raise _Skip("device capability or compute dtype unknown")
+    if ctx.device_capability[0] < 7 or ctx.compute_dtype not in ("fp32", "tf32"):
+        return None  # no tensor cores (pre-Volta) or already mixed/low precision
+    compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+    if compute < th.compute_share:
+        return None
+    half = "bf16-mixed" if ctx.device_capability[0] >= 8 else "16-mixed"
+    evidence = (f"forward+backward take {_pct(compute)} of the step and run in {ctx.compute_dtype} on "
+                f"{ctx.device_name or 'a tensor-core GPU'} (compute capability "
+                f"{ctx.device_capability[0]}.{ctx.device_capability[1]}), whose tensor cores run "
+                f"{'bf16' if half.startswith('bf16') else 'fp16'} several times faster.")
+    fix = (f"train in mixed precision: Trainer(plugins=[AutoMixedPrecision()]) (or precision='{half}'); "
+           "typically 1.5-2x on tensor-core GPUs; compare the loss curve once.")
+    return Finding("fp32_compute", "forward", evidence, fix, compute)
+
+
+def _rule_optimizer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    opt = shares.get("optimizer", 0.0)
+    if opt <= th.optimizer_share:
+        return None
+    name = ctx.optimizer or "the optimizer"
+    flags = []
+    if ctx.optimizer_fused is not None:
+        flags.append(f"fused={ctx.optimizer_fused}")
+    if ctx.optimizer_foreach is not None:
+        flags.append(f"foreach={ctx.optimizer_foreach}")
+    evidence = (f"the optimizer step ({name}{'(' + ', '.join(flags) + ')' if flags else ''}) takes {_pct(opt)} of "
+                f"the step (threshold {_pct(th.optimizer_share)}).")
+    impl = ("fused=True (one kernel for all parameters)" if ctx.device_type == "cuda"
+            else "foreach=True (multi-tensor update)")
+    fix = f"use a fused/foreach optimizer: e.g. torch.optim.AdamW(params, lr=..., {impl})"
+    if (ctx.world_size or 1) > 1:
+        fix += ("; shard the optimizer state and update across ranks with ZeRO: strategy='deepspeed_zero1' "
+                "(or 'deepspeed_zero2')")
+    else:
+        fix += "; on several GPUs, ZeRO sharding (strategy='deepspeed_zero1'/'deepspeed_zero2') splits the update"
+    if (ctx.accumulate_grad_batches or 1) == 1:
+        fix += "; gradient accumulation (accumulate_grad_batches=N) runs the step once per N micro-batches"
+    return Finding("optimizer", "optimizer", evidence, fix + ".", opt)
+
+
+def _rule_communication(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.world_size is None:
+        raise _Skip("world size unknown")
+    if ctx.world_size <= 1:
+        raise _Skip("single process: no gradient all-reduce")
+    if not ctx.communication_measured:
+        raise _Skip("the gradient all-reduce was not timed (no DDP comm hook could be installed)")
+    comm = shares.get("communication", 0.0)
+    if comm <= th.communication_share:
+        return None
+    evidence = (f"gradient all-reduce not hidden behind backward takes {_pct(comm)} of the step on "
+                f"{ctx.world_size} ranks (threshold {_pct(th.communication_share)}).")
+    bf16 = ctx.device_type == "cuda" and ctx.device_capability is not None and ctx.device_capability[0] >= 8
+    first = "strategy='ddp_bf16_compress'" if bf16 else "strategy='ddp_fp16_compress'"
+    fix = (f"send fewer bytes: {first} (2x less traffic) or strategy='ddp_powersgd' (low-rank, 10-100x less on "
+           "slow networks; check convergence); all-reduce less often with gradient accumulation "
+           "(accumulate_grad_batches=N: one all-reduce per N micro-batches).")
+    return Finding("communication", "communication", evidence, fix, comm)
+
+
+def _rule_memory(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.memory_peak_fraction is None:
+        raise _Skip("device memory peak unknown (no GPU in use)")
+    if ctx.batch_size is None:
+        raise _Skip("batch size unknown")
+    peak = ctx.memory_peak_fraction
+    if peak < th.memory_fraction or ctx.batch_size > th.small_batch:
+        return None
+    evidence = (f"device memory peaked at {_pct(peak)} of capacity with a per-device batch of only "
+                f"{ctx.batch_size} (thresholds {_pct(th.memory_fraction)}, batch <= {th.small_batch}).")
+    fix = ("free memory, then grow the batch: ActivationCheckpointing (recompute activations, ~+20 % compute), "
+           "ZeRO sharding (strategy='deepspeed_zero2', 'deepspeed_zero3', or the offload variants "
+           "'deepspeed_zero2_offload' / 'deepspeed_zero3_offload'), then BatchSizeTuner.")
+    return Finding("memory", "forward", evidence, fix, peak)
+
+
+def _rule_launch_bound(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.device_type != "cuda":
+        raise _Skip("no GPU in use (MFU versus breakdown is a GPU rule)")
+    if ctx.mfu is None:
+        raise _Skip("MFU unknown: add MFUMonitor to the callbacks")
+    compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+    if compute < th.compute_share:
+        return None
+    per_compute = ctx.mfu / compute
+    if per_compute >= th.mfu_per_compute:
+        return None
+    evidence = (f"forward+backward take {_pct(compute)} of the step but MFU is only {_pct(ctx.mfu)}: during compute "
+                f"the GPU delivers {_pct(per_compute)} of its peak (threshold {_pct(th.mfu_per_compute)}), the "
+                "signature of small kernels and launch overhead.")
+    fix = ("fuse and batch the work: TorchCompile (torch.compile; mode='reduce-overhead' adds CUDA graphs), a "
+           "larger per-device batch (BatchSizeTuner)")
+    if ctx.compute_dtype in ("fp32", "tf32"):
+        fix += ", mixed precision (AutoMixedPrecision)"
+    return Finding("launch_bound", "forward", evidence, fix + ".", per_compute)
+
+
+def _rule_math_sdpa(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
+    if ctx.device_type != "cuda":
+        raise _Skip("no GPU in use (fused attention kernels are a GPU rule)")
+    if ctx.sdpa_backend is None:
+        raise _Skip("no scaled_dot_product_attention call observed")
+    if ctx.sdpa_backend != "math":
+        return None
+    cap = ctx.device_capability
+    kernels = "flash and memory-efficient" if cap is not None and cap[0] >= 8 else "memory-efficient"
+    evidence = (f"attention runs PyTorch's math SDPA kernel (materialises the full attention matrix) on "
+                f"{ctx.device_name or 'a GPU'}, which has {kernels} kernels.")
+    fix = ("enable the fused kernels: use_fused_attention(model) / sdpa_backends (flash needs fp16/bf16 inputs, "
+           "head_dim <= 256 and no arbitrary attn_mask: use is_causal=True); 3-8x faster attention on long sequences.")
+    compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+    return Finding("math_sdpa", "forward", evidence, fix, compute)
+
+
+_RULES: dict[str, Callable[[Mapping[str, float], RunContext, Thresholds], Finding | None]] = {
+    "data_wait": _rule_data_wait,
+    "gpu_utilisation": _rule_gpu_utilisation,
+    "transfer": _rule_transfer,
+    "fp32_compute": _rule_fp32_compute,
+    "optimizer": _rule_optimizer,
+    "communication": _rule_communication,
+    "memory": _rule_memory,
+    "launch_bound": _rule_launch_bound,
+    "math_sdpa": _rule_math_sdpa,
+}
+#: Rule ids, in evaluation order.
+RULES: tuple[str, ...] = tuple(_RULES)
+
+
+def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
+             thresholds: Thresholds | None = None) -> Diagnosis:
+    """Run every rule over the stage shares.
+
+    Args:
+        shares: stage → fraction of the step time (keys from :data:`STAGES`; missing stages count as 0).
+        context: what else is known; ``None`` fields skip the rules that need them.
+        thresholds: where the rules fire (defaults: :class:`Thresholds`).
+
+    Returns:
+        findings ordered by the share of the stage they hold back (largest first), and the skipped rules.
+    """
+    unknown = sorted(set(shares) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
+    for stage, value in shares.items():
+        if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+            raise ValueError(f"share of {stage!r} must be a number >= 0, got {value!r}")
+    ctx = context or RunContext()
+    th = thresholds or Thresholds()
+    out = Diagnosis()
+    for name, rule in _RULES.items():
+        try:
+            finding = rule(shares, ctx, th)
+        except _Skip as skip:
+            out.skipped.append(SkippedRule(name, str(skip)))
+            continue
+        if finding is not None:
+            out.findings.append(finding)
+    out.findings.sort(key=lambda f: -shares.get(f.stage, 0.0))
+    return out
