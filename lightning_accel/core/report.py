@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,13 +134,12 @@ class DoctorReport:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = self.to_json()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace is atomic
         try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
+            tmp.write_text(text)
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         return path
 
@@ -241,8 +239,10 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
             line += f"   {1000 * old_t:8.2f} → {1000 * new_t:8.2f} ms/batch"
         lines.append(line)
     if baseline.step_seconds and new.step_seconds:
+        speed = baseline.step_seconds / new.step_seconds
+        how = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
         lines.append(f"{'step':<{width}}  {1000 * baseline.step_seconds:.2f} → {1000 * new.step_seconds:.2f} ms/batch "
-                     f"({baseline.step_seconds / new.step_seconds:.2f}x faster per batch)")
+                     f"({how} per batch)")
     if baseline.samples_per_sec and new.samples_per_sec:
         lines.append(f"throughput: {baseline.samples_per_sec:,.1f} → {new.samples_per_sec:,.1f} samples/s "
                      f"({new.samples_per_sec / baseline.samples_per_sec:.2f}x)")

@@ -31,6 +31,9 @@ class DemoConfig:
     val_every: int = 50
     progress_bar: bool = True
     output_dir: str | None = None
+    doctor: bool = True
+    slow_data: bool = False
+    doctor_report: str | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -60,6 +63,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
+    parser.add_argument("--doctor", action=argparse.BooleanOptionalAction, default=d.doctor,
+                        help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)")
+    parser.add_argument("--slow-data", action="store_true",
+                        help="plant a data bottleneck (the dataset sleeps 1 ms per sample) to see the doctor's "
+                             "finding; then try --num-workers 2")
+    parser.add_argument("--doctor-report", default=None, metavar="PATH",
+                        help="write the doctor's JSON report (and PNG) here (default: OUTPUT_DIR/"
+                             "bottleneck_report.json with --output-dir, else no file); compare two runs with "
+                             "`lightning-accel report NEW.json --baseline OLD.json`")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -70,7 +82,16 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
-    return [MFUMonitor(window=cfg.window), *cfg.extra_callbacks]
+    callbacks: list[Any] = [MFUMonitor(window=cfg.window)]
+    if cfg.doctor:
+        from pathlib import Path
+
+        from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+        report: Any = cfg.doctor_report or (str(Path(cfg.output_dir) / "bottleneck_report.json")
+                                            if cfg.output_dir else False)
+        callbacks.append(BottleneckDoctor(window=cfg.window, report_path=report))
+    return [*callbacks, *cfg.extra_callbacks]
 
 
 def build_trainer(cfg: DemoConfig) -> Any:
@@ -101,7 +122,8 @@ def build_trainer(cfg: DemoConfig) -> Any:
 
 
 def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
-    """Train the demo task; returns the MFUMonitor summary plus the final losses (on every rank)."""
+    """Train the demo task; returns the MFUMonitor summary, the BottleneckDoctor report (``None`` with
+    ``doctor=False``) and the final losses (on every rank)."""
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
@@ -115,10 +137,20 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     task = GPTTask(model_cfg)
     # enough windows for every step of every rank, without repeating data within the run
     tokens = max(400_000, (cfg.steps + 1) * cfg.batch_size * cfg.devices * (cfg.seq_len + 1))
-    data = DemoDataModule(seq_len=cfg.seq_len, batch_size=cfg.batch_size, train_tokens=tokens,
-                          num_workers=cfg.num_workers, seed=cfg.seed)
+    data_kwargs = dict(seq_len=cfg.seq_len, batch_size=cfg.batch_size, train_tokens=tokens,
+                       num_workers=cfg.num_workers, seed=cfg.seed)
+    if cfg.slow_data:
+        from lightning_accel.demo.slow_data import SlowDemoDataModule
+
+        data = SlowDemoDataModule(seconds_per_sample=0.001, **data_kwargs)
+    else:
+        data = DemoDataModule(**data_kwargs)
     trainer = build_trainer(cfg)
     trainer.fit(task, datamodule=data)
     monitor = next(cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss")}
-    return {"mfu_monitor": monitor.summary, **metrics, "trainer": trainer}
+    from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+    doctor = next((cb for cb in trainer.callbacks if isinstance(cb, BottleneckDoctor)), None)
+    return {"mfu_monitor": monitor.summary, "doctor": doctor.report if doctor is not None else None, **metrics,
+            "trainer": trainer}

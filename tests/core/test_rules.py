@@ -1,0 +1,140 @@
+import math
+
+import pytest
+
+from lightning_accel.core.rules import STAGES, RunContext, Thresholds, bottleneck_of, diagnose
+
+BALANCED = {"data": 0.03, "transfer": 0.01, "forward": 0.35, "backward": 0.5, "optimizer": 0.08,
+            "communication": 0.0, "other": 0.03}
+
+
+def shares(**overrides):
+    out = dict.fromkeys(STAGES, 0.0)
+    out.update(overrides)
+    return out
+
+
+def gpu(**kw):
+    base = dict(device_type="cuda", device_name="NVIDIA A100-SXM4-80GB", device_capability=(8, 0),
+                compute_dtype="bf16", world_size=1)
+    base.update(kw)
+    return RunContext(**base)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, math.nan, True, "0.1"])
+def test_invalid_share_thresholds_raise(bad):
+    with pytest.raises(ValueError, match="data_share"):
+        Thresholds(data_share=bad)
+
+
+def test_invalid_small_batch_and_unknown_names_raise():
+    with pytest.raises(ValueError, match="small_batch"):
+        Thresholds(small_batch=0)
+    with pytest.raises(ValueError, match="unknown threshold.*data_shre"):
+        Thresholds.from_kwargs(data_shre=0.2)
+
+
+def test_balanced_cpu_run_has_no_finding_and_says_what_was_skipped():
+    d = diagnose(BALANCED, RunContext(device_type="cpu", world_size=1, num_workers=0, pin_memory=False))
+    assert d.findings == []
+    skipped = {s.rule: s.reason for s in d.skipped}
+    assert skipped["gpu_utilisation"] == "no GPU in use"
+    assert "single process" in skipped["communication"]
+    assert set(skipped) == {"gpu_utilisation", "fp32_compute", "communication", "memory", "launch_bound",
+                            "math_sdpa"}
+
+
+def test_data_wait_fires_above_threshold_with_the_fix():
+    ctx = RunContext(device_type="cpu", num_workers=0, cpu_count=8)
+    (f,) = diagnose(shares(data=0.46, forward=0.3, backward=0.24), ctx).findings
+    assert (f.rule, f.stage) == ("data_wait", "data")
+    assert "46.0 %" in f.evidence and "num_workers=0" in f.evidence
+    assert "DataLoader(num_workers=4, persistent_workers=True, prefetch_factor=4)" in f.fix
+    for name in ("DataLoaderTuner", "pack_memmap", "pack_webdataset", "DALIImageDataModule"):
+        assert name in f.fix
+    # exactly at the threshold: no finding; a custom threshold moves it
+    assert diagnose(shares(data=0.10, forward=0.9), ctx).findings == []
+    assert diagnose(shares(data=0.10, forward=0.9), ctx, Thresholds(data_share=0.05)).findings
+
+
+def test_data_wait_with_workers_suggests_more_and_persistence():
+    ctx = RunContext(num_workers=2, prefetch_factor=2, persistent_workers=False, cpu_count=16)
+    (f,) = diagnose(shares(data=0.3, forward=0.7), ctx).findings
+    assert "num_workers=4" in f.fix and "prefetch_factor=4" in f.fix and "persistent_workers=True" in f.fix
+
+
+def test_transfer_names_pin_memory_and_device_prefetcher():
+    (f,) = diagnose(shares(transfer=0.3, forward=0.7), RunContext(pin_memory=False)).findings
+    assert f.stage == "transfer" and "pin_memory=False" in f.evidence
+    assert "pin_memory=True + DevicePrefetcher" in f.fix
+    (f,) = diagnose(shares(transfer=0.3, forward=0.7), RunContext(pin_memory=True)).findings
+    assert "already on" in f.evidence and "DevicePrefetcher" in f.fix
+
+
+def test_optimizer_rule_names_fused_and_zero():
+    ctx = gpu(world_size=8, optimizer="AdamW", optimizer_fused=False)
+    (f,) = diagnose(shares(optimizer=0.4, forward=0.3, backward=0.3), ctx).findings
+    assert f.stage == "optimizer" and "AdamW(fused=False)" in f.evidence
+    assert "fused=True" in f.fix and "deepspeed_zero1" in f.fix
+    (f,) = diagnose(shares(optimizer=0.4, forward=0.6), RunContext(device_type="cpu")).findings
+    assert "foreach=True" in f.fix
+
+
+def test_communication_rule():
+    ctx = gpu(world_size=8, communication_measured=True, compute_dtype="bf16")
+    (f,) = diagnose(shares(communication=0.3, forward=0.3, backward=0.4), ctx).findings
+    assert f.stage == "communication" and "8 ranks" in f.evidence
+    assert "ddp_bf16_compress" in f.fix and "ddp_powersgd" in f.fix and "accumulate_grad_batches" in f.fix
+    old_gpu = gpu(world_size=2, communication_measured=True, device_capability=(7, 0))
+    assert "ddp_fp16_compress" in diagnose(shares(communication=0.3, forward=0.7), old_gpu).findings[0].fix
+    unmeasured = diagnose(shares(communication=0.0, forward=1.0), gpu(world_size=2, communication_measured=False))
+    assert any(s.rule == "communication" and "not timed" in s.reason for s in unmeasured.skipped)
+
+
+def test_gpu_rules_fire_on_a_gpu_context():
+    ctx = gpu(compute_dtype="fp32", gpu_utilisation=0.55, mfu=0.05, sdpa_backend="math", memory_peak_fraction=0.95,
+              batch_size=4)
+    d = diagnose(shares(forward=0.4, backward=0.4, data=0.05, other=0.15), ctx)
+    by_rule = {f.rule: f for f in d.findings}
+    assert set(by_rule) == {"gpu_utilisation", "fp32_compute", "memory", "launch_bound", "math_sdpa"}
+    assert "AutoMixedPrecision" in by_rule["fp32_compute"].fix and "bf16-mixed" in by_rule["fp32_compute"].fix
+    assert by_rule["gpu_utilisation"].stage == "other" and "TorchCompile" in by_rule["gpu_utilisation"].fix
+    assert "ActivationCheckpointing" in by_rule["memory"].fix and "deepspeed_zero3_offload" in by_rule["memory"].fix
+    assert "TorchCompile" in by_rule["launch_bound"].fix and "6.2 %" in by_rule["launch_bound"].evidence
+    assert "use_fused_attention" in by_rule["math_sdpa"].fix and "sdpa_backends" in by_rule["math_sdpa"].fix
+    assert d.skipped == [s for s in d.skipped if s.rule == "communication"]
+
+
+def test_gpu_rules_quiet_when_healthy():
+    ctx = gpu(compute_dtype="bf16", gpu_utilisation=0.97, mfu=0.45, sdpa_backend="flash", memory_peak_fraction=0.6,
+              batch_size=64)
+    assert diagnose(BALANCED, ctx).findings == []
+
+
+def test_gpu_rule_skips_name_the_missing_input():
+    d = diagnose(BALANCED, gpu())
+    reasons = {s.rule: s.reason for s in d.skipped}
+    assert "NVML" in reasons["gpu_utilisation"]
+    assert "MFUMonitor" in reasons["launch_bound"]
+    assert "no scaled_dot_product_attention" in reasons["math_sdpa"]
+    assert "memory peak unknown" in reasons["memory"]
+
+
+def test_findings_are_ordered_by_stage_share_and_bad_shares_raise():
+    d = diagnose(shares(data=0.2, optimizer=0.5, forward=0.3), RunContext())
+    assert [f.stage for f in d.findings] == ["optimizer", "data"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        diagnose({"decode": 0.5})
+    with pytest.raises(ValueError, match="share of 'data'"):
+        diagnose({"data": -0.1})
+
+
+def test_bottleneck_of():
+    assert bottleneck_of(BALANCED) == "backward"
+    assert bottleneck_of({}) is None
+    assert bottleneck_of(shares()) is None
+
+
+def test_context_round_trip():
+    ctx = gpu(num_workers=3, sdpa_backend="flash")
+    assert RunContext.from_dict(ctx.to_dict()) == ctx
