@@ -196,7 +196,8 @@ class BottleneckDoctor(Callback):
         self._device = torch.device("cpu")
         self._context = RunContext()
         self._notes: list[str] = []
-        self._active: dict[str, tuple[str, float]] = {}  # rule -> (fix, time warned)
+        self._active: set[str] = set()  # rules found in the last window
+        self._warned: dict[str, tuple[str, float]] = {}  # rule -> (fix, time) of its last warning
         self._timeline: list[dict[str, Any]] = []
         self._probe: SdpaBackendProbe | None = None
         self._probe_batch = 1
@@ -531,10 +532,11 @@ class BottleneckDoctor(Callback):
     def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: torch.Tensor, *,
                       log: bool) -> None:
         n = len(ROW_FIELDS)
-        finite = [r for r in rows.tolist() if all(math.isfinite(v) for v in r[:n])]
+        all_rows = rows.tolist()
+        finite = [r for r in all_rows if all(math.isfinite(v) for v in r[:n])]
         if not finite:
             return
-        window = self._breakdown.add(finite)
+        window = self._breakdown.add(all_rows)
         if window is None:
             return
         util_cols = {f: [r[n + i] for r in finite if math.isfinite(r[n + i])] for i, f in enumerate(_UTIL_FIELDS)}
@@ -579,19 +581,19 @@ class BottleneckDoctor(Callback):
         return ctx
 
     def _warn_findings(self, trainer: pl.Trainer, findings: list[Finding]) -> None:
+        """Warn a finding when it is new, came back, or its fix changed — at most every ``warn_interval_s``."""
         now = self._clock()
-        current = {f.rule for f in findings}
-        for rule in list(self._active):
-            if rule not in current:
-                del self._active[rule]  # resolved: warn again if it comes back
+        current = {f.rule: f for f in findings}
         for f in findings:
-            previous = self._active.get(f.rule)
-            if previous is not None and (previous[0] == f.fix or now - previous[1] < self.warn_interval_s):
+            last = self._warned.get(f.rule)
+            changed = f.rule not in self._active or (last is not None and last[0] != f.fix)
+            if not changed or (last is not None and now - last[1] < self.warn_interval_s):
                 continue
-            self._active[f.rule] = (f.fix, now)
+            self._warned[f.rule] = (f.fix, now)
             if trainer.is_global_zero:
                 rank_zero_warn(f"BottleneckDoctor: {f.stage} is holding the run back: {f.evidence} Fix: {f.fix}",
                                category=UserWarning)
+        self._active = set(current)
 
     # ------------------------------------------------------------------ pauses
     @override
@@ -673,6 +675,7 @@ class BottleneckDoctor(Callback):
         report.shares = shares
         report.bottleneck = bottleneck_of(shares)
         report.stage_seconds = bd.stage_seconds() or {}
+        report.rank_shares = bd.rank_shares() if trainer.world_size > 1 else []
         report.step_seconds = bd.step_seconds()
         report.samples_per_sec = bd.samples_per_sec()
         report.mfu = ctx.mfu

@@ -19,6 +19,7 @@ Shares over several windows and ranks are time-weighted: total seconds of a stag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -76,10 +77,12 @@ class Breakdown:
     _seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     _batches: float = 0.0  # summed over ranks
     _rank_batches: int = 0  # per device
+    _per_rank: list[dict[str, float]] = field(default_factory=list)  # seconds per stage, per rank
 
     def add(self, rows: Sequence[Sequence[float]]) -> WindowBreakdown | None:
         """Add one window (``rows[r]`` = rank ``r``'s values in :data:`ROW_FIELDS` order; extra columns are
-        ignored). Returns ``None`` when no rank measured a batch."""
+        ignored; a row with a non-finite value is a rank that could not measure and is left out). Returns ``None``
+        when no rank measured a batch."""
         if not rows:
             raise ValueError("a window needs at least one rank's row")
         n = len(ROW_FIELDS)
@@ -89,11 +92,15 @@ class Breakdown:
         per_rank = []
         totals = dict.fromkeys(STAGES, 0.0)
         batches = samples_rate = 0.0
-        for row in rows:
+        while len(self._per_rank) < len(rows):
+            self._per_rank.append(dict.fromkeys(STAGES, 0.0))
+        for rank, row in enumerate(rows):
             values = dict(zip(ROW_FIELDS, (float(v) for v in row[:n])))
-            if values["batches"] <= 0:
+            if not all(math.isfinite(v) for v in values.values()) or values["batches"] <= 0:
                 continue
             split = split_seconds(values["wall"], values)
+            for s in STAGES:
+                self._per_rank[rank][s] += split[s]
             total = sum(split.values())
             per_rank.append({s: (split[s] / total if total > 0 else 0.0) for s in STAGES})
             for s in STAGES:
@@ -132,6 +139,14 @@ class Breakdown:
         if not self.windows or grand <= 0:
             return None
         return {s: self._seconds[s] / grand for s in STAGES}
+
+    def rank_shares(self) -> list[dict[str, float]]:
+        """Time-weighted shares of each rank on its own (to spot a straggler); empty before the first window."""
+        out = []
+        for seconds in self._per_rank:
+            total = sum(seconds.values())
+            out.append({s: (seconds[s] / total if total > 0 else 0.0) for s in STAGES})
+        return out if self.windows else []
 
     def stage_seconds(self) -> dict[str, float] | None:
         """Mean seconds per batch and device, per stage."""

@@ -36,6 +36,7 @@ class DoctorReport:
         batches: batches measured (per device, after warm-up).
         windows: measuring windows closed.
         world_size: number of ranks aggregated.
+        rank_shares: each rank's own shares (index = global rank), to spot a straggler.
         samples_per_sec: global throughput (all ranks) over the measured windows.
         mfu: model FLOPs utilisation from ``MFUMonitor`` when it ran, else ``None``.
         utilisation: means over windows: ``cpu_process_pct`` / ``cpu_workers_pct`` (% of one core, per rank),
@@ -57,6 +58,7 @@ class DoctorReport:
     batches: int = 0
     windows: int = 0
     world_size: int = 1
+    rank_shares: list[dict[str, float]] = field(default_factory=list)
     samples_per_sec: float | None = None
     mfu: float | None = None
     utilisation: dict[str, float] = field(default_factory=dict)
@@ -79,6 +81,7 @@ class DoctorReport:
             "batches": self.batches,
             "windows": self.windows,
             "world_size": self.world_size,
+            "rank_shares": [dict(r) for r in self.rank_shares],
             "samples_per_sec": self.samples_per_sec,
             "mfu": self.mfu,
             "utilisation": dict(self.utilisation),
@@ -112,6 +115,7 @@ class DoctorReport:
                 batches=int(data.get("batches", 0)),
                 windows=int(data.get("windows", 0)),
                 world_size=int(data.get("world_size", 1)),
+                rank_shares=[{str(k): float(v) for k, v in r.items()} for r in data.get("rank_shares", [])],
                 samples_per_sec=_opt_float(data.get("samples_per_sec")),
                 mfu=_opt_float(data.get("mfu")),
                 utilisation={str(k): float(v) for k, v in data.get("utilisation", {}).items()},
@@ -199,6 +203,14 @@ class DoctorReport:
         if self.precision:
             facts.append("precision plugin: " + ", ".join(f"{k}={v}" for k, v in self.precision.items()))
         parts.append(Text("; ".join(facts)))
+        if len(self.rank_shares) > 1 and self.bottleneck is not None:
+            b = self.bottleneck
+            values = [r.get(b, 0.0) for r in self.rank_shares]
+            spread = max(values) - min(values)
+            if spread > 0.05:
+                worst = max(range(len(values)), key=values.__getitem__)
+                parts.append(Text(f"ranks differ: {b} share {100 * min(values):.1f} %–{100 * max(values):.1f} % "
+                                  f"across ranks (highest on rank {worst})", style="yellow"))
         if self.findings:
             for i, f in enumerate(self.findings, 1):
                 parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), f.evidence))

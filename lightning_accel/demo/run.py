@@ -66,7 +66,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doctor", action=argparse.BooleanOptionalAction, default=d.doctor,
                         help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)")
     parser.add_argument("--slow-data", action="store_true",
-                        help="plant a data bottleneck (the dataset sleeps 1 ms per sample) to see the doctor's "
+                        help="plant a data bottleneck (the dataset sleeps 2 ms per sample) to see the doctor's "
                              "finding; then try --num-workers 2")
     parser.add_argument("--doctor-report", default=None, metavar="PATH",
                         help="write the doctor's JSON report (and PNG) here (default: OUTPUT_DIR/"
@@ -142,7 +142,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     if cfg.slow_data:
         from lightning_accel.demo.slow_data import SlowDemoDataModule
 
-        data = SlowDemoDataModule(seconds_per_sample=0.001, **data_kwargs)
+        data = SlowDemoDataModule(seconds_per_sample=0.002, **data_kwargs)
     else:
         data = DemoDataModule(**data_kwargs)
     trainer = build_trainer(cfg)

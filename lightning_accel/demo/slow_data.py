@@ -37,7 +37,7 @@ class SlowDataset(Dataset):
 class SlowDemoDataModule(DemoDataModule):
     """:class:`DemoDataModule` whose training loader reads through :class:`SlowDataset` (validation is unchanged)."""
 
-    def __init__(self, *, seconds_per_sample: float = 0.001, **kwargs: Any) -> None:
+    def __init__(self, *, seconds_per_sample: float = 0.002, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.seconds_per_sample = seconds_per_sample
 

@@ -1,0 +1,74 @@
+"""2-process Lightning DDP on CPU (gloo): the doctor times the all-reduce through a comm hook and aggregates ranks."""
+
+import pytest
+
+from tests.conftest import read_rank_json
+
+SCRIPT = """
+import json, os, time
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+torch.set_num_threads(1)
+
+
+class Data(Dataset):
+    # rank 1 reads slowly (2 ms per sample, 16 ms per batch); rank 0 then waits for it in the all-reduce
+    def __len__(self):
+        return 4096
+
+    def __getitem__(self, i):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 1:
+            time.sleep(0.002)
+        return torch.randn(128)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+
+    def training_step(self, x, i):
+        return (self.net(x) - x).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(Data(), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path="report.json", print_report=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=14, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[doctor])
+trainer.fit(Model())
+out = {"report": doctor.report.to_dict(), "buckets": doctor._comm.buckets if doctor._comm is not None else 0}
+with open(f"doctor_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tmp_path):
+    ddp_script(SCRIPT, timeout=240)
+    rank0, rank1 = read_rank_json(tmp_path, "doctor")
+    # the timing comm hook was installed on DDP's model and ran for every bucket of every step, on both ranks
+    assert rank0["buckets"] >= 14 and rank1["buckets"] >= 14
+    r0, r1 = rank0["report"], rank1["report"]
+    assert r0["context"]["communication_measured"] is True and r0["world_size"] == 2
+    # one aggregate, identical on every rank
+    assert r0["shares"] == r1["shares"] and r0["bottleneck"] == r1["bottleneck"]
+    assert sum(r0["shares"].values()) == pytest.approx(1.0)
+    per_rank = r0["rank_shares"]
+    assert len(per_rank) == 2
+    # rank 1 waits for its data; rank 0 waits for rank 1 inside the all-reduce (exposed communication)
+    assert per_rank[1]["data"] > 0.3 and per_rank[1]["data"] > per_rank[0]["data"] + 0.2
+    assert per_rank[0]["communication"] > 0.2 and per_rank[0]["communication"] > per_rank[1]["communication"] + 0.1
+    for stage in ("data", "communication"):
+        low, high = sorted(r[stage] for r in per_rank)
+        assert low <= r0["shares"][stage] <= high
+    assert any(f["rule"] == "data_wait" for f in r0["findings"])
+    assert (tmp_path / "report.json").is_file()
