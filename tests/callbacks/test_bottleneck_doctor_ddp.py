@@ -72,3 +72,68 @@ def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tm
         assert low <= r0["shares"][stage] <= high
     assert any(f["rule"] == "data_wait" for f in r0["findings"])
     assert (tmp_path / "report.json").is_file()
+
+
+WRAPPERS_SCRIPT = """
+import json
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+
+class HookedDDP(DDPStrategy):
+    # the contract of lightning-accel's DDP compression strategies: wrappers applied in order around their hook
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.comm_hook_wrappers = []
+
+    def setup(self, trainer):
+        super().setup(trainer)
+        self.wrappers_seen = len(self.comm_hook_wrappers)
+        hook = default_hooks.allreduce_hook
+        for wrap in self.comm_hook_wrappers:
+            hook = wrap(hook)
+        self.model.register_comm_hook(None, hook)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(16, 16)
+
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(256, 16)), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+strategy = HookedDDP()
+doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False)
+trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[doctor])
+trainer.fit(Model())
+json.dump({"wrappers_seen": strategy.wrappers_seen, "wrappers_after": len(strategy.comm_hook_wrappers),
+           "buckets": doctor._comm.buckets, "shares": doctor.report.shares}, open("wrappers.json", "w"))
+"""
+
+
+@pytest.mark.distributed
+def test_doctor_wraps_the_hook_of_strategies_with_comm_hook_wrappers(tmp_path):
+    import json
+
+    from tests.conftest import run_script
+
+    run_script(WRAPPERS_SCRIPT, tmp_path, timeout=180)
+    out = json.loads((tmp_path / "wrappers.json").read_text())
+    assert out["wrappers_seen"] == 1  # the doctor appended its wrapper in setup(), before strategy.setup()
+    assert out["buckets"] == 6  # one bucket per step, every step
+    assert out["wrappers_after"] == 0  # removed at teardown
+    assert sum(out["shares"].values()) == pytest.approx(1.0)
