@@ -16,11 +16,16 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # callbacks
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
+    "BottleneckDoctor": "lightning_accel.callbacks.bottleneck_doctor",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",
     "get_peak_flops": "lightning_accel.core.peak",
     "measure_peak_flops": "lightning_accel.core.peak",
+    "DoctorReport": "lightning_accel.core.report",
+    "Thresholds": "lightning_accel.core.rules",
+    "diagnose": "lightning_accel.core.rules",
+    "timed_comm_hook": "lightning_accel.core.comm",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
