@@ -602,7 +602,7 @@ class BottleneckDoctor(Callback):
     # ------------------------------------------------------------------ pauses
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.training:
+        if trainer.sanity_checking or trainer.state.fn != "fit":  # only validation inside fit pauses the clock
             return
         if self._timer is not None and self._stage == "data":
             self._timer.cancel()  # the data wait restarts after validation
@@ -612,7 +612,7 @@ class BottleneckDoctor(Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._paused_at is None:
+        if trainer.sanity_checking or trainer.state.fn != "fit" or self._paused_at is None:
             return
         self._paused_total += self._clock() - self._paused_at
         self._paused_at = None

@@ -106,12 +106,12 @@ class CommRecorder:
     def flush(self) -> tuple[float, int]:
         """``(exposed seconds, backward passes with an all-reduce)`` since the last flush.
 
-        On CUDA this waits for the last recorded event once.
+        On CUDA this waits for the recorded completion events (all but the last pass's are long complete).
         """
         if self._passes:
-            last = self._passes[-1]
-            if last[1]:
-                last[1][-1].synchronize()
+            for _, completions in self._passes:  # complete already, except (at most) the last pass's: cheap
+                for event in completions:
+                    event.synchronize()
             for launch, completions in self._passes:
                 if completions:
                     self._exposed += max(0.0, max(launch.elapsed_time(c) for c in completions) / 1000.0)

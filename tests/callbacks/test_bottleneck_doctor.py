@@ -224,3 +224,46 @@ def test_custom_thresholds_are_used_and_reported():
     report, _, _ = fit(Planted(optimizer=SLEEP), doctor=doctor)
     assert report.bottleneck == "optimizer" and "optimizer" not in {f.rule for f in report.findings}
     assert report.thresholds["optimizer_share"] == 0.9
+
+
+class SlowValidation(Planted):
+    def validation_step(self, x, batch_idx):
+        time.sleep(0.02)
+
+    def val_dataloader(self):
+        return DataLoader(RandomData(self.dim), batch_size=self.batch)
+
+
+def test_validation_inside_fit_is_not_counted():
+    report, _, _ = fit(SlowValidation(backward=SLEEP), val_check_interval=2, limit_val_batches=2,
+                       num_sanity_val_steps=0)
+    check_shares(report)
+    # 40 ms of validation every 2 batches would be > 50 % of the time if it leaked into the data wait or "other"
+    assert report.bottleneck == "backward"
+    assert report.shares["data"] < 0.25 and report.shares["other"] < 0.25
+
+
+def test_two_fits_with_one_doctor_and_epoch_boundaries():
+    doctor = BottleneckDoctor(window=4, warmup_batches=1, report_path=False, print_report=False)
+    model = Planted(optimizer=SLEEP)
+    model.train_dataloader = lambda: DataLoader(RandomData(32, n=40), batch_size=8)  # 5 batches per epoch
+    for _ in range(2):
+        report, _, trainer = fit(model, doctor=doctor, max_steps=14)
+        check_shares(report)
+        assert report.bottleneck == "optimizer" and trainer.current_epoch >= 2
+    assert "batch_to_device" not in vars(trainer.strategy)
+
+
+@pytest.mark.gpu
+def test_gpu_run_uses_cuda_events_and_finds_the_data_bottleneck():
+    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor])
+    trainer.fit(Planted(data=SLEEP))
+    report = doctor.report
+    check_shares(report)
+    assert report.bottleneck == "data" and report.context.device_type == "cuda"
+    assert report.context.device_capability is not None
+    assert "memory_peak_frac" in report.utilisation
+    skipped = {s.rule for s in report.skipped}
+    assert "fp32_compute" not in skipped
