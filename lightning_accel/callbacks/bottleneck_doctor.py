@@ -104,8 +104,8 @@ class BottleneckDoctor(Callback):
             (one gather, ~12 ``pl_module.log`` calls at ~0.3-1.5 ms each in Lightning, a psutil sample); 50 batches
             amortise that to well under 1 % for steps of 10 ms or more.
         warmup_batches: batches at the start of ``fit`` that are not measured (more if another callback asks with a
-            ``warmup_batches`` attribute, as ``MFUMonitor`` does). The SDPA kernel is observed on the second batch
-            when at least two are warm-up.
+            ``warmup_batches`` attribute, as ``MFUMonitor`` does). On CUDA the SDPA kernel is observed on the
+            second batch when at least two are warm-up.
         thresholds: a :class:`~lightning_accel.core.rules.Thresholds` or a dict of its fields
             (e.g. ``{"data_share": 0.2}``); defaults documented there.
         report_path: where the JSON report goes; ``None`` → ``<trainer.default_root_dir>/bottleneck_report.json``;
@@ -246,11 +246,17 @@ class BottleneckDoctor(Callback):
         self._manual = not pl_module.automatic_optimization
         extra = [getattr(cb, "warmup_batches", 0) for cb in trainer.callbacks if cb is not self]
         self._skip = max([self.warmup_batches, *[int(x) for x in extra if isinstance(x, int)]])
-        self._probe_batch = 1 if self._skip >= 2 else -1  # MFUMonitor counts FLOPs on batch 0
+        # The attention-kernel rule is a GPU rule: observe SDPA on CUDA only, on a warm-up batch (MFUMonitor counts
+        # FLOPs with its own dispatch mode on batch 0).
+        self._probe_batch = 1 if self._skip >= 2 and self._device.type == "cuda" else -1
         from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
         self._mfu_monitor = next((cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)), None)
-        self._context = self._static_context(trainer)
+        try:
+            self._context = self._static_context(trainer)
+        except Exception as err:  # noqa: BLE001 - rules that need the missing facts are skipped
+            self._context = RunContext(device_type=self._device.type, world_size=trainer.world_size)
+            self._notes.append(f"run facts incomplete: {err!r}")
         try:
             self._install_transfer_timer(strategy)
             self._install_optimizer_hooks(trainer)
