@@ -15,7 +15,40 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlopCounter", "count_flops", "transformer_flops_per_token"]
+__all__ = ["FlopCounter", "count_flops", "new_flop_counter_mode", "transformer_flops_per_token"]
+
+
+def _extra_flop_formulas() -> dict[Any, Any]:
+    """Formulas for attention kernels torch's counter does not know yet.
+
+    torch (checked on 2.13) registers the CUDA flash/efficient/cuDNN SDPA kernels but not the CPU flash kernel
+    that ``F.scaled_dot_product_attention`` dispatches to on CPU, so attention would count as 0 FLOPs there. The
+    CPU kernel computes the same products; reuse torch's own SDPA formulas for it.
+    """
+    from torch.utils import flop_counter
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                 **kwargs: Any) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten
+    extra: dict[Any, Any] = {}
+    for op_name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
+                             ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
+        op = getattr(aten, op_name, None)
+        if op is not None and op not in flop_counter.flop_registry:
+            extra[op] = formula
+    return extra
+
+
+def new_flop_counter_mode() -> Any:
+    """A silent ``FlopCounterMode`` that also counts the CPU flash-attention kernels."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
 
 
 class FlopCounter:
@@ -38,11 +71,9 @@ class FlopCounter:
         return self._mode is not None
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         if self._mode is not None:
             raise RuntimeError("FlopCounter.start() called twice without stop()")
-        self._mode = FlopCounterMode(display=False)
+        self._mode = new_flop_counter_mode()
         self._mode.__enter__()
 
     def stop(self) -> int:
@@ -126,14 +157,12 @@ def count_flops(
     Returns:
         The number of floating-point operations (a multiply-add counts as 2).
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"count_flops needs an nn.Module, got {type(module).__name__}")
     forward_fn = forward_fn or _default_forward
     cuda_devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     with _preserved_training_state(module, cuda_devices):
-        counter = FlopCounterMode(display=False)
+        counter = new_flop_counter_mode()
         with counter:
             with torch.enable_grad() if backward else torch.no_grad():
                 output = forward_fn(module, batch)
