@@ -19,11 +19,15 @@ __all__ = ["FlopCounter", "count_flops", "new_flop_counter_mode", "transformer_f
 
 
 def _extra_flop_formulas() -> dict[Any, Any]:
-    """Formulas for attention kernels torch's counter does not know yet.
+    """Attention formulas that make the count *model* FLOPs, for every SDPA kernel.
 
-    torch (checked on 2.13) registers the CUDA flash/efficient/cuDNN SDPA kernels but not the CPU flash kernel
-    that ``F.scaled_dot_product_attention`` dispatches to on CPU, so attention would count as 0 FLOPs there. The
-    CPU kernel computes the same products; reuse torch's own SDPA formulas for it.
+    Two corrections to torch's registry (checked on torch 2.13):
+
+    - the CPU flash kernel that ``F.scaled_dot_product_attention`` dispatches to on CPU is not registered, so
+      attention would count as 0 FLOPs there; it computes the same products as the CUDA kernels;
+    - torch's SDPA backward formula includes the recomputation of the score matrix that flash kernels do
+      (5 products, 2.5× the forward). Model FLOPs, the numerator of MFU, exclude recomputation (PaLM,
+      Appendix B: backward = 2× forward), so the backward is counted as its 4 gradient products.
     """
     from torch.utils import flop_counter
 
@@ -32,20 +36,24 @@ def _extra_flop_formulas() -> dict[Any, Any]:
 
     def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
                  **kwargs: Any) -> int:
-        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+        b, h_q, s_q, d_q = query
+        s_k = key[2]
+        recomputed_scores = flop_counter.bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, s_k))
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value) - recomputed_scores
 
     aten = torch.ops.aten
-    extra: dict[Any, Any] = {}
-    for op_name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
-                             ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
-        op = getattr(aten, op_name, None)
-        if op is not None and op not in flop_counter.flop_registry:
-            extra[op] = formula
-    return extra
+    formulas = {
+        "_scaled_dot_product_flash_attention_for_cpu": forward,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": backward,
+        "_scaled_dot_product_flash_attention_backward": backward,
+        "_scaled_dot_product_efficient_attention_backward": backward,
+        "_scaled_dot_product_cudnn_attention_backward": backward,
+    }
+    return {getattr(aten, name): f for name, f in formulas.items() if hasattr(aten, name)}
 
 
 def new_flop_counter_mode() -> Any:
-    """A silent ``FlopCounterMode`` that also counts the CPU flash-attention kernels."""
+    """A silent ``FlopCounterMode`` counting model FLOPs of every SDPA kernel (see :func:`_extra_flop_formulas`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     return FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
