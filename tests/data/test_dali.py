@@ -238,3 +238,22 @@ def test_mixed_decode_on_gpu(solid_folder):
     assert images.is_cuda and labels.is_cuda and labels.dtype == torch.int64
     label_of = {pid: label for pid, label in truth.values()}
     assert [label_of[i] for i in identify(images)] == labels.tolist()
+
+
+def test_auto_decode_device_follows_the_trainer(solid_folder, monkeypatch):
+    """auto -> mixed on the Trainer's CUDA device (mocked: this checks the choice, not nvJPEG)."""
+    from types import SimpleNamespace
+
+    from lightning_accel.data.dali import DALIImageDataModule
+
+    root, _ = solid_folder
+    dm = DALIImageDataModule(train=root)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device, expected in ((torch.device("cuda", 1), ("mixed", 1)), (torch.device("cpu"), ("cpu", None))):
+        trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device))
+        monkeypatch.setattr(dm, "_trainer_or_none", lambda t=trainer: t)
+        assert dm._resolve_decode_device() == expected
+    dm.decode_device = "cpu"
+    monkeypatch.setattr(dm, "_trainer_or_none", lambda: SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
+    assert dm._resolve_decode_device() == ("cpu", None)
