@@ -186,9 +186,12 @@ class _DALILoader:
         self._iter = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False, prepare_first_batch=False)
         self._pipe = pipe
 
-    def close(self) -> None:
+    def _discard(self) -> None:
         self._iter = self._pipe = None
         self._open = False
+
+    def close(self) -> None:
+        self._discard()
         self.index.close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -208,11 +211,12 @@ class _DALILoader:
             except StopIteration:
                 self._open = False
                 return
-            except CorruptImageError:
-                raise
-            except RuntimeError as err:
+            except RuntimeError as err:  # DALI's error for a failed decode names no file: find it
                 self._recover(err)
                 continue
+            except BaseException:  # e.g. CorruptImageError from the source: a pipeline that raised is not reused
+                self._discard()
+                raise
             self.source.inflight.popleft()
             images, labels = out[0]["images"], out[0]["labels"]
             yield images, labels.reshape(-1).long()
@@ -222,13 +226,13 @@ class _DALILoader:
         culprits = self.source.find_undecodable()
         if not culprits:
             names = [self.index.names[s] for _, batch in self.source.inflight for s in batch]
+            self._discard()
             raise RuntimeError(f"DALI failed while processing a batch from {self.index.description}; every image "
                                f"in flight decodes with PIL, so the cause is not a corrupt file. Images in flight: "
                                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}") from err
         names = [f"{self.index.names[s]} ({reason})" for s, reason in culprits.items()]
         if not self.source.skip_corrupt:
-            self._iter = self._pipe = None  # a pipeline that raised cannot be reused
-            self._open = False
+            self._discard()  # a pipeline that raised cannot be reused
             raise CorruptImageError(f"corrupt image(s) that cannot be decoded: {'; '.join(names)}. Remove or "
                                     f"replace them, or pass skip_corrupt=True to skip them",
                                     [self.index.names[s] for s in culprits]) from err

@@ -159,13 +159,18 @@ def test_corrupt_and_non_image_files_are_named(solid_folder):
     from lightning_accel.data.image_index import CorruptImageError
 
     root, _ = solid_folder
+    good = (root / "class_1" / "img_3.jpg").read_bytes()
     garbled, text = _corrupt(root)
     with pytest.raises(CorruptImageError, match="class_2/img_0.jpg: not an image"):
         collect(make(val=root, val_batch_size=24).val_dataloader())
     text.unlink()
+    loader = make(val=root, val_batch_size=4).val_dataloader()
     with pytest.raises(CorruptImageError, match="class_1/img_3.jpg") as err:
-        collect(make(val=root, val_batch_size=4).val_dataloader())
+        collect(loader)
     assert err.value.files == ["class_1/img_3.jpg"] and "skip_corrupt=True" in str(err.value)
+    garbled.write_bytes(good)  # fixed: the same loader runs a full epoch again
+    ids, _, n = collect(loader)
+    assert n == len(loader) and len(ids) == 23  # 24 minus the removed text file
 
 
 def test_skip_corrupt_replaces_counts_and_keeps_batch_counts(solid_folder):
