@@ -139,6 +139,13 @@ def test_missing_and_empty_sources_are_named(tmp_path):
     (tmp_path / "noimg" / "cat" / "notes.txt").write_text("x")
     with pytest.raises(FileNotFoundError, match="cat has no image files"):
         make(tmp_path / "noimg")
+    listing = tmp_path / "list.txt"
+    listing.write_text("a/missing.jpg 0\n")
+    with pytest.raises(FileNotFoundError, match="a/missing.jpg is missing"):
+        collect(make(val=listing, val_batch_size=1).val_dataloader())
+    listing.write_text("a/x.jpg cat\n")
+    with pytest.raises(ValueError, match="list.txt:1: expected '<path> <integer label>'"):
+        make(val=listing)
     with pytest.raises(ValueError, match="decode_device"):
         DALIImageDataModule(train=tmp_path, decode_device="gpu")
     with pytest.raises(ValueError, match="layout"):
