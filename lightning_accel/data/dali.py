@@ -195,10 +195,8 @@ class _DALILoader:
         self.index.close()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._open and self._iter is not None:  # the last epoch was cut short: drain what DALI has in flight
-            self.source.stop()
-            for _ in self._iter:
-                pass
+        if self._open and self._iter is not None:
+            self._drain()
         self.source.start_epoch(self.plan(self.epoch_fn()))
         if self._iter is None:
             self._build()
@@ -220,6 +218,21 @@ class _DALILoader:
             self.source.inflight.popleft()
             images, labels = out[0]["images"], out[0]["labels"]
             yield images, labels.reshape(-1).long()
+
+    def _drain(self) -> None:
+        """The last epoch was cut short (``limit_*_batches``, ``max_steps``): consume what DALI has in flight.
+
+        At most ``prefetch_queue_depth`` batches, already being decoded; ``next`` rather than ``iter``, since the
+        DALI iterator's ``__iter__`` would reset the pipeline with those batches still queued.
+        """
+        self.source.stop()
+        try:
+            while True:
+                next(self._iter)
+        except StopIteration:
+            self._open = False
+        except Exception:  # a corrupt image among the abandoned batches: start the next epoch on a new pipeline
+            self._discard()
 
     def _recover(self, err: RuntimeError) -> None:
         """A DALI error mid-epoch: name the undecodable file(s); skip them and rebuild if ``skip_corrupt``."""
