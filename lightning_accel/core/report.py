@@ -266,7 +266,8 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
         old_b, new_b = baseline.bottleneck, new.bottleneck
         headline = (f"{old_b} {_fmt_pct(baseline.shares.get(old_b))} → {_fmt_pct(new.shares.get(old_b))}")
         if new_b == old_b:
-            lines.append(f"bottleneck unchanged: {headline}; still {new_b}-bound")
+            kind = f"compute-bound ({new_b})" if new_b in _COMPUTE else f"{new_b}-bound"
+            lines.append(f"bottleneck unchanged: {headline}; still {kind}")
         else:
             kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
             lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
