@@ -39,6 +39,19 @@ class RandomData(Dataset):
         return self.x[i]
 
 
+class RandomBatches(Dataset):
+    """Whole batches per item (``DataLoader(batch_size=None)``): no per-sample Python loop, no collate."""
+
+    def __init__(self, dim, batch, n=64):
+        self.x = torch.randn(n, batch, dim)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+
 class SlowSGD(torch.optim.SGD):
     def __init__(self, params, sleep, **kw):
         super().__init__(params, **kw)
@@ -64,12 +77,13 @@ class SleepInBackward(torch.autograd.Function):
 
 class Planted(pl.LightningModule):
     def __init__(self, *, dim=32, hidden=32, batch=8, data=0.0, transfer=0.0, backward=0.0, optimizer=0.0,
-                 manual=False):
+                 manual=False, pre_batched=False):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
         self.dim, self.batch = dim, batch
         self.sleeps = dict(data=data, transfer=transfer, backward=backward, optimizer=optimizer)
         self.automatic_optimization = not manual
+        self.pre_batched = pre_batched
 
     def _loss(self, x):
         y = self.net(x)
@@ -93,6 +107,8 @@ class Planted(pl.LightningModule):
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self):
+        if self.pre_batched:
+            return DataLoader(RandomBatches(self.dim, self.batch), batch_size=None)
         return DataLoader(RandomData(self.dim, self.sleeps["data"] / self.batch), batch_size=self.batch)
 
     def configure_optimizers(self):
@@ -162,7 +178,7 @@ def test_slow_backward_is_diagnosed_as_backward():
 
 def test_balanced_compute_bound_run_gets_no_warning_and_logs_metrics(tmp_path):
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=tmp_path / "doctor.json", print_report=False)
-    report, messages, trainer = fit(Planted(dim=512, hidden=2048, batch=64), doctor=doctor)
+    report, messages, trainer = fit(Planted(dim=512, hidden=1024, batch=512, pre_batched=True), doctor=doctor)
     check_shares(report)
     assert report.bottleneck in ("forward", "backward")
     assert report.findings == [] and messages == []
