@@ -192,6 +192,7 @@ class BottleneckDoctor(Callback):
         self._window_batches = 0
         self._window_samples = 0.0
         self._window_start = 0.0
+        self._edge: float | None = None
         self._paused_at: float | None = None
         self._paused_total = 0.0
         self._batch_sizes: list[int] = []
@@ -513,7 +514,8 @@ class BottleneckDoctor(Callback):
         try:
             seconds = self._timer.flush()
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
-            wall = self._clock() - self._window_start - self._paused_total
+            self._edge = self._clock()
+            wall = self._edge - self._window_start - self._paused_total
             measured = {**{s: seconds.get(s, 0.0) for s in MEASURED_STAGES}, "communication": comm}
             values = {"wall": wall, **measured, "samples": self._window_samples, "batches": self._window_batches}
             util: dict[str, float] = {}
@@ -531,7 +533,12 @@ class BottleneckDoctor(Callback):
             return row
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool) -> None:
-        """Gather every rank's row (one collective), add the window, log, warn. Called on every rank."""
+        """Gather every rank's row (one collective), add the window, log, warn. Called on every rank.
+
+        Windows tile the time: the next one starts where this one's wall time was read, so the cost of closing a
+        window (gather, logging, rules) is counted, as ``other``, in the next window.
+        """
+        self._edge = None
         row = self._local_row()
         rows = gather_floats(trainer, self._device, row)
         self._window_batches, self._window_samples = 0, 0.0
@@ -539,7 +546,7 @@ class BottleneckDoctor(Callback):
             self._after_gather(trainer, pl_module, rows, log=log)
         except Exception as err:  # noqa: BLE001
             self._break(f"aggregating a window: {err!r}")
-        self._window_start = self._clock()
+        self._window_start = self._edge if self._edge is not None else self._clock()
         self._paused_total, self._paused_at = 0.0, None
 
     def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: torch.Tensor, *,
