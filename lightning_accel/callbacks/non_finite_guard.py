@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel.core.checkpointing import clean_module_name
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -82,7 +84,7 @@ class NonFiniteGuard(Callback):
     # ------------------------------------------------------------------ fit lifetime
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._names = {id(p): clean_module_name(n) for n, p in pl_module.named_parameters()}
         self._loss_ok, self._skip, self._losses = None, {}, []
         if pl_module.automatic_optimization:
             for optimizer in trainer.optimizers:

@@ -14,6 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -110,20 +112,26 @@ class TorchCompile(Callback):
                 raise ValueError(f"TorchCompile: {type(pl_module).__name__} has no child module with parameters to "
                                  "compile; pass modules=[...] naming what to compile")
             return found
-        found, missing = [], []
-        named = [(n, m) for n, m in pl_module.named_modules() if n]
+        found: list[tuple[str, nn.Module]] = []
+        missing = []
+        everything = [(n, m) for n, m in pl_module.named_modules() if n]
+        # names are matched without wrapper segments; an activation-checkpointing wrapper stands for its module
+        by_name = [(clean_module_name(n), m) for n, m in everything if not n.endswith(CHECKPOINT_PREFIX)]
         for target in self.modules:
-            hits = [(n, m) for n, m in named if (isinstance(target, str) and fnmatch.fnmatchcase(n, target)) or
-                    (isinstance(target, type) and isinstance(m, target))]
+            if isinstance(target, str):
+                hits = [(n, m) for n, m in by_name if fnmatch.fnmatchcase(n, target)]
+            else:
+                hits = [(clean_module_name(n), m) for n, m in everything if isinstance(m, target)]
             if not hits:
                 missing.append(target)
-            found.extend(h for h in hits if h not in found)
+            found.extend(h for h in hits if all(h[1] is not m for _, m in found))
         if missing:
             shown = ", ".join(t.__name__ if isinstance(t, type) else repr(t) for t in missing)
             raise ValueError(f"TorchCompile(modules=...): {shown} matched no submodule of "
-                             f"{type(pl_module).__name__}; names present include {[n for n, _ in named][:12]}")
+                             f"{type(pl_module).__name__}; names present include {[n for n, _ in by_name][:12]}")
         # a target inside another target is compiled as part of it
-        return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+        inside = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
+        return [(n, m) for n, m in found if id(m) not in inside]
 
     # ------------------------------------------------------------------ hooks
     @override

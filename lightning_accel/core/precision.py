@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_accel.core.checkpointing import clean_module_name
+
 __all__ = [
     "AUTOCAST_DTYPES",
     "CPU_MIN_SPEEDUP",
@@ -181,7 +183,8 @@ class Fp32Islands:
     """Run chosen submodules in fp32 inside an autocast region: autocast off, floating inputs and outputs fp32.
 
     Matching: a ``type`` entry matches modules that are instances of it; a string entry is an ``fnmatch`` pattern
-    over the qualified module names of ``model.named_modules()`` (``"*.ln_f"``, ``"head"``, ``"blocks.*.attn"``).
+    over the qualified module names of ``model.named_modules()`` (``"*.ln_f"``, ``"head"``, ``"blocks.*.attn"``;
+    matched without the segments wrappers add, such as activation checkpointing's ``_checkpoint_wrapped_module``).
     Implemented with a forward pre-hook (disables autocast for ``device_type``, upcasts half inputs) and a forward
     hook registered with ``always_call=True`` (restores autocast even when forward raises, upcasts outputs), so
     the module tree and ``state_dict`` keys are unchanged.
@@ -208,14 +211,14 @@ class Fp32Islands:
             found = False
             for i, target in enumerate(targets):
                 if (isinstance(target, type) and isinstance(module, target)) or (
-                        isinstance(target, str) and name and fnmatch.fnmatchcase(name, target)):
+                        isinstance(target, str) and name and fnmatch.fnmatchcase(clean_module_name(name), target)):
                     hits[i] += 1
                     found = True
             if found:
                 matched.append((name, module))
         self.unmatched = [targets[i] for i, n in hits.items() if n == 0]
         for name, module in matched:  # nested islands are harmless: the inner one re-disables autocast
-            self.names.append(name or "<root>")
+            self.names.append(clean_module_name(name) or "<root>")
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
