@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import statistics
 import time
+import types
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -179,15 +180,27 @@ def _to_fp32(value: Any) -> Any:
     return value
 
 
+_ISLAND_ATTR = "_fp32_island"  # instance attribute: (autocast device type, the forward it replaced or None)
+
+
+def _island_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    device_type, inner = getattr(self, _ISLAND_ATTR)
+    with torch.autocast(device_type, enabled=False):  # a `with` block: torch.compile traces it without a break
+        args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        out = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    return tree_map(_to_fp32, out)
+
+
 class Fp32Islands:
     """Run chosen submodules in fp32 inside an autocast region: autocast off, floating inputs and outputs fp32.
 
     Matching: a ``type`` entry matches modules that are instances of it; a string entry is an ``fnmatch`` pattern
     over the qualified module names of ``model.named_modules()`` (``"*.ln_f"``, ``"head"``, ``"blocks.*.attn"``;
     matched without the segments wrappers add, such as activation checkpointing's ``_checkpoint_wrapped_module``).
-    Implemented with a forward pre-hook (disables autocast for ``device_type``, upcasts half inputs) and a forward
-    hook registered with ``always_call=True`` (restores autocast even when forward raises, upcasts outputs), so
-    the module tree and ``state_dict`` keys are unchanged.
+    Each matched module gets an instance-level ``forward`` that runs the class's ``forward`` inside
+    ``torch.autocast(device_type, enabled=False)`` with half-precision inputs upcast and outputs in fp32. The
+    module tree, hooks and ``state_dict`` keys are unchanged; ``copy.deepcopy`` carries the island to the copy;
+    ``torch.compile`` traces the ``with`` block (hooks that enter autocast by hand would break the graph).
 
     Args:
         model: the module tree to search.
@@ -203,10 +216,8 @@ class Fp32Islands:
         self.device_type = device_type
         self.names: list[str] = []
         self.unmatched: list[type | str] = []
-        self._handles: list[Any] = []
-        self._stacks: dict[int, list[Any]] = {}
+        self._modules: list[nn.Module] = []
         hits: dict[int, int] = {i: 0 for i in range(len(targets))}
-        matched: list[tuple[str, nn.Module]] = []
         for name, module in model.named_modules():
             found = False
             for i, target in enumerate(targets):
@@ -214,31 +225,22 @@ class Fp32Islands:
                         isinstance(target, str) and name and fnmatch.fnmatchcase(clean_module_name(name), target)):
                     hits[i] += 1
                     found = True
-            if found:
-                matched.append((name, module))
+            if found and not hasattr(module, _ISLAND_ATTR):  # nested islands are harmless; each is set once
+                setattr(module, _ISLAND_ATTR, (device_type, vars(module).get("forward")))
+                module.forward = types.MethodType(_island_forward, module)
+                self._modules.append(module)
+                self.names.append(clean_module_name(name) or "<root>")
         self.unmatched = [targets[i] for i, n in hits.items() if n == 0]
-        for name, module in matched:  # nested islands are harmless: the inner one re-disables autocast
-            self.names.append(clean_module_name(name) or "<root>")
-            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-
-    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        ctx = torch.autocast(self.device_type, enabled=False)
-        ctx.__enter__()
-        self._stacks.setdefault(id(module), []).append(ctx)
-        return tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs)
-
-    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        stack = self._stacks.get(id(module))
-        if stack:
-            stack.pop().__exit__(None, None, None)
-        return tree_map(_to_fp32, output)
 
     def remove(self) -> None:
-        """Remove the hooks: the modules run under the surrounding autocast again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Restore the modules' own ``forward``: they run under the surrounding autocast again."""
+        for module in self._modules:
+            _, inner = vars(module).pop(_ISLAND_ATTR)
+            if inner is not None:
+                module.forward = inner
+            else:
+                vars(module).pop("forward", None)
+        self._modules.clear()
         self.names.clear()
 
     @staticmethod

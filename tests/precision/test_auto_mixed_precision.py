@@ -134,21 +134,26 @@ def test_islands_run_fp32_while_other_layers_run_bf16() -> None:
     assert model.seen_dtypes["head"] == torch.bfloat16
 
 
-def test_island_upcasts_half_inputs_and_restores_autocast_after_an_error() -> None:
+def test_island_upcasts_half_inputs_restores_autocast_after_an_error_and_survives_deepcopy() -> None:
     class Boom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            assert x.dtype == torch.float32  # upcast by the pre-hook
+            assert x.dtype == torch.float32  # upcast on the way in
             assert not torch.is_autocast_enabled("cpu")
             raise RuntimeError("boom")
 
-    model = nn.Sequential(nn.Linear(4, 4), Boom())
-    islands = Fp32Islands(model, [Boom], "cpu")
-    assert islands.names == ["1"] and islands.unmatched == []
+    model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.LayerNorm(4))
+    islands = Fp32Islands(model, [Boom, "2"], "cpu")
+    assert islands.names == ["1", "2"] and islands.unmatched == []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(2, 4))
-        assert torch.is_autocast_enabled("cpu")  # the always_call hook re-enabled it
+        assert torch.is_autocast_enabled("cpu")  # re-enabled on the way out
+        copied = copy.deepcopy(model)
+        assert copied[2](torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.float32  # island on the copy
+        assert copied[2].forward.__self__ is copied[2]
     islands.remove()
+    assert "forward" not in vars(model[1]) and list(model.state_dict()) == ["0.weight", "0.bias", "2.weight",
+                                                                            "2.bias"]
 
 
 def test_unmatched_fp32_modules_warn_with_their_names() -> None:
