@@ -16,6 +16,11 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # callbacks
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
+    "NonFiniteGuard": "lightning_accel.callbacks.non_finite_guard",
+    "TorchCompile": "lightning_accel.callbacks.torch_compile",
+    "ActivationCheckpointing": "lightning_accel.callbacks.activation_checkpointing",
+    # precision
+    "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",

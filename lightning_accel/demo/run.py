@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_trainer", "run_demo"]
+__all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_precision", "build_trainer", "run_demo"]
 
 
 @dataclass
@@ -31,6 +31,8 @@ class DemoConfig:
     val_every: int = 50
     progress_bar: bool = True
     output_dir: str | None = None
+    compile: bool = False
+    checkpointing: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -49,7 +51,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes/devices; >1 runs Lightning DDP (on CPU: gloo) (default %(default)s)")
     parser.add_argument("--accelerator", default=d.accelerator, help="cpu, gpu or auto (default %(default)s)")
     parser.add_argument("--precision", default=d.precision,
-                        help="Lightning precision string: 32-true, bf16-mixed, 16-mixed (default %(default)s)")
+                        help="Lightning precision string (32-true, bf16-mixed, 16-mixed) or 'auto': AutoMixedPrecision "
+                             "picks the dtype for the device (default %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (TorchCompile callback, inductor)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing of every transformer block (ActivationCheckpointing)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="per-device batch (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--n-layer", type=int, default=d.n_layer, help="transformer blocks (default %(default)s)")
@@ -70,7 +77,26 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
-    return [MFUMonitor(window=cfg.window), *cfg.extra_callbacks]
+    callbacks: list[Any] = [MFUMonitor(window=cfg.window)]
+    if cfg.compile:
+        from lightning_accel.callbacks.torch_compile import TorchCompile
+
+        callbacks.append(TorchCompile())
+    if cfg.checkpointing:
+        from lightning_accel.callbacks.activation_checkpointing import ActivationCheckpointing
+        from lightning_accel.demo.model import Block
+
+        callbacks.append(ActivationCheckpointing(modules=[Block]))
+    return [*callbacks, *cfg.extra_callbacks]
+
+
+def build_precision(cfg: DemoConfig) -> dict[str, Any]:
+    """``Trainer`` keywords for ``--precision``: a Lightning string, or ``auto`` -> ``AutoMixedPrecision()``."""
+    if cfg.precision == "auto":
+        from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
+
+        return {"plugins": [AutoMixedPrecision(dtype="auto")]}
+    return {"precision": cfg.precision}
 
 
 def build_trainer(cfg: DemoConfig) -> Any:
@@ -85,7 +111,7 @@ def build_trainer(cfg: DemoConfig) -> Any:
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         strategy="ddp" if cfg.devices > 1 else "auto",
-        precision=cfg.precision,
+        **build_precision(cfg),
         max_steps=cfg.steps,
         val_check_interval=min(cfg.val_every, cfg.steps),
         check_val_every_n_epoch=None,
