@@ -46,7 +46,8 @@ class ActivationCheckpointing(Callback):
 
     * memory saved: each wrapped module is run once more (RNG and buffers restored, graph dropped) under
       ``saved_tensors_hooks``; the distinct storages it would save for backward, minus its parameters and inputs,
-      are what checkpointing no longer keeps. Per device, per micro-batch.
+      are what checkpointing no longer keeps. Backward rematerialises one module at a time, so the peak falls by
+      the sum over modules minus the largest one; that is the figure reported. Per device, per micro-batch.
     * compute added: the FLOPs the wrapped modules recompute in backward, counted by ``FlopCounterMode`` (less
       than their forward: non-reentrant checkpointing stops recomputing once the tensors backward needs are
       back, so e.g. a block's last matmul is not redone), as a fraction of the step's FLOPs without
@@ -92,7 +93,7 @@ class ActivationCheckpointing(Callback):
         self._measuring = False
         self._step_counter = FlopCounter()
         self._recompute_counter = FlopCounter()
-        self._bytes = 0
+        self._bytes: list[int] = []  # per wrapped module call: activation bytes it would have kept
         self._flops = 0  # FLOPs recomputed in backward
         self._extra_flops = 0  # FLOPs of the measuring forwards
 
@@ -114,7 +115,7 @@ class ActivationCheckpointing(Callback):
         if any(getattr(cb, "compiled_names", None) for cb in trainer.callbacks):
             rank_zero_info("ActivationCheckpointing: not measuring memory/compute while TorchCompile is active")
             return
-        self._measuring, self._bytes, self._extra_flops, self._flops = True, 0, 0, 0
+        self._measuring, self._bytes, self._extra_flops, self._flops = True, [], 0, 0
         for _, module in pl_module.named_modules():
             if hasattr(module, CHECKPOINT_PREFIX):
                 inner = getattr(module, CHECKPOINT_PREFIX)
@@ -129,7 +130,7 @@ class ActivationCheckpointing(Callback):
         counter = FlopCounter()
         counter.start()
         try:
-            self._bytes += saved_activation_bytes(getattr(wrapper, CHECKPOINT_PREFIX), args, kwargs)
+            self._bytes.append(saved_activation_bytes(getattr(wrapper, CHECKPOINT_PREFIX), args, kwargs))
         finally:
             self._extra_flops += counter.stop()
 
@@ -166,7 +167,9 @@ class ActivationCheckpointing(Callback):
         total = self._step_counter.stop() if self._step_counter.running else 0
         # the step counted: forward + backward + recomputation + the measuring forwards
         base = total - self._flops - self._extra_flops
-        self.activation_bytes_saved = self._bytes
+        # during backward one module's activations are rematerialised at a time: the peak falls by all but the
+        # largest of them
+        self.activation_bytes_saved = sum(self._bytes) - max(self._bytes, default=0)
         self.recompute_flops = self._flops
         self.compute_added = self._flops / base if base > 0 else None
 

@@ -102,8 +102,11 @@ def test_training_with_the_callback_matches_plain_training_and_reports_savings()
     assert cb.compute_added == pytest.approx((ckpt_flops - plain_flops) / plain_flops)
     # early stop: each block recomputes its first matmul only, not the last one
     assert cb.recompute_flops < count_flops(plain.model.blocks, batch, backward=False)
-    # saved per block: LayerNorm out, Linear out, GELU out, dropout out and mask (16x64 floats, 16x64 bools) ...
-    assert 3 * 16 * 64 * 4 * 3 < cb.activation_bytes_saved < 3 * 16 * 64 * 4 * 8, cb.activation_bytes_saved
+    # saved per block at least: LayerNorm mean/rstd (2x16 floats) and output (16x16 floats), the GELU input and
+    # the 2nd Linear's input (16x64 floats each), the dropout mask (16x64 bools); at most one more 16x64 float
+    # tensor. Reported: all blocks but the largest (rematerialised during backward), so 2 of the 3.
+    least = 2 * 16 * 4 + 16 * 16 * 4 + 2 * 16 * 64 * 4 + 16 * 64
+    assert 2 * least <= cb.activation_bytes_saved <= 2 * (least + 16 * 64 * 4), cb.activation_bytes_saved
     assert logged.metrics["ckpt/activation_mb_saved"] == pytest.approx(cb.activation_bytes_saved / 1e6)
     assert logged.metrics["ckpt/compute_added"] == pytest.approx(cb.compute_added)
 
