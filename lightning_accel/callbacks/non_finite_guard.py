@@ -36,7 +36,10 @@ class NonFiniteGuard(Callback):
     steps but leaves the skipping to the scaler (``nonfinite/skipped_steps`` counts only the guard's own skips).
 
     After ``max_consecutive`` bad optimizer steps in a row, training stops with a ``RuntimeError`` naming the
-    parameters and the fixes to try; no bad value has been written into the weights at that point.
+    parameters and the fixes to try; no bad value has been written into the weights at that point. With a
+    GradScaler its back-off skips count towards the streak too (a scale that needs ``max_consecutive`` halvings
+    in a row means ``init_scale`` is far too high, or the model diverged). With manual optimization the guard
+    checks, counts, logs and stops, but the skipping is yours (it does not wrap your ``optimizer.step`` calls).
 
     Logged through ``pl_module.log`` (on step):
 
