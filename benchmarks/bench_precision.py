@@ -111,8 +111,11 @@ def part_speed(args: argparse.Namespace) -> None:
         for _ in range(2):
             step(b)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, step in variants.items():
+    names = list(variants)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+            step = variants[name]
+            step(b)  # untimed: the first step after switching pays for the other variant's memory churn
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 step(b)
@@ -120,7 +123,7 @@ def part_speed(args: argparse.Namespace) -> None:
     base = statistics.median(times["fp32 eager"])
     print(f"\nPart 1: step time, demo GPT ({args.n_layer} layers, d{args.d_model}, seq {args.seq_len}, batch "
           f"{args.batch_size}), {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps "
-          "alternating, median")
+          "alternating (order rotated each round, one untimed step after each switch), median")
     print(f"AutoMixedPrecision(auto) chose {auto.compute_dtype}: {auto.reason}")
     print(f"TorchCompile first step (compilation + 1 step): {compile_s:.1f} s; "
           f"fallback: {compiler.fallback_reason}")
@@ -145,6 +148,8 @@ def part_memory(args: argparse.Namespace) -> None:
     print(f"\nPart 2: activation memory of one forward + backward, demo GPT ({args.n_layer} layers, "
           f"d{args.d_model}, seq {args.seq_len}, batch {args.mem_batch_size}), fp32, peak RSS above the "
           f"pre-step RSS (VmHWM after a reset), {args.rounds} alternating rounds, median")
+    print("(peak memory is exact; step times here come from few steps and are only indicative — part 1 times "
+          "steps properly)")
     print("\n| variant | peak activation memory (MB) | step time (ms) |\n|---|---|---|")
     print(f"| plain | {r['plain_mb']:.1f} | {r['plain_ms']:.1f} |")
     print(f"| ActivationCheckpointing(modules=[Block]) | {r['ckpt_mb']:.1f} | {r['ckpt_ms']:.1f} |")
@@ -185,9 +190,10 @@ def memory_child(args: argparse.Namespace) -> None:
     for task in (plain, ckpt):
         step(task)
     res: dict[str, list[Any]] = {"plain": [], "ckpt": []}
-    for _ in range(args.rounds):
-        res["plain"].append(step(plain))
-        res["ckpt"].append(step(ckpt))
+    for r in range(args.rounds):
+        for name, task in ((("plain", plain), ("ckpt", ckpt)) if r % 2 == 0 else (("ckpt", ckpt), ("plain", plain))):
+            step(task)  # untimed warm-in after switching
+            res[name].append(step(task))
     out = {f"{k}_mb": statistics.median(m for m, _ in v) / 1e6 for k, v in res.items()}
     out.update({f"{k}_ms": statistics.median(t for _, t in v) * 1e3 for k, v in res.items()})
     out.update(estimate_bytes=estimate, flops_added=flops_ckpt / flops_plain - 1)
