@@ -37,8 +37,10 @@ class TorchCompile(Callback):
     ``fnmatch`` patterns over qualified module names (``"model"``, ``"model.blocks.*"``) or module types.
     A pattern that matches nothing raises ``ValueError`` listing the names present.
 
-    Compilation is lazy: it happens on the first batch (forward, and backward through AOTAutograd), and may happen
-    again when shapes change. ``warmup_batches`` tells ``MFUMonitor`` (and ``BottleneckDoctor``) how many batches
+    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen
+    again when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs
+    with ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code
+    for the rest of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and ``BottleneckDoctor``) how many batches
     to leave out of their measurements.
 
     Fallback: if ``torch.compile`` is unavailable on the platform or compiling raises (a backend failure, a graph
@@ -160,6 +162,10 @@ class TorchCompile(Callback):
         from torch._dynamo.exc import TorchDynamoException
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if _dispatch_mode_active():
+                # e.g. MFUMonitor's FlopCounterMode on the first batch: dynamo would give up on this code for
+                # good (every later call eager); run this call eagerly and compile on the next one
+                return module._call_impl(*args, **kwargs)
             first = name not in self.first_call_seconds
             start = time.perf_counter() if first else 0.0
             try:
@@ -214,6 +220,13 @@ def _template(module: nn.Module) -> Callable[..., Any]:
 
 
 _CODE_PER_CLASS: dict[type, types.CodeType] = {}
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (``FlopCounterMode``, a profiler mode, ...) is active in this thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # private; torch 2.0-2.13
+
+    return _get_current_dispatch_mode() is not None
 
 
 def _first_lines(err: BaseException, lines: int = 2, chars: int = 300) -> str:

@@ -134,9 +134,15 @@ def test_invalid_arguments() -> None:
 def test_mfu_monitor_leaves_out_the_compile_warmup() -> None:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
+    from lightning_accel.core.flops import count_flops
+
     monitor = MFUMonitor(window=2, warmup_batches=1, peak_flops=1e12, print_summary=False)
-    fit([TorchCompile(backend="aot_eager", warmup_batches=2), monitor], steps=6)
+    compile_cb = TorchCompile(backend="aot_eager", warmup_batches=2)
+    fit([compile_cb, monitor], steps=6)
     assert monitor.summary["warmup_batches"] == 3
+    # the FLOP-counting first batch ran eagerly (exact model FLOPs); compilation still happened afterwards
+    assert monitor.summary["flops_per_batch"] == count_flops(Net().model, torch.randn(8, 8))
+    assert compile_cb.fallback_reason is None and graphs_compiled() >= 1
 
 
 @pytest.mark.slow
