@@ -146,7 +146,7 @@ class NonFiniteGuard(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params]
         norms: torch.Tensor | None = None
         flags = []
         if grads:
