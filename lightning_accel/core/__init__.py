@@ -1,23 +1,39 @@
 """Framework-free measuring and tuning core: no Lightning imports here."""
 
 from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
+from lightning_accel.core.checkpointing import (
+    apply_activation_checkpointing,
+    peak_rss_bytes,
+    remove_activation_checkpointing,
+    reset_peak_rss,
+    saved_activation_bytes,
+)
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
+from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 
 __all__ = [
     "FlopCounter",
+    "Fp32Islands",
     "PeakFlops",
     "Rates",
     "StageTimer",
     "WindowedThroughput",
+    "apply_activation_checkpointing",
+    "choose_autocast_dtype",
     "count_flops",
     "get_peak_flops",
     "iter_tensors",
     "measure_peak_flops",
+    "peak_rss_bytes",
+    "remove_activation_checkpointing",
+    "reset_peak_rss",
     "resolve_peak_flops",
     "samples_in_batch",
+    "saved_activation_bytes",
+    "supported_autocast_dtypes",
     "tokens_in_batch",
     "transformer_flops_per_token",
 ]

@@ -60,22 +60,24 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
     hits: dict[int, int] = {i: 0 for i in range(len(targets))}
     chosen: list[tuple[str, str]] = []  # (clean name, raw name)
     for clean, raw, module in named:
-        if _is_wrapper(module) or raw.endswith(CHECKPOINT_PREFIX):
-            continue
+        if _is_wrapper(module):
+            continue  # matched through the module it wraps (below), so re-applying is idempotent
         matched = False
         for i, target in enumerate(targets):
             if (isinstance(target, type) and isinstance(module, target)) or (
                     isinstance(target, str) and fnmatch.fnmatchcase(clean, target)):
                 hits[i] += 1
                 matched = True
-        if matched:
-            chosen.append((clean, raw))
+        owner = raw.removesuffix(CHECKPOINT_PREFIX).removesuffix(".")  # an already wrapped module: its wrapper
+        if matched and owner:
+            chosen.append((clean, owner))
     missing = [targets[i] for i, n in hits.items() if n == 0]
     if missing:
         types = sorted({type(m).__name__ for _, _, m in named if not _is_wrapper(m)})
         shown = ", ".join(t.__name__ if isinstance(t, type) else repr(t) for t in missing)
+        names = list(dict.fromkeys(c for c, _, _ in named))[:10]
         raise ValueError(f"ActivationCheckpointing: {shown} matched no submodule of {type(model).__name__}. Module "
-                         f"types present: {', '.join(types)}; names include {[c for c, _, _ in named][:10]}")
+                         f"types present: {', '.join(types)}; names include {names}")
     outermost = [(c, r) for c, r in chosen if not any(r.startswith(o + ".") for _, o in chosen if o != r)]
     for _, raw in outermost:
         parent_name, _, child = raw.rpartition(".")
