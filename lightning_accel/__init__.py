@@ -21,6 +21,13 @@ _EXPORTS: dict[str, str] = {
     "ActivationCheckpointing": "lightning_accel.callbacks.activation_checkpointing",
     # precision
     "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
+    # data
+    "DALIImageDataModule": "lightning_accel.data.dali",
+    "MemmapDataModule": "lightning_accel.data.memmap",
+    "MemmapDataset": "lightning_accel.data.memmap",
+    "TokenMemmapDataset": "lightning_accel.data.memmap",
+    "pack_memmap": "lightning_accel.data.memmap",
+    "pack_webdataset": "lightning_accel.data.webdataset",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",

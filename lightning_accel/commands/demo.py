@@ -13,7 +13,10 @@ def _run(args: argparse.Namespace) -> int:
 
     result = run_demo(config_from_args(args))
     trainer = result["trainer"]
-    if trainer.is_global_zero and "train_loss" in result:
+    if trainer.is_global_zero and "val_acc" in result:  # --data images
+        print(f"demo finished: train_loss {result['train_loss']:.3f}, val_loss {result['val_loss']:.3f} "
+              f"(nats/image; a uniform guess over the 10 classes scores 2.303), val_acc {result['val_acc']:.3f}")
+    elif trainer.is_global_zero and "train_loss" in result:
         val = f", val_loss {result['val_loss']:.3f}" if "val_loss" in result else ""
         print(f"demo finished: train_loss {result['train_loss']:.3f}{val} (nats/token; a uniform guess scores "
               f"5.545, the generating chain's entropy is 1.386)")

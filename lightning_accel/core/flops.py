@@ -15,7 +15,48 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FlopCounter", "count_flops", "transformer_flops_per_token"]
+__all__ = ["FlopCounter", "count_flops", "new_flop_counter_mode", "transformer_flops_per_token"]
+
+
+def _extra_flop_formulas() -> dict[Any, Any]:
+    """Attention formulas that make the count *model* FLOPs, for every SDPA kernel.
+
+    Two corrections to torch's registry (checked on torch 2.13):
+
+    - the CPU flash kernel that ``F.scaled_dot_product_attention`` dispatches to on CPU is not registered, so
+      attention would count as 0 FLOPs there; it computes the same products as the CUDA kernels;
+    - torch's SDPA backward formula includes the recomputation of the score matrix that flash kernels do
+      (5 products, 2.5× the forward). Model FLOPs, the numerator of MFU, exclude recomputation (PaLM,
+      Appendix B: backward = 2× forward), so the backward is counted as its 4 gradient products.
+    """
+    from torch.utils import flop_counter
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                 **kwargs: Any) -> int:
+        b, h_q, s_q, d_q = query
+        s_k = key[2]
+        recomputed_scores = flop_counter.bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, s_k))
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value) - recomputed_scores
+
+    aten = torch.ops.aten
+    formulas = {
+        "_scaled_dot_product_flash_attention_for_cpu": forward,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": backward,
+        "_scaled_dot_product_flash_attention_backward": backward,
+        "_scaled_dot_product_efficient_attention_backward": backward,
+        "_scaled_dot_product_cudnn_attention_backward": backward,
+    }
+    return {getattr(aten, name): f for name, f in formulas.items() if hasattr(aten, name)}
+
+
+def new_flop_counter_mode() -> Any:
+    """A silent ``FlopCounterMode`` counting model FLOPs of every SDPA kernel (see :func:`_extra_flop_formulas`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
 
 
 class FlopCounter:
@@ -38,11 +79,9 @@ class FlopCounter:
         return self._mode is not None
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         if self._mode is not None:
             raise RuntimeError("FlopCounter.start() called twice without stop()")
-        self._mode = FlopCounterMode(display=False)
+        self._mode = new_flop_counter_mode()
         self._mode.__enter__()
 
     def stop(self) -> int:
@@ -126,14 +165,12 @@ def count_flops(
     Returns:
         The number of floating-point operations (a multiply-add counts as 2).
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"count_flops needs an nn.Module, got {type(module).__name__}")
     forward_fn = forward_fn or _default_forward
     cuda_devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     with _preserved_training_state(module, cuda_devices):
-        counter = FlopCounterMode(display=False)
+        counter = new_flop_counter_mode()
         with counter:
             with torch.enable_grad() if backward else torch.no_grad():
                 output = forward_fn(module, batch)

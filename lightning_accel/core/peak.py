@@ -169,6 +169,16 @@ def table_source(name: str) -> str | None:
 _MEASURED: dict[tuple[Any, ...], float] = {}
 
 
+def _best_mm_time(a: torch.Tensor, b: torch.Tensor, device: torch.device, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -177,8 +187,10 @@ def _sync(device: torch.device) -> None:
 def measure_peak_flops(device: Any = "cpu", dtype: Any = torch.float32, *, budget_s: float = 0.25) -> float:
     """Measure a device's achievable matmul FLOP/s with a short probe; cached per process.
 
-    Square matmuls grow until one takes about 2 ms, then repeat for ``budget_s`` seconds; the best rate is
-    returned. On CPU this measures the cores (threads) the process uses now, which is the right denominator for the
+    A square matmul grows (to n=1024 on CPU, 8192 on GPU) until one takes an eighth of the budget, then is
+    repeated for ``budget_s`` seconds (at least three
+    times); the fastest run gives the rate (it is the one least disturbed by other processes, so measure on a
+    quiet machine). On CPU this measures the cores (threads) the process uses now, which is the right denominator for the
     MFU of that process. Takes well under a second on CPU.
 
     Args:
@@ -205,28 +217,24 @@ def measure_peak_flops(device: Any = "cpu", dtype: Any = torch.float32, *, budge
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = key_dtype == "tf32"
     try:
-        max_n = 8192 if device.type == "cuda" else 2048
-        n, elapsed = 128, 0.0
+        # grow a square matmul (up to n=1024 on CPU, 8192 on GPU) until one takes an eighth of the budget: big
+        # enough that thread wake-up and launch overheads vanish, and a dtype the device only emulates (bf16 on
+        # many CPUs runs 100x slower) stops growing early instead of taking seconds
+        n, max_n = (1024, 8192) if device.type == "cuda" else (256, 1024)
         with torch.no_grad():
             while True:
                 a = torch.randn(n, n, device=device).to(torch_dtype)
                 b = torch.randn(n, n, device=device).to(torch_dtype)
-                torch.mm(a, b)  # warm-up: kernel selection, first-touch
+                torch.mm(a, b)  # warm-up: kernel selection, first touch
                 _sync(device)
-                start = time.perf_counter()
-                torch.mm(a, b)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-                if elapsed >= 2e-3 or n >= max_n:
+                if _best_mm_time(a, b, device, 2) >= budget_s / 8 or n >= max_n:
                     break
                 n *= 2
-            best = 2 * n**3 / max(elapsed, 1e-9)
+            elapsed = _best_mm_time(a, b, device, 3)
             deadline = time.perf_counter() + budget_s
-            while time.perf_counter() < deadline:
-                start = time.perf_counter()
-                torch.mm(a, b)
-                _sync(device)
-                best = max(best, 2 * n**3 / max(time.perf_counter() - start, 1e-9))
+            while elapsed < budget_s and time.perf_counter() < deadline:
+                elapsed = min(elapsed, _best_mm_time(a, b, device, 1))
+            best = 2 * n**3 / max(elapsed, 1e-9)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
     _MEASURED[cache_key] = best

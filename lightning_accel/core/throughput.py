@@ -76,8 +76,8 @@ class WindowedThroughput:
     """
 
     window: int = 20
-    synchronize: Callable[[], None] = lambda: None
-    clock: Callable[[], float] = time.perf_counter
+    synchronize: Callable[[], None] = field(default=lambda: None)
+    clock: Callable[[], float] = field(default=lambda: time.perf_counter())
     windows: list[Rates] = field(default_factory=list)
     _counts: _Counts = field(default_factory=_Counts)
     _started_at: float | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_precision", "build_trainer", "run_demo"]
@@ -31,6 +32,7 @@ class DemoConfig:
     val_every: int = 50
     progress_bar: bool = True
     output_dir: str | None = None
+    data: str = "tokens"
     compile: bool = False
     checkpointing: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
@@ -42,6 +44,10 @@ class DemoConfig:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
+        if self.data not in ("tokens", "images"):
+            raise ValueError(f"demo: --data must be 'tokens' or 'images', got {self.data!r}")
+        if self.checkpointing and self.data != "tokens":
+            raise ValueError("demo: --checkpointing wraps the GPT's transformer blocks; use it with --data tokens")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +73,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
+    parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
+                        help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
+                             "TokenMemmapDataset); images: a small CNN on generated JPEGs through "
+                             "DALIImageDataModule (needs the dali extra) (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -131,20 +141,41 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
-    from lightning_accel.demo.model import GPTConfig
-    from lightning_accel.demo.task import DemoDataModule, GPTTask
 
     cfg = cfg or DemoConfig()
     cfg.validate()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    task, data = _image_task(cfg) if cfg.data == "images" else _token_task(cfg)
+    trainer = build_trainer(cfg)
+    trainer.fit(task, datamodule=data)
+    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss", "val_acc")}
+    return {"mfu_monitor": monitor.summary, **metrics, "trainer": trainer}
+
+
+def _data_dir(cfg: DemoConfig, name: str) -> Path | None:
+    return Path(cfg.output_dir) / "data" / name if cfg.output_dir else None
+
+
+def _token_task(cfg: DemoConfig) -> tuple[Any, Any]:
+    from lightning_accel.demo.model import GPTConfig
+    from lightning_accel.demo.task import DemoDataModule, GPTTask
+
     model_cfg = GPTConfig(seq_len=cfg.seq_len, n_layer=cfg.n_layer, d_model=cfg.d_model)
     task = GPTTask(model_cfg)
     # enough windows for every step of every rank, without repeating data within the run
     tokens = max(400_000, (cfg.steps + 1) * cfg.batch_size * cfg.devices * (cfg.seq_len + 1))
     data = DemoDataModule(seq_len=cfg.seq_len, batch_size=cfg.batch_size, train_tokens=tokens,
-                          num_workers=cfg.num_workers, seed=cfg.seed)
-    trainer = build_trainer(cfg)
-    trainer.fit(task, datamodule=data)
-    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor))
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss")}
-    return {"mfu_monitor": monitor.summary, **metrics, "trainer": trainer}
+                          num_workers=cfg.num_workers, seed=cfg.seed, data_dir=_data_dir(cfg, "tokens"))
+    return task, data
+
+
+def _image_task(cfg: DemoConfig) -> tuple[Any, Any]:
+    import tempfile
+
+    from lightning_accel.demo.images import DemoImageDataModule, ImageTask
+
+    root = _data_dir(cfg, "images") or Path(tempfile.gettempdir()) / "lightning-accel-demo" / f"images-s{cfg.seed}"
+    # 10 classes x 64 training JPEGs of 64 px, random-resized-cropped to 32 px by DALI
+    data = DemoImageDataModule(root, seed=cfg.seed, image_size=32, batch_size=cfg.batch_size, last_batch="pad")
+    return ImageTask(num_classes=10), data

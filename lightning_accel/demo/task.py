@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -9,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_accel.demo.data import TokenWindows, markov_tokens
+from lightning_accel.data.memmap import INDEX_FILE, TokenMemmapDataset, pack_memmap, read_memmap_index
+from lightning_accel.demo.data import markov_tokens
 from lightning_accel.demo.model import GPT, GPTConfig
 
 __all__ = ["DemoDataModule", "GPTTask"]
@@ -49,26 +52,52 @@ class GPTTask(pl.LightningModule):
 
 
 class DemoDataModule(pl.LightningDataModule):
-    """Generates a Markov token stream (train and a held-out validation stream) and serves windows of it."""
+    """Generates a Markov token stream (train and a held-out validation stream), packs it with ``pack_memmap`` and
+    serves ``TokenMemmapDataset`` windows of it.
+
+    The stream is written once (by local rank 0, in ``prepare_data``) to ``data_dir``, by default a folder in the
+    system temp directory named after the stream's parameters, and reused by later runs with the same parameters.
+    """
 
     def __init__(self, *, seq_len: int = 64, vocab_size: int = 256, batch_size: int = 32,
-                 train_tokens: int = 400_000, val_tokens: int = 40_000, num_workers: int = 0, seed: int = 0) -> None:
+                 train_tokens: int = 400_000, val_tokens: int = 40_000, num_workers: int = 0, seed: int = 0,
+                 data_dir: str | Path | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"DemoDataModule: batch_size must be >= 1, got {batch_size}")
         self.seq_len, self.vocab_size, self.batch_size = seq_len, vocab_size, batch_size
         self.train_tokens, self.val_tokens, self.num_workers, self.seed = train_tokens, val_tokens, num_workers, seed
-        self._train: TokenWindows | None = None
-        self._val: TokenWindows | None = None
+        name = f"tokens-v{vocab_size}-n{train_tokens}+{val_tokens}-s{seed}"
+        self.data_dir = Path(data_dir) if data_dir is not None else \
+            Path(tempfile.gettempdir()) / "lightning-accel-demo" / name
+        self._train: TokenMemmapDataset | None = None
+        self._val: TokenMemmapDataset | None = None
+
+    def _packed(self, split: str, tokens: int) -> bool:
+        folder = self.data_dir / split
+        if not (folder / INDEX_FILE).is_file():
+            return False
+        try:
+            return read_memmap_index(folder, "tokens")["num_tokens"] == tokens
+        except (ValueError, FileNotFoundError, KeyError):
+            return False
+
+    def prepare_data(self) -> None:
+        if self._packed("train", self.train_tokens) and self._packed("val", self.val_tokens):
+            return
+        # one chain (same transition table) so validation measures what training learns
+        stream = markov_tokens(self.train_tokens + self.val_tokens, self.vocab_size, seed=self.seed)
+        pack_memmap(stream[: self.train_tokens], self.data_dir / "train", kind="tokens", progress_bar=False)
+        pack_memmap(stream[self.train_tokens:], self.data_dir / "val", kind="tokens", progress_bar=False)
 
     def setup(self, stage: str) -> None:
         if self._train is None:
-            # one chain (same transition table) so validation measures what training learns
-            stream = markov_tokens(self.train_tokens + self.val_tokens, self.vocab_size, seed=self.seed)
-            self._train = TokenWindows(stream[: self.train_tokens], self.seq_len)
-            self._val = TokenWindows(stream[self.train_tokens:], self.seq_len)
+            if not self._packed("train", self.train_tokens):  # used without a Trainer: prepare here
+                self.prepare_data()
+            self._train = TokenMemmapDataset(self.data_dir / "train", self.seq_len)
+            self._val = TokenMemmapDataset(self.data_dir / "val", self.seq_len)
 
-    def _loader(self, dataset: TokenWindows | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: TokenMemmapDataset | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() runs before the dataloaders are asked for"
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=shuffle,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)

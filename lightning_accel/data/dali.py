@@ -1,0 +1,503 @@
+"""``DALIImageDataModule``: image decode and augmentation in NVIDIA DALI, sharded correctly under DDP.
+
+Where the time goes in an image pipeline is decode + augment; DALI does both in C++ threads (CPU) or with nvJPEG
+(``mixed``: Huffman decoding on the CPU, the rest on the GPU), and its ROI decode
+(``fn.decoders.image_random_crop``) decodes only the crop window of a random-resized crop. The file reading and
+sharding are done here, in Python, from :func:`lightning_accel.data.sharding.epoch_plan` through
+``fn.external_source``: that gives a global per-epoch shuffle identical on every rank, equal batch counts per rank
+(no DDP hang), validation without double counting, and errors that name the corrupt file (DALI's own decode error
+does not say which file failed).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from typing_extensions import override
+
+from lightning_accel._imports import require
+from lightning_accel.data.image_index import (
+    CorruptImageError,
+    ImageIndex,
+    ImageSource,
+    resolve_image_source,
+    sniff_image_format,
+)
+from lightning_accel.data.sharding import epoch_plan, num_batches
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = ["DALIImageDataModule", "IMAGENET_MEAN", "IMAGENET_STD"]
+
+#: ImageNet channel statistics on the [0, 1] scale (the values torchvision's pretrained models use)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+#: validation resizes the shorter side to ``image_size / 0.875`` then centre-crops (224 -> 256 -> 224), the
+#: standard ImageNet evaluation protocol (e.g. DALI's RN50 example, torchvision references)
+VAL_CROP_FRACTION = 0.875
+#: nvJPEG buffer pre-allocation from DALI's ImageNet RN50 example (avoids reallocations in the first iterations)
+_DEVICE_MEMORY_PADDING = 211_025_920
+_HOST_MEMORY_PADDING = 140_544_512
+
+_DTYPES = {"float32": "FLOAT", "fp32": "FLOAT", "float16": "FLOAT16", "fp16": "FLOAT16"}
+
+
+def _dali() -> ModuleType:
+    return require("nvidia.dali", "DALIImageDataModule")
+
+
+class _BatchSource:
+    """The ``fn.external_source`` callback: reads the encoded bytes of the epoch plan's batches, in order.
+
+    Remembers the batches handed to DALI but not yet consumed (DALI runs ``prefetch_queue_depth`` batches ahead),
+    so a decode failure can be traced to the files that were in flight.
+    """
+
+    def __init__(self, index: ImageIndex, *, skip_corrupt: bool) -> None:
+        self.index = index
+        self.skip_corrupt = skip_corrupt
+        self.bad: dict[int, str] = {}  # sample -> reason; substituted when read
+        self.substitutions = 0
+        self._plan: list[np.ndarray] = []
+        self._next = 0
+        self._stop = False
+        self.inflight: deque[tuple[int, list[int]]] = deque()
+
+    def start_epoch(self, plan: list[np.ndarray]) -> None:
+        self._plan, self._next, self._stop = plan, 0, False
+        self.inflight.clear()
+
+    def stop(self) -> None:
+        """End the epoch early (the consumer stopped): the next call raises StopIteration."""
+        self._stop = True
+
+    def rewind(self) -> None:
+        """Feed again from the oldest batch not yet consumed (after a pipeline rebuild)."""
+        if self.inflight:
+            self._next = self.inflight[0][0]
+        self.inflight.clear()
+        self._stop = False
+
+    def mark_bad(self, sample: int, reason: str) -> None:
+        if sample not in self.bad:
+            self.bad[sample] = reason
+            warnings.warn(f"DALIImageDataModule: skipping corrupt image {self.index.names[sample]} ({reason}); "
+                          f"it is replaced by another image of the same source", stacklevel=2)
+
+    def _read_checked(self, sample: int) -> tuple[bytes | None, str]:
+        try:
+            data = self.index.read(sample)
+        except (OSError, CorruptImageError) as err:
+            if isinstance(err, FileNotFoundError) and not self.skip_corrupt:
+                raise FileNotFoundError(f"image file {self.index.names[sample]} is missing ({err})") from err
+            return None, f"cannot read: {err}"
+        if sniff_image_format(data) is None:
+            return None, f"not an image: {len(data)} bytes starting {data[:8]!r}"
+        return data, ""
+
+    def _read(self, sample: int) -> tuple[bytes, int]:
+        n = len(self.index)
+        for attempt in range(n):
+            candidate = (sample + attempt) % n  # a bad sample is replaced by the next good one (deterministic)
+            if candidate in self.bad:
+                continue
+            data, reason = self._read_checked(candidate)
+            if data is not None:
+                if attempt:
+                    self.substitutions += 1
+                return data, candidate
+            if not self.skip_corrupt:
+                raise CorruptImageError(f"{self.index.names[candidate]}: {reason}. Remove or replace the file, or "
+                                        f"pass skip_corrupt=True to skip such files", [self.index.names[candidate]])
+            self.mark_bad(candidate, reason)
+        raise CorruptImageError(f"no readable image left in {self.index.description}", [])
+
+    def __call__(self, info: Any = None) -> tuple[list[np.ndarray], np.ndarray]:
+        if self._stop or self._next >= len(self._plan):
+            raise StopIteration
+        position = self._next
+        self._next += 1
+        datas: list[np.ndarray] = []
+        used: list[int] = []
+        for sample in self._plan[position]:
+            data, actual = self._read(int(sample))
+            datas.append(np.frombuffer(data, dtype=np.uint8))
+            used.append(actual)
+        self.inflight.append((position, used))
+        return datas, self.index.labels[used].astype(np.int32)
+
+    def find_undecodable(self) -> dict[int, str]:
+        """Decode every in-flight image with PIL; the ones that fail, with PIL's message."""
+        from PIL import Image
+
+        found: dict[int, str] = {}
+        for _, samples in self.inflight:
+            for sample in samples:
+                try:
+                    with Image.open(io.BytesIO(self.index.read(sample))) as img:
+                        img.load()
+                except Exception as err:  # any decoder error means the file is the culprit
+                    found[sample] = f"{type(err).__name__}: {err}"
+        return found
+
+
+class _DALILoader:
+    """An iterable of ``(images, labels)`` torch batches for one split; ``len()`` is the batches per rank."""
+
+    def __init__(self, module: DALIImageDataModule, index: ImageIndex, *, train: bool, batch_size: int,
+                 rank: int, world_size: int, decode_device: str, device_id: int | None,
+                 epoch_fn: Callable[[], int]) -> None:
+        self.module, self.index, self.train = module, index, train
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.decode_device, self.device_id, self.epoch_fn = decode_device, device_id, epoch_fn
+        self.last_batch = module.last_batch if train else "partial"
+        self.source = _BatchSource(index, skip_corrupt=module.skip_corrupt)
+        self._pipe: Any = None
+        self._iter: Any = None
+        self._open = False  # an epoch was started and not run to its end
+        self._len = num_batches(len(index), batch_size=batch_size, world_size=world_size,
+                                last_batch=self.last_batch)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        return epoch_plan(len(self.index), batch_size=self.batch_size, rank=self.rank, world_size=self.world_size,
+                          shuffle=self.train and self.module.shuffle, seed=self.module.seed, epoch=epoch,
+                          last_batch=self.last_batch)
+
+    def _build(self) -> None:
+        dali = _dali()
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+        pipe = self.module._pipeline(self.source, train=self.train, batch_size=self.batch_size,
+                                     decode_device=self.decode_device, device_id=self.device_id,
+                                     seed=self.module.seed + 7919 * self.rank, dali=dali)
+        # size=-1: the epoch ends when the source raises StopIteration (the plan decides the batch count)
+        self._iter = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False, prepare_first_batch=False)
+        self._pipe = pipe
+
+    def _discard(self) -> None:
+        self._iter = self._pipe = None
+        self._open = False
+
+    def close(self) -> None:
+        self._discard()
+        self.index.close()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._open and self._iter is not None:
+            self._drain()
+        self.source.start_epoch(self.plan(self.epoch_fn()))
+        if self._iter is None:
+            self._build()
+        else:
+            self._iter.reset()
+        self._open = True
+        while True:
+            try:
+                out = next(self._iter)
+            except StopIteration:
+                self._open = False
+                return
+            except RuntimeError as err:  # DALI's error for a failed decode names no file: find it
+                self._recover(err)
+                continue
+            except BaseException:  # e.g. CorruptImageError from the source: a pipeline that raised is not reused
+                self._discard()
+                raise
+            self.source.inflight.popleft()
+            images, labels = out[0]["images"], out[0]["labels"]
+            yield images, labels.reshape(-1).long()
+
+    def _drain(self) -> None:
+        """The last epoch was cut short (``limit_*_batches``, ``max_steps``): consume what DALI has in flight.
+
+        At most ``prefetch_queue_depth`` batches, already being decoded; ``next`` rather than ``iter``, since the
+        DALI iterator's ``__iter__`` would reset the pipeline with those batches still queued.
+        """
+        self.source.stop()
+        try:
+            while True:
+                next(self._iter)
+        except StopIteration:
+            self._open = False
+        except Exception:  # a corrupt image among the abandoned batches: start the next epoch on a new pipeline
+            self._discard()
+
+    def _recover(self, err: RuntimeError) -> None:
+        """A DALI error mid-epoch: name the undecodable file(s); skip them and rebuild if ``skip_corrupt``."""
+        culprits = self.source.find_undecodable()
+        if not culprits:
+            names = [self.index.names[s] for _, batch in self.source.inflight for s in batch]
+            self._discard()
+            raise RuntimeError(f"DALI failed while processing a batch from {self.index.description}; every image "
+                               f"in flight decodes with PIL, so the cause is not a corrupt file. Images in flight: "
+                               f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}") from err
+        names = [f"{self.index.names[s]} ({reason})" for s, reason in culprits.items()]
+        if not self.source.skip_corrupt:
+            self._discard()  # a pipeline that raised cannot be reused
+            raise CorruptImageError(f"corrupt image(s) that cannot be decoded: {'; '.join(names)}. Remove or "
+                                    f"replace them, or pass skip_corrupt=True to skip them",
+                                    [self.index.names[s] for s in culprits]) from err
+        for sample, reason in culprits.items():
+            self.source.mark_bad(sample, reason)
+        self.source.rewind()
+        self._build()
+
+
+class DALIImageDataModule(pl.LightningDataModule):
+    """Image classification data decoded and augmented by NVIDIA DALI, sharded over DDP ranks.
+
+    Batches reach ``training_step`` as ``(images, labels)``: ``images`` a float tensor ``(B, 3, H, W)`` (NCHW) or
+    ``(B, H, W, 3)`` (NHWC), normalised with ``mean``/``std``; ``labels`` int64 ``(B,)``; both on the GPU with
+    ``mixed`` decode, on the CPU otherwise (Lightning moves them).
+
+    Train pipeline: ROI decode with a random-resized crop (``fn.decoders.image_random_crop``: area
+    ``random_area``, aspect ratio ``random_aspect_ratio``) → resize to ``image_size`` → random horizontal flip →
+    normalise (``fn.crop_mirror_normalize``). Validation: decode → resize the shorter side to ``val_resize`` →
+    centre crop ``image_size`` → normalise.
+
+    Under DDP each rank reads ``1/world_size`` of the samples (strided over a shuffled order that changes every
+    epoch and is identical on every rank); every rank runs the same number of batches (``last_batch``: ``"drop"``
+    the remainder or ``"pad"`` by wrapping around); validation reads every sample exactly once.
+
+    Args:
+        train: training images: an ImageFolder tree (``root/<class>/<image>``), WebDataset ``.tar`` shard(s) (a
+            folder of them, a glob, or a list), a text file list of ``<path> <label>`` lines, or a sequence of
+            ``(path, label)``.
+        val: validation images, same forms; ``None`` for no validation.
+        image_size: output height and width in pixels.
+        batch_size: per-rank batch size for training.
+        val_batch_size: per-rank batch size for validation (default ``batch_size``).
+        val_resize: shorter side before the validation centre crop (default ``round(image_size / 0.875)``).
+        num_threads: DALI CPU threads per rank (default: the CPU cores divided among the local ranks, at most 8).
+        prefetch_queue_depth: batches DALI prepares ahead.
+        seed: seed of the shuffle (the same on every rank) and of the augmentation (offset per rank).
+        decode_device: ``"mixed"`` (nvJPEG on the GPU), ``"cpu"``, or ``"auto"``: mixed when the Trainer runs on
+            CUDA, CPU otherwise.
+        mean: per-channel mean on the [0, 1] scale (ImageNet's by default).
+        std: per-channel standard deviation on the [0, 1] scale.
+        dtype: ``"float32"`` or ``"float16"`` output.
+        layout: ``"NCHW"`` or ``"NHWC"``.
+        last_batch: ``"drop"`` or ``"pad"``, for training.
+        shuffle: shuffle the training order (every epoch differently).
+        random_area: range of the crop area as a fraction of the image (torchvision's RandomResizedCrop default).
+        random_aspect_ratio: range of the crop aspect ratio.
+        mirror_probability: probability of a horizontal flip in training.
+        skip_corrupt: replace unreadable or undecodable images by another image of the source (deterministically,
+            so every rank keeps its batch count) and count them in :attr:`num_skipped`, instead of raising an error
+            that names the file.
+    """
+
+    def __init__(self, *, train: ImageSource | None = None, val: ImageSource | None = None, image_size: int = 224,
+                 batch_size: int = 64, val_batch_size: int | None = None, val_resize: int | None = None,
+                 num_threads: int | None = None, prefetch_queue_depth: int = 2, seed: int = 0,
+                 decode_device: str = "auto", mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD, dtype: str | torch.dtype = "float32", layout: str = "NCHW",
+                 last_batch: str = "drop", shuffle: bool = True,
+                 random_area: tuple[float, float] = (0.08, 1.0),
+                 random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3), mirror_probability: float = 0.5,
+                 skip_corrupt: bool = False) -> None:
+        super().__init__()
+        if train is None and val is None:
+            raise ValueError("DALIImageDataModule: pass train=... and/or val=... (a folder, .tar shards or a list)")
+        for name, value in (("image_size", image_size), ("batch_size", batch_size),
+                            ("prefetch_queue_depth", prefetch_queue_depth)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DALIImageDataModule: {name} must be a positive integer, got {value!r}")
+        for name, value in (("val_batch_size", val_batch_size), ("val_resize", val_resize),
+                            ("num_threads", num_threads)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"DALIImageDataModule: {name} must be a positive integer or None, got {value!r}")
+        if val_resize is not None and val_resize < image_size:
+            raise ValueError(f"DALIImageDataModule: val_resize={val_resize} is smaller than image_size="
+                             f"{image_size}; the centre crop needs val_resize >= image_size")
+        if decode_device not in ("auto", "cpu", "mixed"):
+            raise ValueError(f"DALIImageDataModule: decode_device must be 'auto', 'cpu' or 'mixed', "
+                             f"got {decode_device!r}")
+        if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
+            raise ValueError(f"DALIImageDataModule: mean and std need 3 values (RGB, [0, 1] scale) and std > 0, "
+                             f"got mean={tuple(mean)}, std={tuple(std)}")
+        dtype_name = str(dtype).replace("torch.", "")
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"DALIImageDataModule: dtype must be 'float32' or 'float16', got {dtype!r}")
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"DALIImageDataModule: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if last_batch not in ("drop", "pad"):
+            raise ValueError(f"DALIImageDataModule: last_batch must be 'drop' or 'pad' (validation always reads "
+                             f"every sample once), got {last_batch!r}")
+        if not (0 < random_area[0] <= random_area[1] <= 1):
+            raise ValueError(f"DALIImageDataModule: random_area must satisfy 0 < low <= high <= 1, "
+                             f"got {random_area}")
+        if not (0 < random_aspect_ratio[0] <= random_aspect_ratio[1]):
+            raise ValueError(f"DALIImageDataModule: random_aspect_ratio must satisfy 0 < low <= high, "
+                             f"got {random_aspect_ratio}")
+        if not 0 <= mirror_probability <= 1:
+            raise ValueError(f"DALIImageDataModule: mirror_probability must be in [0, 1], got {mirror_probability}")
+        self.train_source, self.val_source = train, val
+        self.image_size, self.batch_size = image_size, batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.val_resize = val_resize or round(image_size / VAL_CROP_FRACTION)
+        self.num_threads, self.prefetch_queue_depth, self.seed = num_threads, prefetch_queue_depth, seed
+        self.decode_device = decode_device
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+        self.dtype, self.layout = dtype_name, layout
+        self.last_batch, self.shuffle = last_batch, shuffle
+        self.random_area = (float(random_area[0]), float(random_area[1]))
+        self.random_aspect_ratio = (float(random_aspect_ratio[0]), float(random_aspect_ratio[1]))
+        self.mirror_probability = float(mirror_probability)
+        self.skip_corrupt = skip_corrupt
+        self._index: dict[str, ImageIndex] = {}
+        self._loaders: dict[str, _DALILoader] = {}
+        self._own_epoch = 0
+
+    # ----------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, stage: str) -> None:
+        _dali()  # fail early with the install line
+        if stage == "fit" and self.train_source is None:
+            raise ValueError("DALIImageDataModule: trainer.fit needs train=...")
+        for split, source in (("train", self.train_source), ("val", self.val_source)):
+            if source is not None and split not in self._index:
+                self._index[split] = resolve_image_source(source)
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names (sorted folder names, or ``classes.json`` of packed shards); ``None`` if unknown."""
+        index = self._index.get("train") or self._index.get("val")
+        return index.classes if index is not None else None
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (from the class names, else the largest label + 1); after :meth:`setup`."""
+        index = self._index.get("train") or self._index.get("val")
+        if index is None:
+            raise RuntimeError("DALIImageDataModule.num_classes is known after setup()")
+        return len(index.classes) if index.classes else int(index.labels.max()) + 1
+
+    @property
+    def num_skipped(self) -> int:
+        """Corrupt images skipped (``skip_corrupt=True``) so far on this rank."""
+        return sum(len(loader.source.bad) for loader in self._loaders.values())
+
+    @property
+    def skipped_files(self) -> list[str]:
+        """Names of the corrupt images skipped on this rank, with the reason."""
+        return [f"{loader.index.names[s]} ({r})" for loader in self._loaders.values()
+                for s, r in loader.source.bad.items()]
+
+    def _distributed(self) -> tuple[int, int]:
+        trainer = self._trainer_or_none()
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _trainer_or_none(self) -> pl.Trainer | None:
+        return getattr(self, "trainer", None)
+
+    def _resolve_decode_device(self) -> tuple[str, int | None]:
+        trainer = self._trainer_or_none()
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        choice = self.decode_device
+        if choice == "auto":
+            choice = "mixed" if device.type == "cuda" else "cpu"
+        if choice == "mixed":
+            if not torch.cuda.is_available():
+                raise ValueError("DALIImageDataModule: decode_device='mixed' decodes on the GPU but CUDA is not "
+                                 "available; use decode_device='cpu' or 'auto'")
+            index = device.index if device.type == "cuda" and device.index is not None else \
+                torch.cuda.current_device()
+            return "mixed", index
+        return "cpu", None
+
+    def _threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            local_ranks = max(1, trainer.num_devices)
+        return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
+
+    def _epoch(self) -> int:
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            return trainer.current_epoch
+        epoch, self._own_epoch = self._own_epoch, self._own_epoch + 1
+        return epoch
+
+    def _loader(self, split: str) -> _DALILoader:
+        if split not in self._index:
+            self.setup("fit" if split == "train" else "validate")
+            if split not in self._index:
+                raise ValueError(f"DALIImageDataModule: no {split}=... source was given")
+        if split not in self._loaders:
+            rank, world_size = self._distributed()
+            decode_device, device_id = self._resolve_decode_device()
+            train = split == "train"
+            self._loaders[split] = _DALILoader(
+                self, self._index[split], train=train, batch_size=self.batch_size if train else self.val_batch_size,
+                rank=rank, world_size=world_size, decode_device=decode_device, device_id=device_id,
+                epoch_fn=self._epoch if train else (lambda: 0))
+        return self._loaders[split]
+
+    @override
+    def train_dataloader(self) -> _DALILoader:
+        return self._loader("train")
+
+    @override
+    def val_dataloader(self) -> _DALILoader | list:
+        return self._loader("val") if self.val_source is not None else []
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for loader in self._loaders.values():
+            loader.close()
+        self._loaders.clear()
+
+    # ----------------------------------------------------------------------------------------------- pipeline
+    def _pipeline(self, source: _BatchSource, *, train: bool, batch_size: int, decode_device: str,
+                  device_id: int | None, seed: int, dali: ModuleType) -> Any:
+        fn, types = dali.fn, dali.types
+        mixed = decode_device == "mixed"
+        decoder_args: dict[str, Any] = {"device": decode_device, "output_type": types.RGB}
+        if mixed:
+            decoder_args.update(device_memory_padding=_DEVICE_MEMORY_PADDING,
+                                host_memory_padding=_HOST_MEMORY_PADDING)
+        size = self.image_size
+        pipe = dali.pipeline.Pipeline(batch_size=batch_size, num_threads=self._threads(), device_id=device_id,
+                                      seed=seed, prefetch_queue_depth=self.prefetch_queue_depth)
+        with pipe:
+            encoded, labels = fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
+                                                 dtype=[types.UINT8, types.INT32], ndim=[1, 0])
+            if train:
+                images = fn.decoders.image_random_crop(encoded, random_area=list(self.random_area),
+                                                       random_aspect_ratio=list(self.random_aspect_ratio),
+                                                       num_attempts=10, **decoder_args)
+                images = fn.resize(images, resize_x=size, resize_y=size)
+                mirror = fn.random.coin_flip(probability=self.mirror_probability)
+                crop_args: dict[str, Any] = {"mirror": mirror}
+            else:
+                images = fn.decoders.image(encoded, **decoder_args)
+                images = fn.resize(images, resize_shorter=self.val_resize)
+                crop_args = {"crop": (size, size), "crop_pos_x": 0.5, "crop_pos_y": 0.5}
+            images = fn.crop_mirror_normalize(
+                images, dtype=getattr(types, _DTYPES[self.dtype]),
+                output_layout="CHW" if self.layout == "NCHW" else "HWC",
+                mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], **crop_args)
+            if mixed:
+                labels = labels.gpu()
+            pipe.set_outputs(images, labels)
+        return pipe
+
+    def expected_batches(self, split: str = "train") -> int:
+        """Batches per rank per epoch for ``split`` with the current world size (after :meth:`setup`)."""
+        return len(self._loader(split))
