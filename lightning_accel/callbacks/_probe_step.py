@@ -67,6 +67,7 @@ class TrainingState:
         self.schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict()))
                            for cfg in trainer.lr_scheduler_configs]
         self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.rng = {
             "torch": torch.get_rng_state(),
             "numpy": np.random.get_state(),
@@ -74,6 +75,13 @@ class TrainingState:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
             else None,
         }
+
+    def track_loader(self, loader: Any) -> None:
+        """Also restore the ``torch.Generator`` objects a dataloader draws its order from (its own, its sampler's,
+        its batch sampler's sampler's): a generator kept on the module or datamodule and reused by every
+        ``train_dataloader()`` call would otherwise be advanced by the tuners' iterations and change the order."""
+        for gen in _loader_generators(loader):
+            self.generators.setdefault(id(gen), (gen, gen.get_state()))
 
     def bytes_on(self, device: torch.device) -> int:
         """Bytes this snapshot holds on ``device`` (its tensors live on the CPU)."""
@@ -103,6 +111,8 @@ class TrainingState:
         for scheduler, saved in self.schedulers:
             scheduler.load_state_dict(copy.deepcopy(saved))
         self.trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        for gen, gen_state in self.generators.values():
+            gen.set_state(gen_state)
         torch.set_rng_state(self.rng["torch"])
         np.random.set_state(self.rng["numpy"])
         random.setstate(self.rng["python"])
@@ -111,6 +121,20 @@ class TrainingState:
 
 
 # ------------------------------------------------------------------------------------------------ data plumbing
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loaders = CombinedLoader(loader, "max_size_cycle").flattened if not hasattr(loader, "batch_size") else [loader]
+    found = []
+    for dl in loaders:
+        batch_sampler = getattr(dl, "batch_sampler", None)
+        for obj in (dl, getattr(dl, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            gen = getattr(obj, "generator", None)
+            if isinstance(gen, torch.Generator) and all(gen is not f for f in found):
+                found.append(gen)
+    return found
+
+
 def train_data_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """The datamodule or LightningModule whose ``train_dataloader()`` feeds this fit.
 

@@ -297,7 +297,7 @@ class BatchSizeTuner(Callback):
 
         def probe(size: int) -> tuple[float, float]:
             lightning_setattr(pl_module, self.batch_arg_name, size)
-            batches = _cycle(lambda: request_train_dataloader(trainer, pl_module))
+            batches = _cycle(lambda: _tracked(state, request_train_dataloader(trainer, pl_module)))
             failed = True
             try:
                 with runner.quiet():
@@ -382,6 +382,11 @@ class BatchSizeTuner(Callback):
                          + ("" if model is None else f"; fit: {model.fixed_bytes / 2**20:,.0f} MiB + "
                             f"{model.bytes_per_sample / 2**10:,.1f} KiB/sample") + f"; memory: {s['memory_source']}")
         return table
+
+
+def _tracked(state: TrainingState, loader: Any) -> Any:
+    state.track_loader(loader)
+    return loader
 
 
 def _cycle(make_loader: Any) -> Iterator[Any]:
