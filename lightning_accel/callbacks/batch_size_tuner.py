@@ -103,6 +103,9 @@ class BatchSizeTuner(Callback):
         target_global_batch_size: keep micro × devices × accumulation equal to this.
         lr_scaling: ``"linear"``, ``"sqrt"`` or ``"none"``.
         epochs: epochs at whose start to search (0 = before training).
+        memory_meter: an object with ``reset()`` and ``peak_bytes()`` measuring one step (default:
+            :class:`~lightning_accel.core.memory_probe.PeakMemoryMeter` of the device). For allocators it does not
+            know, or a simulated device in tests and benchmarks.
         print_summary: print the probe table on rank 0.
 
     After a search, :attr:`result` holds the :class:`~lightning_accel.core.search.BatchSizeSearch` of this rank
@@ -126,6 +129,7 @@ class BatchSizeTuner(Callback):
         target_global_batch_size: int | None = None,
         lr_scaling: str = "none",
         epochs: Sequence[int] = (0,),
+        memory_meter: Any = None,
         print_summary: bool = True,
     ) -> None:
         if mode not in _MODES:
@@ -151,6 +155,10 @@ class BatchSizeTuner(Callback):
         if not isinstance(throughput_threshold, (int, float)) or throughput_threshold < 0:
             raise ValueError(f"BatchSizeTuner(throughput_threshold={throughput_threshold!r}): give a fraction >= 0, "
                              "e.g. 0.05")
+        if memory_meter is not None and not (callable(getattr(memory_meter, "reset", None))
+                                             and callable(getattr(memory_meter, "peak_bytes", None))):
+            raise ValueError(f"BatchSizeTuner(memory_meter={memory_meter!r}): give an object with reset() and "
+                             "peak_bytes() methods (see PeakMemoryMeter), or None for the device's own")
         if lr_scaling not in _LR_RULES:
             raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {_LR_RULES}")
         epochs = tuple(epochs)
@@ -170,6 +178,7 @@ class BatchSizeTuner(Callback):
         self.target_global_batch_size = target_global_batch_size
         self.lr_scaling = lr_scaling
         self.epochs = tuple(sorted(set(epochs)))
+        self.memory_meter = memory_meter
         self.print_summary = print_summary
         self.result: BatchSizeSearch | None = None
         self.summary: dict[str, Any] = {}
@@ -267,7 +276,8 @@ class BatchSizeTuner(Callback):
             "accumulate_grad_batches": accum, "global_batch_size": new_global, "previous_batch_size": old_batch,
             "previous_global_batch_size": old_global, "lr_scale": lr_scale, "budget_bytes": budget,
             "probes": result.num_probes, "search_seconds": seconds, "stop_reason": result.stop_reason,
-            "memory_source": PeakMemoryMeter(device).source,
+            "memory_source": getattr(self.memory_meter or PeakMemoryMeter(device), "source",
+                                     type(self.memory_meter).__name__),
         }
         metrics = {"tuner/batch_size": micro, "tuner/accumulate_grad_batches": accum,
                    "tuner/global_batch_size": new_global, "tuner/lr_scale": lr_scale,
@@ -285,13 +295,14 @@ class BatchSizeTuner(Callback):
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device, budget: float,
                 cap: int | None) -> BatchSizeSearch:
-        meter = PeakMemoryMeter(device)
-        if not meter.exact:
+        meter = self.memory_meter if self.memory_meter is not None else PeakMemoryMeter(device)
+        if not getattr(meter, "exact", True):
             rank_zero_warn(f"BatchSizeTuner: {meter.source}; leave a larger margin (memory_fraction)")
         runner = StepRunner(trainer, pl_module)
         original = lightning_getattr(pl_module, self.batch_arg_name)
         state = TrainingState(trainer, pl_module)
-        offset = state.bytes_on(device)  # the snapshot is resident on the CPU; training will not hold it
+        # the snapshot is resident on the CPU and counted by the process-RSS meter; training will not hold it
+        offset = state.bytes_on(device) if self.memory_meter is None else 0
         max_size = min(x for x in (self.max_batch_size, cap) if x is not None) \
             if (self.max_batch_size or cap) else None
 

@@ -95,6 +95,43 @@ def test_fake_oom_module_finds_the_limit_in_few_probes() -> None:
     assert tuner.summary["batch_size"] == model.batch_size
 
 
+class SimulatedDevice:
+    """Memory meter of a fake device: the step reports ``fixed + per_sample × batch`` and OOMs above capacity."""
+
+    def __init__(self, fixed: float, per_sample: float, capacity: float) -> None:
+        self.fixed, self.per_sample, self.capacity, self.peak = fixed, per_sample, capacity, 0.0
+
+    def step(self, b: int) -> None:
+        peak = self.fixed + self.per_sample * b
+        if peak > self.capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.peak = max(self.peak, peak)
+
+    def reset(self) -> None:
+        self.peak = 0.0
+
+    def peak_bytes(self) -> float:
+        return self.peak
+
+
+def test_linear_memory_device_reaches_95_percent_in_at_most_6_probes() -> None:
+    device = SimulatedDevice(fixed=6 * GiB, per_sample=40 * 2**20, capacity=24 * GiB)
+
+    class OnDevice(Net):
+        def training_step(self, batch, batch_idx):
+            device.step(len(batch[0]))
+            return super().training_step(batch, batch_idx)
+
+    model = OnDevice(n=1024)
+    tuner = BatchSizeTuner(memory_budget=int(0.9 * 24 * GiB), memory_meter=device, print_summary=False)
+    _trainer([tuner], max_steps=1).fit(model)
+    true_max = int((0.9 * 24 * GiB - 6 * GiB) // (40 * 2**20))
+    assert tuner.result.num_probes <= 6
+    assert 0.95 * true_max <= model.batch_size <= true_max
+    assert tuner.result.model.bytes_per_sample == pytest.approx(40 * 2**20)
+    assert tuner.summary["memory_source"] == "SimulatedDevice"
+
+
 def test_state_is_bit_identical_and_training_equals_an_untuned_run_at_that_size() -> None:
     pl.seed_everything(0)
     tuned = Net(oom_above=100)
