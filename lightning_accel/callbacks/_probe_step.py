@@ -33,7 +33,8 @@ from lightning_accel.core.batch import samples_in_batch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["TrainingState", "StepRunner", "train_data_holder", "request_train_dataloader", "reload_train_dataloader"]
+__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader",
+           "request_train_dataloader", "train_data_holder"]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -149,6 +150,31 @@ def train_data_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any
                          "`train_dataloader()` of a LightningDataModule or the LightningModule, not from "
                          "`trainer.fit(model, train_dataloaders=...)`")
     return source.instance
+
+
+def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, name: str,
+                            hint: str) -> ValueError:
+    """The error for an attribute that ``lightning_hasattr`` did not find, naming every place it looked."""
+    where = ["the LightningModule", "its hparams"]
+    if trainer.datamodule is not None:
+        where += [f"the datamodule ({type(trainer.datamodule).__name__})", "the datamodule's hparams"]
+    return ValueError(f"{who}: no `{name}` attribute in {', '.join(where)} (looked in {type(pl_module).__name__}). "
+                      f"{hint}")
+
+
+def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException | None, who: str) -> torch.Tensor:
+    """Every rank's ``value`` (one ``all_gather``), after which a rank's own ``error`` is raised; if another rank
+    failed, a ``RuntimeError`` says which. Each rank must call this even when it failed, or the others would wait
+    in the collective forever."""
+    from lightning_accel.callbacks._trainer import gather_floats
+
+    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0])
+    if error is not None:
+        raise error
+    if bool(rows[:, 1].any()):
+        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+        raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
+    return rows[:, 0]
 
 
 def request_train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

@@ -18,12 +18,14 @@ from typing_extensions import override
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
+    agree_across_ranks,
     iterate_batches,
+    missing_attribute_error,
     reload_train_dataloader,
     request_train_dataloader,
     train_data_holder,
 )
-from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
+from lightning_accel.callbacks._trainer import rank_zero_print
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
 from lightning_accel.core.search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
 
@@ -197,12 +199,9 @@ class BatchSizeTuner(Callback):
                              f"{type(strategy).__name__}: remove the tuner or pass the batch size yourself")
         train_data_holder(trainer, pl_module)  # fails early for dataloaders passed to fit()
         if not lightning_hasattr(pl_module, self.batch_arg_name):
-            where = ["the LightningModule", "its hparams"]
-            if trainer.datamodule is not None:
-                where += [f"the datamodule ({type(trainer.datamodule).__name__})", "the datamodule's hparams"]
-            raise ValueError(f"BatchSizeTuner: no `{self.batch_arg_name}` attribute in {', '.join(where)} "
-                             f"(looked in {type(pl_module).__name__}). Add `self.{self.batch_arg_name} = ...` and build "
-                             "the train DataLoader from it, or pass batch_arg_name='<your attribute>'")
+            raise missing_attribute_error(trainer, pl_module, "BatchSizeTuner", self.batch_arg_name,
+                                          f"Add `self.{self.batch_arg_name} = ...` and build the train DataLoader "
+                                          "from it, or pass batch_arg_name='<your attribute>'")
         if self.target_global_batch_size is not None and self.target_global_batch_size % trainer.world_size:
             raise ValueError(f"BatchSizeTuner(target_global_batch_size={self.target_global_batch_size}) is not a "
                              f"multiple of the {trainer.world_size} devices: pick a multiple of {trainer.world_size}")
@@ -248,17 +247,12 @@ class BatchSizeTuner(Callback):
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error, result = err, None
         seconds = time.perf_counter() - started
-        rows = gather_floats(trainer, device, [float(result.batch_size) if result else math.nan,
-                                               1.0 if error is not None else 0.0])
-        if error is not None:
-            raise error
-        if bool(rows[:, 1].any()):
-            failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
-            raise RuntimeError(f"BatchSizeTuner: the search failed on rank(s) {failed}; see their error")
+        sizes = agree_across_ranks(trainer, float(result.batch_size) if result else math.nan, error,
+                                   "BatchSizeTuner search")
         assert result is not None
         self.result = result
-        chosen = int(rows[:, 0].min())
-        per_rank = [int(x) for x in rows[:, 0].tolist()]
+        chosen = int(sizes.min())
+        per_rank = [int(x) for x in sizes.tolist()]
         if cap is not None and chosen >= cap:
             rank_zero_warn(f"BatchSizeTuner: the dataset has only {cap} samples per rank; the batch size is clamped "
                            f"to {cap} (more would not fit in one batch)")

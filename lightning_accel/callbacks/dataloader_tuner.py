@@ -18,11 +18,13 @@ from typing_extensions import override
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
+    agree_across_ranks,
     iterate_batches,
+    missing_attribute_error,
     request_train_dataloader,
     train_data_holder,
 )
-from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
+from lightning_accel.callbacks._trainer import rank_zero_print
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,8 +79,9 @@ class DataLoaderTuner(Callback):
        attributes set and timed in steady state: the first ``warmup_batches`` batches plus the prefetch queue
        (workers × prefetch) are skipped, so worker start-up and pre-filled queues do not inflate the rate.
     3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) wins (the search stops there);
-       if none does, the cheapest within 5 % of the fastest (the data stage stays the bottleneck: see the table). Under DDP every
-       rank measures, and all ranks adopt the most generous choice among them (one ``all_gather``).
+       if none does, the cheapest within 5 % of the fastest (the data stage stays the bottleneck: see the table).
+       Under DDP every rank measures, and all ranks adopt the most generous choice among them (one
+       ``all_gather``).
 
     The choice is applied by setting the attributes on the LightningModule / datamodule (looked up like Lightning's
     ``batch_size``: module, hparams, datamodule) before the fit loop builds its dataloader, so the user's
@@ -166,11 +169,9 @@ class DataLoaderTuner(Callback):
             return
         train_data_holder(trainer, pl_module)
         if not lightning_hasattr(pl_module, self.attrs["num_workers"]):
-            where = "the LightningModule, its hparams" + (", the datamodule, the datamodule's hparams"
-                                                          if trainer.datamodule is not None else "")
-            raise ValueError(f"DataLoaderTuner: no `{self.attrs['num_workers']}` attribute in {where} "
-                             f"(looked in {type(pl_module).__name__}). Add `self.num_workers = 0` and build the train "
-                             "DataLoader from it, or pass num_workers_attr='<your attribute>'")
+            raise missing_attribute_error(trainer, pl_module, "DataLoaderTuner", self.attrs["num_workers"],
+                                          "Add `self.num_workers = 0` and build the train DataLoader from it, or "
+                                          "pass num_workers_attr='<your attribute>'")
         from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 
         callbacks = trainer.callbacks
@@ -238,13 +239,8 @@ class DataLoaderTuner(Callback):
         finally:
             state.restore()
             self._apply(pl_module, initial, present)
-        device = trainer.strategy.root_device
-        rows = gather_floats(trainer, device, [float(chosen_index), 1.0 if error is not None else 0.0])
-        if error is not None:
-            raise error
-        if bool(rows[:, 1].any()):
-            raise RuntimeError("DataLoaderTuner: the measurement failed on another rank; see its error")
-        adopted = int(rows[:, 0].max())  # the most generous setting any rank needed (grids are identical)
+        choices = agree_across_ranks(trainer, float(chosen_index), error, "DataLoaderTuner measurement")
+        adopted = int(choices.max())  # the most generous setting any rank needed (the grids are identical)
         setting = grid[adopted]
         self._apply(pl_module, setting, present)
         own = math.nan  # this rank's rate for the adopted setting (nan if this rank stopped before measuring it)
