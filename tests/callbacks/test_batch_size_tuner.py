@@ -10,7 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 from lightning_accel.core.search import BatchSizeSearchError
@@ -132,7 +133,7 @@ def test_linear_memory_device_reaches_95_percent_in_at_most_6_probes() -> None:
     assert tuner.summary["memory_source"] == "SimulatedDevice"
 
 
-def test_state_is_bit_identical_and_training_equals_an_untuned_run_at_that_size() -> None:
+def test_state_is_bit_identical_and_training_equals_an_untuned_run_at_that_size(tmp_path) -> None:
     pl.seed_everything(0)
     tuned = Net(oom_above=100)
     before = copy.deepcopy(tuned.state_dict())
@@ -156,8 +157,9 @@ def test_state_is_bit_identical_and_training_equals_an_untuned_run_at_that_size(
             nonlocal rng_before
             rng_before = torch.get_rng_state()
 
-    _trainer([Rng(), tuner, check], max_steps=4).fit(tuned)
+    _trainer([Rng(), tuner, check], max_steps=4, default_root_dir=tmp_path).fit(tuned)
     assert torch.equal(rng_before, check.rng)
+    assert list(tmp_path.iterdir()) == []  # no checkpoint or temporary file was written
     size = tuned.batch_size
 
     pl.seed_everything(0)
@@ -243,20 +245,43 @@ def test_dataloader_that_ignores_the_attribute_is_reported() -> None:
         _trainer([BatchSizeTuner(memory_budget=BIG, print_summary=False)]).fit(Fixed())
 
 
+class MemoryLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[dict, int]] = []
+
+    name, version = "memory", 0
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((dict(metrics), step))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
 def test_target_global_batch_sets_accumulation_and_keeps_lr() -> None:
     model = Net(batch_size=96, oom_above=64, lr=0.01)
     tuner = BatchSizeTuner(memory_budget=BIG, target_global_batch_size=96, lr_scaling="linear", print_summary=False)
-    trainer = _trainer([tuner], max_steps=2)
+    logger = MemoryLogger()
+    trainer = _trainer([tuner], max_steps=2, logger=logger)
     trainer.fit(model)
     assert (model.batch_size, trainer.accumulate_grad_batches) == (48, 2)
     assert set(model.sizes) == {48}
     assert len(model.sizes) == 4  # 2 optimizer steps × 2 micro-batches
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)  # global batch unchanged: same lr
     assert tuner.summary["global_batch_size"] == 96
+    tuned = next(m for m, step in logger.metrics if "tuner/batch_size" in m)
+    assert tuned["tuner/batch_size"] == 48 and tuned["tuner/accumulate_grad_batches"] == 2
+    assert tuned["tuner/global_batch_size"] == 96 and tuned["tuner/lr_scale"] == 1.0
+    assert tuned["tuner/probes"] == tuner.result.num_probes and tuned["tuner/memory_budget_gb"] == BIG / 1e9
 
 
 @pytest.mark.parametrize(("rule", "scale"), [("linear", 16.0), ("sqrt", 4.0), ("none", 1.0)])
-def test_lr_scaling_when_the_effective_batch_changes(rule: str, scale: float) -> None:
+def test_lr_scaling_when_the_effective_batch_changes(rule: str, scale: float, caplog) -> None:
     model = Net(batch_size=4, lr=0.01)
     tuner = BatchSizeTuner(memory_budget=BIG, max_batch_size=64, lr_scaling=rule, print_summary=False)
     trainer = _trainer([tuner], max_steps=1)
@@ -267,6 +292,8 @@ def test_lr_scaling_when_the_effective_batch_changes(rule: str, scale: float) ->
     assert group["initial_lr"] == pytest.approx(0.01 * scale)
     assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.01 * scale)]
     assert tuner.summary["lr_scale"] == pytest.approx(scale)
+    said = "lr 0.01 -> " + f"{0.01 * scale:.6g}" + f" ({rule} rule, effective batch 4 -> 64)"
+    assert (said in caplog.text) == (rule != "none")
 
 
 def test_cpu_ram_budget_is_measured_not_guessed() -> None:

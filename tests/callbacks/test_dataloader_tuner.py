@@ -118,6 +118,21 @@ def test_loader_that_ignores_the_attribute_is_reported() -> None:
         _trainer([DataLoaderTuner(num_workers=(1,), print_summary=False)]).fit(Ignores())
 
 
+def test_grid_pins_memory_only_on_gpu() -> None:
+    from types import SimpleNamespace
+
+    tuner = DataLoaderTuner(num_workers=(0, 2), prefetch_factors=(2, 4))
+    present = {"num_workers": True, "prefetch_factor": True, "persistent_workers": True, "pin_memory": True}
+    for device, pinned in (("cuda", True), ("cpu", False)):
+        trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=1)
+        grid = tuner._grid(trainer, present)
+        assert [(g.num_workers, g.prefetch_factor, g.persistent_workers) for g in grid] == [
+            (0, None, False), (2, 2, True), (2, 4, True)]
+        assert all(g.pin_memory is pinned for g in grid)
+    no_prefetch = tuner._grid(trainer, {**present, "prefetch_factor": False})
+    assert [(g.num_workers, g.prefetch_factor) for g in no_prefetch] == [(0, None), (2, None)]
+
+
 def test_grid_and_arguments() -> None:
     assert default_worker_counts(1) == [0, 1]
     assert default_worker_counts(2) == [0, 1, 2]
