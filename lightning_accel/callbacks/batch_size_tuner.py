@@ -214,12 +214,15 @@ class BatchSizeTuner(Callback):
             rank_zero_info(f"BatchSizeTuner: resumed run, using the tuned batch size {self._applied['batch_size']} "
                            f"× accumulation {self._applied['accumulate_grad_batches']} from the checkpoint")
             return
+        if trainer.fast_dev_run:
+            rank_zero_warn("BatchSizeTuner: skipped because fast_dev_run is on")
+            return
         if 0 in self.epochs:
             self.tune(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch + 1 in self.epochs and not trainer.should_stop:
+        if trainer.current_epoch + 1 in self.epochs and not trainer.should_stop and not trainer.fast_dev_run:
             self.tune(trainer, pl_module)
             reload_train_dataloader(trainer)
 

@@ -78,7 +78,8 @@ class DataLoaderTuner(Callback):
        CPU cores, each with ``prefetch_factors``), the user's ``train_dataloader()`` is rebuilt with those
        attributes set and timed in steady state: the first ``warmup_batches`` batches plus the prefetch queue
        (workers × prefetch) are skipped, so worker start-up and pre-filled queues do not inflate the rate.
-    3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) wins (the search stops there);
+    3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) in two consecutive measurements
+       (the lower one counts) wins and the search stops there;
        if none does, the cheapest within 5 % of the fastest (the data stage stays the bottleneck: see the table).
        Under DDP every rank measures, and all ranks adopt the most generous choice among them (one
        ``all_gather``).
@@ -225,8 +226,11 @@ class DataLoaderTuner(Callback):
             rates: list[float] = []
             for setting in grid:
                 rate = self._loader_rate(trainer, pl_module, state, asdict(setting), present)
-                rates.append(rate)
                 feeds = rate >= consumption * (1 + self.margin)
+                if feeds:  # confirm before stopping the search: a busy machine can flatter one window
+                    rate = min(rate, self._loader_rate(trainer, pl_module, state, asdict(setting), present))
+                    feeds = rate >= consumption * (1 + self.margin)
+                rates.append(rate)
                 self.table.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds,
                                    "chosen": False, **asdict(setting)})
                 if feeds:
