@@ -28,11 +28,14 @@ _EXPORTS: dict[str, str] = {
     "TokenMemmapDataset": "lightning_accel.data.memmap",
     "pack_memmap": "lightning_accel.data.memmap",
     "pack_webdataset": "lightning_accel.data.webdataset",
+    "BatchSizeTuner": "lightning_accel.callbacks.batch_size_tuner",
+    "DataLoaderTuner": "lightning_accel.callbacks.dataloader_tuner",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",
     "get_peak_flops": "lightning_accel.core.peak",
     "measure_peak_flops": "lightning_accel.core.peak",
+    "find_batch_size": "lightning_accel.core.search",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -3,20 +3,32 @@
 from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
 from lightning_accel.core.checkpointing import (
     apply_activation_checkpointing,
-    peak_rss_bytes,
     remove_activation_checkpointing,
-    reset_peak_rss,
     saved_activation_bytes,
 )
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
+from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
 from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
+from lightning_accel.core.search import (
+    BatchSizeSearch,
+    BatchSizeSearchError,
+    MemoryModel,
+    ProbeRecord,
+    find_batch_size,
+    find_throughput_batch_size,
+)
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 
 __all__ = [
+    "BatchSizeSearch",
+    "BatchSizeSearchError",
     "FlopCounter",
     "Fp32Islands",
+    "MemoryModel",
+    "PeakMemoryMeter",
+    "ProbeRecord",
     "PeakFlops",
     "Rates",
     "StageTimer",
@@ -24,6 +36,9 @@ __all__ = [
     "apply_activation_checkpointing",
     "choose_autocast_dtype",
     "count_flops",
+    "device_memory_capacity",
+    "find_batch_size",
+    "find_throughput_batch_size",
     "get_peak_flops",
     "iter_tensors",
     "measure_peak_flops",

@@ -15,9 +15,7 @@ __all__ = [
     "CHECKPOINT_PREFIX",
     "apply_activation_checkpointing",
     "clean_module_name",
-    "peak_rss_bytes",
     "remove_activation_checkpointing",
-    "reset_peak_rss",
     "saved_activation_bytes",
 ]
 
@@ -134,23 +132,3 @@ def saved_activation_bytes(module: nn.Module, args: tuple[Any, ...], kwargs: dic
 
 
 # ---------------------------------------------------------------------------------------------- peak RSS (Linux)
-def reset_peak_rss() -> None:
-    """Reset this process's peak resident set size (``VmHWM``) to the current RSS (Linux ≥ 4.0 only).
-
-    Writes ``5`` to ``/proc/self/clear_refs`` (see ``man 5 proc``). Raises ``OSError`` elsewhere.
-    """
-    if not sys.platform.startswith("linux"):
-        raise OSError("reset_peak_rss needs Linux (/proc/self/clear_refs)")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size since start or the last :func:`reset_peak_rss` (Linux ``VmHWM``)."""
-    if not sys.platform.startswith("linux"):
-        raise OSError("peak_rss_bytes needs Linux (/proc/self/status VmHWM)")
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise OSError("no VmHWM line in /proc/self/status")

@@ -35,6 +35,8 @@ class DemoConfig:
     data: str = "tokens"
     compile: bool = False
     checkpointing: bool = False
+    tune_batch_size: str | None = None
+    tune_dataloader: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -42,6 +44,8 @@ class DemoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.tune_batch_size not in (None, "max_fit", "throughput"):
+            raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
         if self.data not in ("tokens", "images"):
@@ -71,6 +75,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=d.window, help="batches per measuring window (default 10)")
     parser.add_argument("--val-every", type=int, default=d.val_every, help="validate every N steps (default 50)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
+    parser.add_argument("--tune-batch-size", choices=("max_fit", "throughput"), default=None,
+                        help="pick the per-device batch with BatchSizeTuner before training (throughput suits CPUs)")
+    parser.add_argument("--tune-dataloader", action="store_true",
+                        help="pick num_workers with DataLoaderTuner before training")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
     parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
@@ -87,7 +95,16 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
-    callbacks: list[Any] = [MFUMonitor(window=cfg.window)]
+    callbacks: list[Any] = []
+    if cfg.tune_batch_size is not None:  # before DataLoaderTuner: the loader is tuned for the new batch size
+        from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
+
+        callbacks.append(BatchSizeTuner(mode=cfg.tune_batch_size, max_batch_size=1024))
+    if cfg.tune_dataloader:
+        from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
+
+        callbacks.append(DataLoaderTuner())
+    callbacks.append(MFUMonitor(window=cfg.window))
     if cfg.compile:
         from lightning_accel.callbacks.torch_compile import TorchCompile
 

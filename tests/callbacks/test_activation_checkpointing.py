@@ -122,7 +122,8 @@ def test_absent_module_type_lists_the_types_present() -> None:
 PEAK_SCRIPT = """
 import json, sys, copy, torch
 from torch import nn
-from lightning_accel.core.checkpointing import apply_activation_checkpointing, peak_rss_bytes, reset_peak_rss
+from lightning_accel.core.checkpointing import apply_activation_checkpointing
+from lightning_accel.core.memory_probe import peak_rss_bytes, reset_peak_rss
 torch.set_num_threads(1)
 d, n, batch = 256, 6, 512
 torch.manual_seed(0)
