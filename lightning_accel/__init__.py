@@ -17,6 +17,11 @@ _EXPORTS: dict[str, str] = {
     # callbacks
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
     "BottleneckDoctor": "lightning_accel.callbacks.bottleneck_doctor",
+    "NonFiniteGuard": "lightning_accel.callbacks.non_finite_guard",
+    "TorchCompile": "lightning_accel.callbacks.torch_compile",
+    "ActivationCheckpointing": "lightning_accel.callbacks.activation_checkpointing",
+    # precision
+    "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
     # data
     "DALIImageDataModule": "lightning_accel.data.dali",
     "MemmapDataModule": "lightning_accel.data.memmap",
@@ -24,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "TokenMemmapDataset": "lightning_accel.data.memmap",
     "pack_memmap": "lightning_accel.data.memmap",
     "pack_webdataset": "lightning_accel.data.webdataset",
+    "BatchSizeTuner": "lightning_accel.callbacks.batch_size_tuner",
+    "DataLoaderTuner": "lightning_accel.callbacks.dataloader_tuner",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",
@@ -33,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Thresholds": "lightning_accel.core.rules",
     "diagnose": "lightning_accel.core.rules",
     "timed_comm_hook": "lightning_accel.core.comm",
+    "find_batch_size": "lightning_accel.core.search",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

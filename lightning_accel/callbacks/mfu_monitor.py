@@ -29,7 +29,8 @@ class MFUMonitor(Callback):
 
     FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode``
     around the real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch``
-    is given. The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the
+    is given. Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
+    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the
     run's compute dtype, else a short matmul probe of the device (CPU, unknown GPUs). The first
     ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up; callbacks can ask for
     more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every micro-batch
@@ -147,12 +148,28 @@ class MFUMonitor(Callback):
         self._batches_seen += 1
         if not meter.started:
             if self._batches_seen >= self._skip:
+                self._exclude_recomputation(trainer)
                 meter.start()
             return
         rates = meter.update(samples_in_batch(batch), self._tokens_fn(batch), self._flops)
         if rates is not None:
             self._publish(trainer, pl_module, rates.samples, rates.tokens, rates.flops, rates.seconds,
                           rates.batches, log=True)
+
+    def _exclude_recomputation(self, trainer: pl.Trainer) -> None:
+        """Model FLOPs exclude recomputation: subtract what callbacks report recomputing per micro-batch.
+
+        ``ActivationCheckpointing`` re-runs the checkpointed forwards in backward and measures those FLOPs
+        (``recompute_flops``) on an early batch; the count of the first batch included them.
+        """
+        if self._flops is None or self.flops_per_batch is not None:
+            return
+        recomputed = sum(cb.recompute_flops for cb in trainer.callbacks
+                         if isinstance(getattr(cb, "recompute_flops", None), (int, float)))
+        if 0 < recomputed < self._flops:
+            self._flops -= float(recomputed)
+            self._flops_source = (f"counted on the first batch (FlopCounterMode), minus {recomputed / 1e9:,.3f} G "
+                                  "recomputed by activation checkpointing")
 
     def _finish_counting(self) -> None:
         self._counting_done = True

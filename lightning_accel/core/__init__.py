@@ -2,37 +2,68 @@
 
 from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
 from lightning_accel.core.breakdown import Breakdown, split_seconds
+from lightning_accel.core.checkpointing import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+    saved_activation_bytes,
+)
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
+from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
+from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
 from lightning_accel.core.report import DoctorReport, compare, plot_timeline
 from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, diagnose
+from lightning_accel.core.search import (
+    BatchSizeSearch,
+    BatchSizeSearchError,
+    MemoryModel,
+    ProbeRecord,
+    find_batch_size,
+    find_throughput_batch_size,
+)
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 
 __all__ = [
-    "STAGES",
+    "BatchSizeSearch",
+    "BatchSizeSearchError",
     "Breakdown",
     "CommRecorder",
     "DoctorReport",
     "Finding",
     "FlopCounter",
+    "Fp32Islands",
+    "MemoryModel",
     "PeakFlops",
+    "PeakMemoryMeter",
+    "ProbeRecord",
     "Rates",
     "RunContext",
+    "STAGES",
     "StageTimer",
     "Thresholds",
     "WindowedThroughput",
+    "apply_activation_checkpointing",
+    "choose_autocast_dtype",
     "compare",
     "count_flops",
+    "device_memory_capacity",
     "diagnose",
+    "find_batch_size",
+    "find_throughput_batch_size",
     "get_peak_flops",
     "iter_tensors",
     "measure_peak_flops",
+    "peak_rss_bytes",
     "plot_timeline",
+    "remove_activation_checkpointing",
+    "reset_peak_rss",
     "resolve_peak_flops",
     "samples_in_batch",
+    "saved_activation_bytes",
     "split_seconds",
+    "supported_autocast_dtypes",
     "timed_comm_hook",
     "tokens_in_batch",
     "transformer_flops_per_token",

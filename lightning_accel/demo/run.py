@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_trainer", "run_demo"]
+__all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_precision", "build_trainer", "run_demo"]
 
 
 @dataclass
@@ -36,6 +36,10 @@ class DemoConfig:
     doctor: bool = True
     slow_data: bool = False
     doctor_report: str | None = None
+    compile: bool = False
+    checkpointing: bool = False
+    tune_batch_size: str | None = None
+    tune_dataloader: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -43,12 +47,16 @@ class DemoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.tune_batch_size not in (None, "max_fit", "throughput"):
+            raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
         if self.data not in ("tokens", "images"):
             raise ValueError(f"demo: --data must be 'tokens' or 'images', got {self.data!r}")
         if self.slow_data and self.data != "tokens":
             raise ValueError("demo: --slow-data plants its delay in the token pipeline; use it with --data tokens")
+        if self.checkpointing and self.data != "tokens":
+            raise ValueError("demo: --checkpointing wraps the GPT's transformer blocks; use it with --data tokens")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +66,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes/devices; >1 runs Lightning DDP (on CPU: gloo) (default %(default)s)")
     parser.add_argument("--accelerator", default=d.accelerator, help="cpu, gpu or auto (default %(default)s)")
     parser.add_argument("--precision", default=d.precision,
-                        help="Lightning precision string: 32-true, bf16-mixed, 16-mixed (default %(default)s)")
+                        help="Lightning precision string (32-true, bf16-mixed, 16-mixed) or 'auto': AutoMixedPrecision "
+                             "picks the dtype for the device (default %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (TorchCompile callback, inductor)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing of every transformer block (ActivationCheckpointing)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="per-device batch (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--n-layer", type=int, default=d.n_layer, help="transformer blocks (default %(default)s)")
@@ -67,6 +80,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=d.window, help="batches per measuring window (default 10)")
     parser.add_argument("--val-every", type=int, default=d.val_every, help="validate every N steps (default 50)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
+    parser.add_argument("--tune-batch-size", choices=("max_fit", "throughput"), default=None,
+                        help="pick the per-device batch with BatchSizeTuner before training (throughput suits CPUs)")
+    parser.add_argument("--tune-dataloader", action="store_true",
+                        help="pick num_workers with DataLoaderTuner before training")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
     parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
@@ -92,8 +109,26 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
-    callbacks: list[Any] = [MFUMonitor(window=cfg.window)]
-    if cfg.doctor:
+    callbacks: list[Any] = []
+    if cfg.tune_batch_size is not None:  # before DataLoaderTuner: the loader is tuned for the new batch size
+        from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
+
+        callbacks.append(BatchSizeTuner(mode=cfg.tune_batch_size, max_batch_size=1024))
+    if cfg.tune_dataloader:
+        from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
+
+        callbacks.append(DataLoaderTuner())
+    callbacks.append(MFUMonitor(window=cfg.window))
+    if cfg.compile:
+        from lightning_accel.callbacks.torch_compile import TorchCompile
+
+        callbacks.append(TorchCompile())
+    if cfg.checkpointing:
+        from lightning_accel.callbacks.activation_checkpointing import ActivationCheckpointing
+        from lightning_accel.demo.model import Block
+
+        callbacks.append(ActivationCheckpointing(modules=[Block]))
+    if cfg.doctor:  # last: its report prints after MFUMonitor's summary
         from pathlib import Path
 
         from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
@@ -102,6 +137,15 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
                                             if cfg.output_dir else False)
         callbacks.append(BottleneckDoctor(window=cfg.window, report_path=report))
     return [*callbacks, *cfg.extra_callbacks]
+
+
+def build_precision(cfg: DemoConfig) -> dict[str, Any]:
+    """``Trainer`` keywords for ``--precision``: a Lightning string, or ``auto`` -> ``AutoMixedPrecision()``."""
+    if cfg.precision == "auto":
+        from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
+
+        return {"plugins": [AutoMixedPrecision(dtype="auto")]}
+    return {"precision": cfg.precision}
 
 
 def build_trainer(cfg: DemoConfig) -> Any:
@@ -116,7 +160,7 @@ def build_trainer(cfg: DemoConfig) -> Any:
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         strategy="ddp" if cfg.devices > 1 else "auto",
-        precision=cfg.precision,
+        **build_precision(cfg),
         max_steps=cfg.steps,
         val_check_interval=min(cfg.val_every, cfg.steps),
         check_val_every_n_epoch=None,

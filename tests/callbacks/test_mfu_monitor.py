@@ -239,3 +239,14 @@ def test_ddp_two_processes_reports_global_throughput(ddp_script, tmp_path):
     assert s0["flops_per_sec_per_device"] == pytest.approx(per_device)
     assert s0["mfu"] == pytest.approx(per_device / 1e6)
     assert s0["batches_measured"] == 24  # 2 ranks × (14 - 2)
+
+
+def test_recomputed_flops_reported_by_a_callback_are_not_model_flops(fake_time):
+    class CheckpointingLike(pl.Callback):
+        recompute_flops = 100  # FLOPs re-run per micro-batch, as ActivationCheckpointing reports them
+
+    monitor = MFUMonitor(window=5, warmup_batches=4, peak_flops=1e6, print_summary=False)
+    trainer([monitor, CheckpointingLike()], max_steps=14).fit(LinearModel(fake_time))
+    assert monitor.summary["flops_per_batch"] == FLOPS_PER_BATCH - 100
+    assert "recomputed by activation checkpointing" in monitor.summary["flops_source"]
+    assert monitor.summary["mfu"] == pytest.approx((FLOPS_PER_BATCH - 100) / STEP_S / 1e6)

@@ -1,0 +1,276 @@
+"""Running real training steps outside the fit loop, and undoing them exactly: shared by the tuners.
+
+Lightning's ``BatchSizeFinder`` runs its trials through the fit loop and undoes them by saving a checkpoint to
+``default_root_dir`` and restoring it (``lightning/pytorch/tuner/batch_size_scaling.py``): a full write of the model
+and optimizer to disk per search, loop progress reset by hand, and no RNG restore. Here a trial is one call of the
+LightningModule's own ``training_step`` + backward + optimizer step on a real batch, and :class:`TrainingState`
+snapshots everything such a step touches (parameters, buffers, gradients, optimizer and scheduler state, the
+precision plugin's scaler, the train/eval flags, every RNG) in memory — off the accelerator, so the snapshot does not
+take the memory being measured — and writes it back bit for bit. The fit loop is never entered, so loop progress,
+``global_step`` and logged metrics are untouched.
+
+Under DDP the step calls the LightningModule directly rather than the DDP wrapper: no gradient all-reduce runs, so a
+rank that runs out of memory cannot leave the others waiting in a collective. The DDP gradient buckets were
+allocated when the model was wrapped and are part of the measured memory all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lightning_accel.core.batch import samples_in_batch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader",
+           "request_train_dataloader", "train_data_holder"]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.detach().to("cpu", copy=True), value.device)
+    return copy.deepcopy(value)
+
+
+def _from_cpu(saved: Any) -> Any:
+    if isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[0], torch.Tensor) \
+            and isinstance(saved[1], torch.device):
+        return saved[0].to(saved[1], copy=True)
+    return copy.deepcopy(saved)
+
+
+class TrainingState:
+    """In-memory snapshot of everything a training step can change, restored bit for bit by :meth:`restore`."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, pl_module
+        self.params = {n: p.detach().to("cpu", copy=True) for n, p in pl_module.named_parameters()}
+        self.grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                      for n, p in pl_module.named_parameters()}
+        self.buffers = {n: b.detach().to("cpu", copy=True) for n, b in pl_module.named_buffers()}
+        self.modes = {n: m.training for n, m in pl_module.named_modules()}
+        self.optimizers = []
+        for opt in trainer.optimizers:
+            state = {p: {k: _to_cpu(v) for k, v in s.items()} for p, s in opt.state.items()}
+            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            self.optimizers.append((opt, state, groups))
+        self.schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict()))
+                           for cfg in trainer.lr_scheduler_configs]
+        self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.rng = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None,
+        }
+
+    def track_loader(self, loader: Any) -> None:
+        """Also restore the ``torch.Generator`` objects a dataloader draws its order from (its own, its sampler's,
+        its batch sampler's sampler's): a generator kept on the module or datamodule and reused by every
+        ``train_dataloader()`` call would otherwise be advanced by the tuners' iterations and change the order."""
+        for gen in _loader_generators(loader):
+            self.generators.setdefault(id(gen), (gen, gen.get_state()))
+
+    def bytes_on(self, device: torch.device) -> int:
+        """Bytes this snapshot holds on ``device`` (its tensors live on the CPU)."""
+        if device.type != "cpu":
+            return 0
+        tensors = [*self.params.values(), *(g for g in self.grads.values() if g is not None), *self.buffers.values()]
+        for _, state, _ in self.optimizers:
+            for s in state.values():
+                tensors += [v[0] for v in s.values() if isinstance(v, tuple) and isinstance(v[0], torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        module = self.module
+        for n, p in module.named_parameters():
+            p.copy_(self.params[n])
+            g = self.grads[n]
+            p.grad = None if g is None else g.to(p.device, copy=True)
+        for n, b in module.named_buffers():
+            b.copy_(self.buffers[n])
+        for n, m in module.named_modules():
+            m.training = self.modes.get(n, m.training)
+        for opt, state, groups in self.optimizers:
+            opt.state = defaultdict(dict, {p: {k: _from_cpu(v) for k, v in s.items()} for p, s in state.items()})
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(copy.deepcopy(saved))
+        for scheduler, saved in self.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(saved))
+        self.trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        for gen, gen_state in self.generators.values():
+            gen.set_state(gen_state)
+        torch.set_rng_state(self.rng["torch"])
+        np.random.set_state(self.rng["numpy"])
+        random.setstate(self.rng["python"])
+        if self.rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------ data plumbing
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    loaders = CombinedLoader(loader, "max_size_cycle").flattened if not hasattr(loader, "batch_size") else [loader]
+    found = []
+    for dl in loaders:
+        batch_sampler = getattr(dl, "batch_sampler", None)
+        for obj in (dl, getattr(dl, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            gen = getattr(obj, "generator", None)
+            if isinstance(gen, torch.Generator) and all(gen is not f for f in found):
+                found.append(gen)
+    return found
+
+
+def train_data_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The datamodule or LightningModule whose ``train_dataloader()`` feeds this fit.
+
+    Raises ``ValueError`` when dataloaders were passed straight to ``fit(train_dataloaders=...)``: then no attribute
+    of ours can change how they are built.
+    """
+    # `fit_loop._data_source` is private (checked against Lightning 2.6): it is where the Trainer records whether the
+    # train dataloader comes from a datamodule, the LightningModule, or an object passed to fit().
+    source = trainer.fit_loop._data_source
+    if not source.is_module():
+        raise ValueError("the tuners rebuild the train dataloader with new settings, so it must come from "
+                         "`train_dataloader()` of a LightningDataModule or the LightningModule, not from "
+                         "`trainer.fit(model, train_dataloaders=...)`")
+    return source.instance
+
+
+def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, name: str,
+                            hint: str) -> ValueError:
+    """The error for an attribute that ``lightning_hasattr`` did not find, naming every place it looked."""
+    where = ["the LightningModule", "its hparams"]
+    if trainer.datamodule is not None:
+        where += [f"the datamodule ({type(trainer.datamodule).__name__})", "the datamodule's hparams"]
+    return ValueError(f"{who}: no `{name}` attribute in {', '.join(where)} (looked in {type(pl_module).__name__}). "
+                      f"{hint}")
+
+
+def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException | None, who: str) -> torch.Tensor:
+    """Every rank's ``value`` (one ``all_gather``), after which a rank's own ``error`` is raised; if another rank
+    failed, a ``RuntimeError`` says which. Each rank must call this even when it failed, or the others would wait
+    in the collective forever."""
+    from lightning_accel.callbacks._trainer import gather_floats
+
+    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0])
+    if error is not None:
+        raise error
+    if bool(rows[:, 1].any()):
+        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+        raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
+    return rows[:, 0]
+
+
+def request_train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """A fresh train dataloader from the user's ``train_dataloader()`` (as the user wrote it: no sampler injected)."""
+    return train_data_holder(trainer, pl_module).train_dataloader()
+
+
+def reload_train_dataloader(trainer: pl.Trainer) -> None:
+    """Make the fit loop rebuild its train dataloader at the start of the next epoch.
+
+    Sets ``fit_loop._combined_loader = None`` (private; checked against Lightning 2.6: ``_FitLoop.setup_data``
+    returns early while it is set, and ``on_advance_start`` calls ``setup_data`` every epoch).
+    """
+    trainer.fit_loop._combined_loader = None
+
+
+def iterate_batches(loader: Any) -> Iterator[Any]:
+    """Batches of ``loader`` (a DataLoader or a collection of them) as the training step receives them."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    combined = CombinedLoader(loader, "max_size_cycle")
+    for batch, _batch_idx, _dataloader_idx in combined:
+        yield batch
+
+
+# ------------------------------------------------------------------------------------------------ the step
+class StepRunner:
+    """Runs the LightningModule's training step outside the fit loop (see the module docstring)."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, pl_module
+        self.device = trainer.strategy.root_device
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Silence ``self.log`` and route ``manual_backward`` to a plain backward (no collective) while probing."""
+        module = self.module
+        module.__dict__["log"] = lambda *args, **kwargs: None
+        module.__dict__["log_dict"] = lambda *args, **kwargs: None
+        module.__dict__["manual_backward"] = lambda loss, *args, **kwargs: loss.backward(*args, **kwargs)
+        try:
+            yield
+        finally:
+            for name in ("log", "log_dict", "manual_backward"):
+                module.__dict__.pop(name, None)
+
+    def to_device(self, batch: Any) -> Any:
+        return self.trainer.strategy.batch_to_device(batch)
+
+    def step(self, batch: Any) -> None:
+        """One training step on a batch already on the device: forward, backward, optimizer step, zero grad."""
+        module = self.module
+        with self.trainer.precision_plugin.train_step_context():
+            out = module.training_step(batch, 0)
+        if not module.automatic_optimization:
+            return
+        loss = out["loss"] if isinstance(out, dict) else out
+        if loss is None:  # the step asked to skip this batch
+            return
+        loss.backward()
+        for opt in self.trainer.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed_steps(self, batches: Iterator[Any], steps: int, meter: Any = None, expect_size: int | None = None
+                    ) -> tuple[int | None, float | None]:
+        """Run ``steps`` steps on batches from ``batches``; returns ``(peak_bytes, median seconds per step)``.
+
+        The first step is warm-up for timing (allocator, kernels, optimizer state creation); with one step only,
+        its time is returned. Peak memory is the maximum over all steps, measured by ``meter`` when given.
+        Data loading and the host-to-device copy are not timed.
+        """
+        peaks: list[int] = []
+        times: list[float] = []
+        for _ in range(steps):
+            batch = next(batches)
+            if expect_size is not None:
+                got = samples_in_batch(batch)
+                if got != expect_size:
+                    raise ValueError(f"train_dataloader() returned a batch of {got} samples after the batch size was "
+                                     f"set to {expect_size}: it must build its DataLoader from that attribute "
+                                     f"(e.g. DataLoader(..., batch_size=self.batch_size))")
+            batch = self.to_device(batch)
+            if meter is not None:
+                meter.reset()
+            self.sync()
+            t0 = time.perf_counter()
+            self.step(batch)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+            if meter is not None:
+                peaks.append(meter.peak_bytes())
+            del batch
+        timed = times[1:] or times
+        return (max(peaks) if peaks else None), (statistics.median(timed) if timed else None)

@@ -1,0 +1,347 @@
+"""DataLoaderTuner: the cheapest DataLoader setting (workers, prefetch) that keeps the training step fed."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from typing_extensions import override
+
+from lightning_accel.callbacks._probe_step import (
+    StepRunner,
+    TrainingState,
+    agree_across_ranks,
+    iterate_batches,
+    missing_attribute_error,
+    request_train_dataloader,
+    train_data_holder,
+)
+from lightning_accel.callbacks._trainer import rank_zero_print
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["DataLoaderTuner", "LoaderSetting"]
+
+
+@dataclass(frozen=True)
+class LoaderSetting:
+    """One point of the grid, cheapest first: fewer workers, then a smaller prefetch queue."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+
+    def label(self) -> str:
+        if self.num_workers == 0:
+            return "0 workers (main process)"
+        return f"{self.num_workers} workers, prefetch {self.prefetch_factor}" + (", pinned" if self.pin_memory else "")
+
+
+def default_worker_counts(cores: int) -> list[int]:
+    """0, 1, 2, 4, ... up to ``cores``, plus ``cores`` itself (the playbook: start near ¼–½ of the cores, tune up)."""
+    counts, w = [0], 1
+    while w <= cores:
+        counts.append(w)
+        w *= 2
+    if cores >= 1 and counts[-1] != cores:
+        counts.append(cores)
+    return counts
+
+
+def usable_cores_per_rank(local_ranks: int) -> int:
+    """CPU cores this process may run on (its affinity mask), divided among the ranks on this node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+class DataLoaderTuner(Callback):
+    """Picks ``num_workers`` / ``prefetch_factor`` (with ``persistent_workers``, and ``pin_memory`` on GPU) at the start
+    of ``fit``: the cheapest setting whose measured batches/s feeds the training step with a margin.
+
+    1. **Consumption**: the training step (forward + backward + optimizer step, no data loading) is timed on a few
+       real batches already on the device; ``1 / median step time`` is the rate the loader must sustain. The step is
+       undone bit for bit (parameters, optimizer, RNG — see :class:`~lightning_accel.BatchSizeTuner`).
+    2. **Supply**: for each grid point, cheapest first (0 workers; then 1, 2, 4, … up to this rank's share of the
+       CPU cores, each with ``prefetch_factors``), the user's ``train_dataloader()`` is rebuilt with those
+       attributes set and timed in steady state: the first ``warmup_batches`` batches plus the prefetch queue
+       (workers × prefetch) are skipped, so worker start-up and pre-filled queues do not inflate the rate.
+    3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) in two consecutive measurements
+       (the lower one counts) wins and the search stops there;
+       if none does, the cheapest within 5 % of the fastest (the data stage stays the bottleneck: see the table).
+       Under DDP every rank measures, and all ranks adopt the most generous choice among them (one
+       ``all_gather``).
+
+    The choice is applied by setting the attributes on the LightningModule / datamodule (looked up like Lightning's
+    ``batch_size``: module, hparams, datamodule) before the fit loop builds its dataloader, so the user's
+    ``train_dataloader()`` must read them. Settings whose attribute is absent are left alone (only ``num_workers`` is
+    required). The sequence of samples is unchanged: the tuner's iterations draw from the global RNGs and any
+    ``torch.Generator`` on the loader or its sampler, and all are restored, so a seeded run sees the same batches in
+    the same order with or without the tuner (PyTorch keeps batch order with any number of workers). Only
+    randomness drawn *inside workers* (augmentations seeded per worker: ``base_seed + worker_id``) follows the
+    worker count, as with any change of ``num_workers``.
+
+    Caveat: on a CPU-only run the loader is measured alone, while in training its workers share the cores with the
+    step's intra-op threads; ``margin`` absorbs part of that.
+
+    Logged once through every logger (``logger.log_metrics``):
+
+    ========================================  ============  ==============================================
+    key                                       unit          scope
+    ========================================  ============  ==============================================
+    ``dataloader/num_workers``                workers       per rank (adopted by all ranks)
+    ``dataloader/prefetch_factor``            batches       per worker (0 when num_workers is 0)
+    ``dataloader/loader_batches_per_sec``     batches/s     this rank's loader with the chosen setting
+    ``dataloader/step_batches_per_sec``       batches/s     this rank's training step (consumption)
+    ``dataloader/speedup_vs_initial``         ratio         chosen ÷ the user's initial setting (loader)
+    ========================================  ============  ==============================================
+
+    Args:
+        num_workers: worker counts to try (default: 0, 1, 2, 4, … up to this rank's cores).
+        prefetch_factors: ``prefetch_factor`` values tried for each worker count > 0 (the playbook's 2–8 range).
+        margin: required headroom of supply over consumption (0.2 = 20 %).
+        batches_per_trial: batches timed per setting (after warm-up).
+        warmup_batches: batches skipped per setting before timing (plus the prefetch queue).
+        consumption_steps: training steps timed to measure consumption (the first is warm-up).
+        num_workers_attr: attribute holding ``num_workers``; ``prefetch_factor_attr``, ``persistent_workers_attr``,
+            ``pin_memory_attr`` likewise (optional).
+        print_summary: print the decision table on rank 0.
+
+    After the search, :attr:`table` holds the measured rows (dicts) and :attr:`decision` the chosen setting and rates.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_workers: Sequence[int] | None = None,
+        prefetch_factors: Sequence[int] = (2, 4),
+        margin: float = 0.2,
+        batches_per_trial: int = 20,
+        warmup_batches: int = 2,
+        consumption_steps: int = 6,
+        num_workers_attr: str = "num_workers",
+        prefetch_factor_attr: str = "prefetch_factor",
+        persistent_workers_attr: str = "persistent_workers",
+        pin_memory_attr: str = "pin_memory",
+        print_summary: bool = True,
+    ) -> None:
+        if num_workers is not None:
+            num_workers = sorted(set(num_workers))
+            if not num_workers or any(not isinstance(w, int) or w < 0 for w in num_workers):
+                raise ValueError(f"DataLoaderTuner(num_workers={num_workers!r}): give worker counts >= 0, e.g. "
+                                 "(0, 2, 4), or None for 0..cores")
+        prefetch_factors = sorted(set(prefetch_factors))
+        if not prefetch_factors or any(not isinstance(p, int) or p < 1 for p in prefetch_factors):
+            raise ValueError(f"DataLoaderTuner(prefetch_factors={prefetch_factors!r}): give ints >= 1, e.g. (2, 4)")
+        if not isinstance(margin, (int, float)) or margin < 0:
+            raise ValueError(f"DataLoaderTuner(margin={margin!r}): give a fraction >= 0, e.g. 0.2")
+        for name, value, low in (("batches_per_trial", batches_per_trial, 2), ("warmup_batches", warmup_batches, 0),
+                                 ("consumption_steps", consumption_steps, 2)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"DataLoaderTuner({name}={value!r}): give an int >= {low}")
+        self.num_workers = num_workers
+        self.prefetch_factors = tuple(prefetch_factors)
+        self.margin = float(margin)
+        self.batches_per_trial = batches_per_trial
+        self.warmup_batches = warmup_batches
+        self.consumption_steps = consumption_steps
+        self.attrs = {"num_workers": num_workers_attr, "prefetch_factor": prefetch_factor_attr,
+                      "persistent_workers": persistent_workers_attr, "pin_memory": pin_memory_attr}
+        self.print_summary = print_summary
+        self.table: list[dict[str, Any]] = []
+        self.decision: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        train_data_holder(trainer, pl_module)
+        if not lightning_hasattr(pl_module, self.attrs["num_workers"]):
+            raise missing_attribute_error(trainer, pl_module, "DataLoaderTuner", self.attrs["num_workers"],
+                                          "Add `self.num_workers = 0` and build the train DataLoader from it, or "
+                                          "pass num_workers_attr='<your attribute>'")
+        from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
+
+        callbacks = trainer.callbacks
+        mine = callbacks.index(self)
+        if any(isinstance(cb, BatchSizeTuner) for cb in callbacks[mine + 1:]):
+            rank_zero_warn("DataLoaderTuner runs before BatchSizeTuner in the callback list, so it tunes for the old "
+                           "batch size: put BatchSizeTuner first")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.tune(trainer, pl_module)
+
+    # ------------------------------------------------------------------ the search
+    def _present(self, pl_module: pl.LightningModule) -> dict[str, bool]:
+        return {k: lightning_hasattr(pl_module, name) for k, name in self.attrs.items()}
+
+    def _grid(self, trainer: pl.Trainer, present: dict[str, bool]) -> list[LoaderSetting]:
+        pin = trainer.strategy.root_device.type == "cuda" and present["pin_memory"]
+        counts = self.num_workers if self.num_workers is not None else \
+            default_worker_counts(usable_cores_per_rank(trainer.num_devices))
+        grid = []
+        for w in counts:
+            if w == 0:
+                grid.append(LoaderSetting(0, None, False, pin))
+                continue
+            for pf in (self.prefetch_factors if present["prefetch_factor"] else (None,)):
+                grid.append(LoaderSetting(w, pf, present["persistent_workers"], pin))
+        return grid
+
+    def _apply(self, pl_module: pl.LightningModule, setting: LoaderSetting | dict[str, Any],
+               present: dict[str, bool]) -> None:
+        values = asdict(setting) if isinstance(setting, LoaderSetting) else setting
+        for key, value in values.items():
+            if present[key]:
+                lightning_setattr(pl_module, self.attrs[key], value)
+
+    def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting:
+        """Measure, decide, apply; returns the chosen setting (the same on every rank)."""
+        present = self._present(pl_module)
+        initial = {k: lightning_getattr(pl_module, name) for k, name in self.attrs.items() if present[k]}
+        grid = self._grid(trainer, present)
+        state = TrainingState(trainer, pl_module)
+        self.table = []
+        error: BaseException | None = None
+        chosen_index = -1
+        try:
+            consumption = self._consumption(trainer, pl_module, state)
+            initial_rate = self._loader_rate(trainer, pl_module, state, initial, present)
+            self.table.append({"setting": "initial: " + _describe(initial, trainer), "batches_per_sec": initial_rate,
+                               "feeds": initial_rate >= consumption * (1 + self.margin), "chosen": False})
+            rates: list[float] = []
+            for setting in grid:
+                rate = self._loader_rate(trainer, pl_module, state, asdict(setting), present)
+                feeds = rate >= consumption * (1 + self.margin)
+                if feeds:  # confirm before stopping the search: a busy machine can flatter one window
+                    rate = min(rate, self._loader_rate(trainer, pl_module, state, asdict(setting), present))
+                    feeds = rate >= consumption * (1 + self.margin)
+                rates.append(rate)
+                self.table.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds,
+                                   "chosen": False, **asdict(setting)})
+                if feeds:
+                    break
+            fed = [i for i, r in enumerate(rates) if r >= consumption * (1 + self.margin)]
+            # none feeds: the cheapest within 5 % of the fastest (closer than that is measurement noise)
+            chosen_index = fed[0] if fed else next(i for i, r in enumerate(rates) if r >= 0.95 * max(rates))
+        except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
+            error = err
+        finally:
+            state.restore()
+            self._apply(pl_module, initial, present)
+        choices = agree_across_ranks(trainer, float(chosen_index), error, "DataLoaderTuner measurement")
+        adopted = int(choices.max())  # the most generous setting any rank needed (the grids are identical)
+        setting = grid[adopted]
+        self._apply(pl_module, setting, present)
+        own = math.nan  # this rank's rate for the adopted setting (nan if this rank stopped before measuring it)
+        for row in self.table[1:]:
+            row["chosen"] = row["setting"] == setting.label()
+            if row["chosen"]:
+                own = row["batches_per_sec"]
+        self.decision = {
+            **asdict(setting), "loader_batches_per_sec": own, "step_batches_per_sec": consumption,
+            "initial": initial, "initial_batches_per_sec": initial_rate,
+            "speedup_vs_initial": own / initial_rate if initial_rate > 0 else math.nan,
+            "fed": own >= consumption * (1 + self.margin), "margin": self.margin,
+        }
+        metrics = {"dataloader/num_workers": setting.num_workers,
+                   "dataloader/prefetch_factor": setting.prefetch_factor or 0,
+                   "dataloader/loader_batches_per_sec": own, "dataloader/step_batches_per_sec": consumption,
+                   "dataloader/speedup_vs_initial": self.decision["speedup_vs_initial"]}
+        for logger in trainer.loggers:
+            logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
+        verdict = "feeds" if self.decision["fed"] else "does NOT feed (data-bound; see the table)"
+        rank_zero_info(f"DataLoaderTuner: {setting.label()} -> {own:,.1f} batches/s, {verdict} the step's "
+                       f"{consumption:,.1f} batches/s with {self.margin:.0%} margin "
+                       f"(initial setting: {initial_rate:,.1f} batches/s)")
+        if self.print_summary:
+            rank_zero_print(trainer, self._rich_table(consumption))
+        return setting
+
+    def _consumption(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState) -> float:
+        """Training steps per second on real batches already on the device (no data loading timed)."""
+        loader = request_train_dataloader(trainer, pl_module)
+        state.track_loader(loader)
+        runner = StepRunner(trainer, pl_module)
+        batches = []
+        for batch in iterate_batches(loader):
+            batches.append(runner.to_device(batch))
+            if len(batches) == self.consumption_steps:
+                break
+        if not batches:
+            raise ValueError("train_dataloader() yielded no batches")
+        steps = iter(batches * math.ceil(self.consumption_steps / len(batches)))
+        try:
+            with runner.quiet():
+                pl_module.train()
+                _, seconds = runner.timed_steps(steps, self.consumption_steps)
+        finally:
+            state.restore()
+        return 1.0 / max(seconds or 0.0, 1e-9)
+
+    def _loader_rate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState,
+                     values: dict[str, Any], present: dict[str, bool]) -> float:
+        """Steady-state batches/s of ``train_dataloader()`` built with ``values``."""
+        self._apply(pl_module, values, present)
+        loader = request_train_dataloader(trainer, pl_module)
+        state.track_loader(loader)
+        workers = values.get("num_workers", 0)
+        got = getattr(loader, "num_workers", workers)
+        if got != workers:
+            raise ValueError(f"train_dataloader() built a DataLoader with num_workers={got} after "
+                             f"`{self.attrs['num_workers']}` was set to {workers}: build it from that attribute "
+                             f"(DataLoader(..., num_workers=self.{self.attrs['num_workers']}))")
+        # the queue the workers fill before the first batch is consumed (DataLoader's default prefetch_factor is 2)
+        skip = self.warmup_batches + workers * (values.get("prefetch_factor") or (2 if workers else 0))
+        stamps: list[float] = []
+        it = iter(iterate_batches(loader))
+        try:
+            for i, _batch in enumerate(it):
+                if i >= skip:
+                    stamps.append(time.perf_counter())
+                if len(stamps) > self.batches_per_trial:
+                    break
+        finally:
+            it.close()  # type: ignore[attr-defined]
+            del it, loader  # shuts the workers down (persistent ones too: the loader goes away)
+        if len(stamps) < 3:
+            raise ValueError(f"the train dataloader has too few batches to time ({skip} warm-up + "
+                             f"{self.batches_per_trial}); lower warmup_batches / batches_per_trial")
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        # mean over the window (a median would hide periodic stalls, e.g. one slow worker every N batches)
+        return len(gaps) / max(sum(gaps), 1e-9) if statistics.fmean(gaps) > 0 else math.inf
+
+    def _rich_table(self, consumption: float) -> Any:
+        from rich.table import Table
+
+        need = consumption * (1 + self.margin)
+        table = Table(title=f"DataLoaderTuner (rank 0): the step consumes {consumption:,.1f} batches/s; "
+                            f"feeding it with {self.margin:.0%} margin needs {need:,.1f}", header_style="bold")
+        table.add_column("setting")
+        table.add_column("batches/s", justify="right")
+        table.add_column("feeds the step", justify="center")
+        table.add_column("chosen", justify="center")
+        for row in self.table:
+            table.add_row(row["setting"], f"{row['batches_per_sec']:,.1f}", "yes" if row["feeds"] else "no",
+                          "◀" if row["chosen"] else "")
+        return table
+
+
+def _describe(values: dict[str, Any], trainer: pl.Trainer) -> str:
+    workers = int(values.get("num_workers") or 0)
+    return LoaderSetting(workers, values.get("prefetch_factor") or (2 if workers else None),
+                         bool(values.get("persistent_workers")), bool(values.get("pin_memory"))).label()

@@ -1,0 +1,235 @@
+"""TorchCompile: ``torch.compile`` the LightningModule's model in place at setup, with a graceful eager fallback."""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["TorchCompile"]
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class TorchCompile(Callback):
+    """Compiles the LightningModule's model (or chosen submodules) with ``torch.compile`` when ``fit`` sets up.
+
+    Each target is compiled **in place** (like ``nn.Module.compile()``: the module's call goes through
+    the compiled function, the module object stays where it was), so parameter names, ``state_dict`` keys and
+    checkpoints are exactly those of the eager model — no ``_orig_mod.`` prefixes — and optimizers, DDP and other
+    callbacks see the same module tree.
+
+    Targets: ``modules=None`` compiles every direct child of the LightningModule that has parameters (e.g.
+    ``self.model``; the LightningModule's own ``training_step`` logic stays eager); otherwise ``modules`` lists
+    ``fnmatch`` patterns over qualified module names (``"model"``, ``"model.blocks.*"``) or module types.
+    A pattern that matches nothing raises ``ValueError`` listing the names present.
+
+    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen
+    again when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs
+    with ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code
+    for the rest of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and ``BottleneckDoctor``) how many batches
+    to leave out of their measurements.
+
+    Fallback: if ``torch.compile`` is unavailable on the platform or compiling raises (a backend failure, a graph
+    break under ``fullgraph=True``, a missing C++ compiler for inductor), the target runs eagerly from then on
+    with one warning that gives the reason; training does not stop. ``fallback_reason`` keeps it.
+
+    Attributes (no keys are logged):
+
+    =========================  =======  ===============================================================
+    attribute                  unit     meaning (this process)
+    =========================  =======  ===============================================================
+    ``warmup_batches``         batches  batches to exclude from throughput/MFU measurement
+    ``compiled_names``         names    modules running compiled (empty after a fallback)
+    ``first_call_seconds``     s        wall time of each target's first call (compilation + one forward)
+    ``fallback_reason``        text     why compilation was abandoned, or ``None``
+    =========================  =======  ===============================================================
+
+    Args:
+        modules: targets (see above); ``None`` for the model's direct children with parameters.
+        mode: ``torch.compile`` mode: ``None``/``"default"``, ``"reduce-overhead"`` (CUDA graphs),
+            ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``.
+        dynamic: ``torch.compile(dynamic=...)``: ``None`` (recompile as dynamic on a shape change), ``True``,
+            ``False``.
+        fullgraph: fail (and so fall back) on any graph break instead of splitting the graph.
+        backend: ``"inductor"`` (default), ``"aot_eager"``, ``"eager"``, ... or a backend callable.
+        options: inductor options dict passed to ``torch.compile``.
+        warmup_batches: batches to leave out of measurements (compilation, first recompiles).
+    """
+
+    def __init__(
+        self,
+        *,
+        modules: Sequence[str | type] | None = None,
+        mode: str | None = None,
+        dynamic: bool | None = None,
+        fullgraph: bool = False,
+        backend: str | Callable[..., Any] = "inductor",
+        options: dict[str, Any] | None = None,
+        warmup_batches: int = 3,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"TorchCompile(mode={mode!r}): use one of {', '.join(map(repr, _MODES))}")
+        if dynamic not in (None, True, False):
+            raise ValueError(f"TorchCompile(dynamic={dynamic!r}): use None, True or False")
+        if not isinstance(backend, str) and not callable(backend):
+            raise ValueError(f"TorchCompile(backend={backend!r}): give a backend name such as 'inductor' or "
+                             "'aot_eager', or a backend callable")
+        if mode is not None and options is not None:
+            raise ValueError("TorchCompile: torch.compile accepts `mode` or `options`, not both; drop one")
+        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
+            raise ValueError(f"TorchCompile(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        if isinstance(modules, (str, type)):
+            modules = [modules]
+        self.modules = list(modules) if modules is not None else None
+        self.compile_kwargs: dict[str, Any] = {"dynamic": dynamic, "fullgraph": fullgraph, "backend": backend}
+        if mode is not None:
+            self.compile_kwargs["mode"] = mode
+        if options is not None:
+            self.compile_kwargs["options"] = options
+        self.warmup_batches = warmup_batches
+        self.compiled_names: list[str] = []
+        self.first_call_seconds: dict[str, float] = {}
+        self.fallback_reason: str | None = None
+        self._targets: list[tuple[str, nn.Module]] = []
+
+    # ------------------------------------------------------------------ targets
+    def _select(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
+        if self.modules is None:
+            found = [(n, m) for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
+            if not found:
+                raise ValueError(f"TorchCompile: {type(pl_module).__name__} has no child module with parameters to "
+                                 "compile; pass modules=[...] naming what to compile")
+            return found
+        found: list[tuple[str, nn.Module]] = []
+        missing = []
+        everything = [(n, m) for n, m in pl_module.named_modules() if n]
+        # names are matched without wrapper segments; an activation-checkpointing wrapper stands for its module
+        by_name = [(clean_module_name(n), m) for n, m in everything if not n.endswith(CHECKPOINT_PREFIX)]
+        for target in self.modules:
+            if isinstance(target, str):
+                hits = [(n, m) for n, m in by_name if fnmatch.fnmatchcase(n, target)]
+            else:
+                hits = [(clean_module_name(n), m) for n, m in everything if isinstance(m, target)]
+            if not hits:
+                missing.append(target)
+            found.extend(h for h in hits if all(h[1] is not m for _, m in found))
+        if missing:
+            shown = ", ".join(t.__name__ if isinstance(t, type) else repr(t) for t in missing)
+            raise ValueError(f"TorchCompile(modules=...): {shown} matched no submodule of "
+                             f"{type(pl_module).__name__}; names present include {[n for n, _ in by_name][:12]}")
+        # a target inside another target is compiled as part of it
+        inside = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
+        return [(n, m) for n, m in found if id(m) not in inside]
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._targets:  # already compiled by an earlier fit/validate with this callback
+            return
+        self._targets = self._select(pl_module)
+        for name, module in self._targets:
+            try:
+                compiled = torch.compile(_user_frame(module), **self.compile_kwargs)
+            except Exception as err:  # e.g. "Dynamo is not supported on Python 3.x", Windows without triton
+                self._fall_back(f"torch.compile is unavailable here: {err!r}")
+                return
+            module._compiled_call_impl = self._guarded(name, module, compiled)
+            self.compiled_names.append(name)
+        rank_zero_info(f"TorchCompile: compiling {', '.join(self.compiled_names)} lazily on the first batch "
+                       f"({self._describe()})")
+
+    def _describe(self) -> str:
+        kw = dict(self.compile_kwargs)
+        backend = kw.pop("backend")
+        kw["backend"] = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+        return ", ".join(f"{k}={v!r}" for k, v in kw.items())
+
+    def _guarded(self, name: str, module: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        from torch._dynamo.exc import TorchDynamoException
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if _dispatch_mode_active():
+                # e.g. MFUMonitor's FlopCounterMode on the first batch: dynamo would give up on this code for
+                # good (every later call eager); run this call eagerly and compile on the next one
+                return module._call_impl(*args, **kwargs)
+            first = name not in self.first_call_seconds
+            start = time.perf_counter() if first else 0.0
+            try:
+                out = compiled(*args, **kwargs)
+            except TorchDynamoException as err:
+                self._fall_back(f"compiling {name} failed: {type(err).__name__}: {_first_lines(err)}")
+                return module._call_impl(*args, **kwargs)
+            if first:
+                self.first_call_seconds[name] = time.perf_counter() - start
+            return out
+
+        return call
+
+    def _fall_back(self, reason: str) -> None:
+        if self.fallback_reason is None:
+            self.fallback_reason = reason
+            rank_zero_warn(f"TorchCompile: {reason}. Running eagerly instead (training continues, without the "
+                           "compile speed-up).")
+        for _, module in self._targets:
+            module._compiled_call_impl = None
+        self.compiled_names.clear()
+
+    def uncompile(self) -> None:
+        """Return the targets to eager execution (they otherwise stay compiled after ``fit``)."""
+        for _, module in self._targets:
+            module._compiled_call_impl = None
+        self._targets, self.compiled_names = [], []
+
+
+def _user_frame(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s call as a function defined outside ``torch.nn``, with one code object per module class.
+
+    Dynamo does not start tracing in frames of torch's own modules (``nn.Linear``, ``nn.Sequential``, ...):
+    compiling their ``_call_impl`` directly silently runs eagerly (torch's ``OptimizedModule`` adds a frame with
+    ``external_utils.wrap_inline`` for the same reason). Dynamo caches compiled code per code object, up to
+    ``torch._dynamo.config.recompile_limit`` entries, then runs that code eagerly: one code object per class keeps
+    different classes from competing for entries, while instances of one class (the repeated blocks of a
+    transformer) share them and, with ``inline_inbuilt_nn_modules`` (default since torch 2.5), one graph.
+    """
+    code = _CODE_PER_CLASS.get(type(module))
+    if code is None:
+        code = _template(module).__code__.replace(co_name=f"compiled_{type(module).__name__}")
+        _CODE_PER_CLASS[type(module)] = code
+    return types.FunctionType(code, globals(), code.co_name, None, (types.CellType(module),))
+
+
+def _template(module: nn.Module) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return module._call_impl(*args, **kwargs)
+
+    return run
+
+
+_CODE_PER_CLASS: dict[type, types.CodeType] = {}
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (``FlopCounterMode``, a profiler mode, ...) is active in this thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # private; torch 2.0-2.13
+
+    return _get_current_dispatch_mode() is not None
+
+
+def _first_lines(err: BaseException, lines: int = 2, chars: int = 300) -> str:
+    """The first non-empty ``lines`` of an error message on one line (dynamo appends long hints after them)."""
+    kept = [line.strip() for line in str(err).splitlines() if line.strip()][:lines]
+    return " ".join(kept)[:chars]
