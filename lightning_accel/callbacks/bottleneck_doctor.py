@@ -161,7 +161,9 @@ class BottleneckDoctor(Callback):
                 or math.isnan(warn_interval_s) or warn_interval_s < 0):
             raise ValueError(f"BottleneckDoctor(warn_interval_s={warn_interval_s!r}): use seconds >= 0, e.g. 60")
         self.window = window
-        self.warmup_batches = warmup_batches
+        # Private on purpose: a public ``warmup_batches`` attribute asks MFUMonitor to skip more batches, and the
+        # doctor does not disturb the batches it leaves out.
+        self._warmup_batches = warmup_batches
         self.report_path = report_path
         self.plot = plot
         self.warn = warn
@@ -187,7 +189,7 @@ class BottleneckDoctor(Callback):
         self._manual = False
         self._breakdown = Breakdown()
         self._batches_seen = 0
-        self._skip = self.warmup_batches
+        self._skip = self._warmup_batches
         self._measuring = False
         self._window_batches = 0
         self._window_samples = 0.0
@@ -249,7 +251,7 @@ class BottleneckDoctor(Callback):
         self._timer = StageTimer(self._device)
         self._manual = not pl_module.automatic_optimization
         extra = [getattr(cb, "warmup_batches", 0) for cb in trainer.callbacks if cb is not self]
-        self._skip = max([self.warmup_batches, *[int(x) for x in extra if isinstance(x, int)]])
+        self._skip = max([self._warmup_batches, *[int(x) for x in extra if isinstance(x, int)]])
         # The attention-kernel rule is a GPU rule: observe SDPA on CUDA only, on a warm-up batch (MFUMonitor counts
         # FLOPs with its own dispatch mode on batch 0).
         self._probe_batch = 1 if self._skip >= 2 and self._device.type == "cuda" else -1

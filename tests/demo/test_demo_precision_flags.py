@@ -29,4 +29,4 @@ def test_flags_map_to_plugin_and_callbacks() -> None:
 def test_defaults_keep_the_lightning_precision_string() -> None:
     cfg = config_from_args(parse())
     assert build_precision(cfg) == {"precision": "32-true"}
-    assert [type(cb).__name__ for cb in build_callbacks(cfg)] == ["MFUMonitor"]
+    assert [type(cb).__name__ for cb in build_callbacks(cfg)] == ["MFUMonitor", "BottleneckDoctor"]
