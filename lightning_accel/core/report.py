@@ -272,12 +272,15 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
             kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
             lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
                          f"{_fmt_pct(new.shares.get(new_b))})")
-    old_rules = {f.rule for f in baseline.findings}
+    old_rules = {f.rule: f for f in baseline.findings}
     new_rules = {f.rule for f in new.findings}
-    if old_rules - new_rules:
-        lines.append("resolved findings: " + ", ".join(sorted(old_rules - new_rules)))
-    if new_rules - old_rules:
-        lines.append("new findings: " + ", ".join(sorted(new_rules - old_rules)))
+    resolved = [old_rules[r] for r in sorted(set(old_rules) - new_rules)]
+    if resolved:
+        lines.append("resolved findings: " + ", ".join(
+            f"{f.rule} ({f.stage} {_fmt_pct(baseline.shares.get(f.stage))} → {_fmt_pct(new.shares.get(f.stage))})"
+            for f in resolved))
+    if new_rules - set(old_rules):
+        lines.append("new findings: " + ", ".join(sorted(new_rules - set(old_rules))))
     for f in new.findings:
         lines.append(f"  [{f.stage}] {f.evidence} Fix: {f.fix}")
     return lines

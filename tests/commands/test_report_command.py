@@ -26,7 +26,7 @@ def test_report_with_baseline_shows_what_changed(tmp_path, capsys):
     assert "throughput: 320.0 → 551.7 samples/s (1.72x)" in out
     assert "MFU: 10.0 % → 17.0 %" in out
     assert "bottleneck moved: data 46.0 % → 4.0 %; the run is now compute-bound (forward 48.0 %)" in out
-    assert "resolved findings: data_wait" in out
+    assert "resolved findings: data_wait (data 46.0 % → 4.0 %)" in out
 
 
 def test_report_without_baseline_prints_the_table(tmp_path, capsys):

@@ -59,7 +59,7 @@ def test_compare_says_the_bottleneck_moved():
     assert "throughput: 100.0 → 180.0 samples/s (1.80x)" in text
     assert "MFU: 10.0 % → 20.0 %" in text
     assert "1.67x faster per batch" in text
-    assert "resolved findings: data_wait" in text
+    assert "resolved findings: data_wait (data 46.0 % → 4.0 %)" in text
     same = "\n".join(compare(make(), make()))
     assert "bottleneck unchanged" in same
 
