@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "transformer_flops_per_token": "lightning_accel.core.flops",
     "get_peak_flops": "lightning_accel.core.peak",
     "measure_peak_flops": "lightning_accel.core.peak",
+    "estimate_zero_memory": "lightning_accel.core.memory",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

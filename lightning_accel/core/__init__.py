@@ -2,6 +2,7 @@
 
 from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
+from lightning_accel.core.memory import ZeroMemoryEstimate, estimate_zero_memory
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
@@ -12,7 +13,9 @@ __all__ = [
     "Rates",
     "StageTimer",
     "WindowedThroughput",
+    "ZeroMemoryEstimate",
     "count_flops",
+    "estimate_zero_memory",
     "get_peak_flops",
     "iter_tensors",
     "measure_peak_flops",

@@ -13,9 +13,12 @@ string's factory cannot see ``Trainer(accelerator=...)``), or pass ``DeepSpeedZe
 accelerator=CPUAccelerator())``; a mismatch is reported before training starts.
 
 What runs on CPU (DeepSpeed 0.19, checked by ``tests/strategies/test_deepspeed_presets.py``): ZeRO stages 1, 2
-and 3 with the LightningModule's own torch optimizer. Offload presets on a CPU accelerator are refused: the
-states are already in host memory (offloading them "to the CPU" moves nothing), and NVMe offload needs
-DeepSpeed's ``async_io`` op (libaio). On CUDA every preset is DeepSpeed's usual configuration.
+and 3, and the CPU-offload presets, with the LightningModule's own torch optimizer (for offload presets the
+strategy sets ``zero_force_ds_cpu_optimizer: False`` on CPU, since the step runs on the CPU anyway;
+``DeepSpeedCPUAdam`` also works once DeepSpeed has JIT-built its ``cpu_adam`` op). On a CPU accelerator the
+offload presets save no memory — the states already live in host memory — so they are for testing a GPU
+configuration on a laptop or CI. NVMe offload needs DeepSpeed's ``async_io`` op (libaio) on any device; without it
+the strategy raises before training. On CUDA every preset is DeepSpeed's usual configuration.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
                                                                       DDP traffic
     ``deepspeed_zero3_``   3      on CPU            on CPU            largest models on few GPUs; slowest
     ``offload``
-    ``deepspeed_zero3_``   3      on NVMe           on NVMe           beyond host RAM (needs ``nvme_path`` and libaio)
+    ``deepspeed_zero3_``   3      on NVMe           on NVMe           beyond host RAM (needs ``nvme_path``, libaio)
     ``offload_nvme``
     =====================  =====  ================  ================  ================================================
 
@@ -210,8 +213,8 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     loss-scaling arguments, ...); its config-building arguments (``stage``, ``offload_*``, bucket sizes, ``config``)
     are refused — put them in ``overrides``.
 
-    On CPU (see the module docstring) stages 1-3 run over gloo with the LightningModule's optimizer; the offload
-    presets raise before training, naming why and the preset to use instead.
+    On CPU (see the module docstring) every preset but NVMe runs over gloo with the LightningModule's optimizer;
+    offload saves nothing there.
 
     Args:
         preset: a key of :data:`PRESETS`.
@@ -247,8 +250,12 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _on_cpu(self) -> bool:
         return isinstance(self.accelerator, CPUAccelerator)
 
-    def _check_cpu_support(self) -> None:
-        """Raise before training for what DeepSpeed cannot do on a CPU accelerator (and for a wrong DS accelerator)."""
+    def _prepare_for_device(self) -> None:
+        """Check DeepSpeed's accelerator and ops for this device, and adapt the config to a CPU accelerator.
+
+        Raises before training: a DeepSpeed accelerator that is not the Trainer's, or NVMe offload without
+        DeepSpeed's ``async_io`` op (libaio).
+        """
         from deepspeed.accelerator import get_accelerator
 
         ds_device = get_accelerator().device_name()
@@ -260,24 +267,31 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         if not self._on_cpu and ds_device == "cpu":
             raise RuntimeError(f"deepspeed_{self.preset} on {type(self.accelerator).__name__}: deepspeed was imported "
                                "with its CPU accelerator (DS_ACCELERATOR=cpu?); unset DS_ACCELERATOR to train on GPUs")
-        zero = (self.config or {}).get("zero_optimization", {})
-        offloads = [s for s in ("offload_optimizer", "offload_param")
-                    if isinstance(zero.get(s), dict) and zero[s].get("device") not in (None, "none")]
+        assert isinstance(self.config, dict)
+        zero = self.config.get("zero_optimization", {})
+        offloads = {s: zero[s].get("device") for s in ("offload_optimizer", "offload_param")
+                    if isinstance(zero.get(s), dict) and zero[s].get("device") not in (None, "none")}
+        if "nvme" in offloads.values():
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if not AsyncIOBuilder().is_compatible(verbose=False):
+                raise RuntimeError(
+                    f"deepspeed_{self.preset}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
+                    "here (it needs libaio: `apt install libaio-dev`, then reinstall deepspeed or let it JIT-build "
+                    "the op). Without it, use deepspeed_zero3_offload (CPU offload) instead.")
         if self._on_cpu and offloads:
-            raise RuntimeError(
-                f"deepspeed_{self.preset} offloads {' and '.join(offloads)} to {zero[offloads[0]]['device']!r}, which "
-                "DeepSpeed cannot do on a CPU accelerator: the model states already live in host memory, so CPU "
-                "offload moves nothing, and DeepSpeed's offload path needs an accelerator (NVMe also needs its "
-                "async_io op). On CPU use deepspeed_zero3 (it shards parameters, gradients and optimizer states "
-                "across the processes); keep the offload presets for GPUs.")
+            # On a CPU accelerator the "offloaded" optimizer step runs on the CPU anyway, so the LightningModule's
+            # torch optimizer is the right one; DeepSpeed would otherwise insist on DeepSpeedCPUAdam (a JIT-built
+            # op). An explicit zero_force_ds_cpu_optimizer in the overrides wins.
+            self.config.setdefault("zero_force_ds_cpu_optimizer", False)
 
     @override
     def setup_environment(self) -> None:
         if not self._on_cpu:
             super().setup_environment()
-            self._check_cpu_support()
+            self._prepare_for_device()
             return
-        self._check_cpu_support()
+        self._prepare_for_device()
         # Lightning 2.6.6 DeepSpeedStrategy.setup_environment raises unless the accelerator is CUDAAccelerator;
         # skip that check only (DDPStrategy.setup_environment: accelerator device setup + setup_distributed).
         DDPStrategy.setup_environment(self)
@@ -510,7 +524,7 @@ def deepspeed_zero2(**kwargs: Any) -> DeepSpeedZeroStrategy:
 
 
 def deepspeed_zero2_offload(**kwargs: Any) -> DeepSpeedZeroStrategy:
-    """``strategy="deepspeed_zero2_offload"``: ZeRO-2 with the optimizer (states and step) on the CPU (GPU only)."""
+    """``strategy="deepspeed_zero2_offload"``: ZeRO-2 with the optimizer (states and step) on the CPU."""
     return DeepSpeedZeroStrategy(preset="zero2_offload", **kwargs)
 
 
@@ -520,12 +534,12 @@ def deepspeed_zero3(**kwargs: Any) -> DeepSpeedZeroStrategy:
 
 
 def deepspeed_zero3_offload(**kwargs: Any) -> DeepSpeedZeroStrategy:
-    """``strategy="deepspeed_zero3_offload"``: ZeRO-3 with optimizer and parameters on the CPU (GPU only)."""
+    """``strategy="deepspeed_zero3_offload"``: ZeRO-3 with optimizer and parameters on the CPU."""
     return DeepSpeedZeroStrategy(preset="zero3_offload", **kwargs)
 
 
 def deepspeed_zero3_offload_nvme(**kwargs: Any) -> DeepSpeedZeroStrategy:
-    """``strategy="deepspeed_zero3_offload_nvme"``: ZeRO-3 offloading to ``nvme_path`` (GPU + libaio only)."""
+    """``strategy="deepspeed_zero3_offload_nvme"``: ZeRO-3 offloading to ``nvme_path`` (needs libaio)."""
     return DeepSpeedZeroStrategy(preset="zero3_offload_nvme", **kwargs)
 
 
