@@ -31,6 +31,7 @@ class DemoConfig:
     val_every: int = 50
     progress_bar: bool = True
     output_dir: str | None = None
+    strategy: str | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -38,6 +39,13 @@ class DemoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.strategy is not None:
+            import lightning_accel  # noqa: F401  (registers the strategy strings)
+            from lightning.pytorch.strategies import StrategyRegistry
+
+            if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
+                raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
+                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the README)")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
 
@@ -59,6 +67,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-every", type=int, default=d.val_every, help="validate every N steps (default 50)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
+    parser.add_argument("--strategy", default=None,
+                        help="Lightning strategy string, e.g. ddp_bf16_compress, ddp_powersgd, deepspeed_zero2, "
+                             "deepspeed_auto (with --devices 2 on CPU); default: ddp if --devices > 1")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
 
 
@@ -84,7 +95,7 @@ def build_trainer(cfg: DemoConfig) -> Any:
     return pl.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
-        strategy="ddp" if cfg.devices > 1 else "auto",
+        strategy=cfg.strategy or ("ddp" if cfg.devices > 1 else "auto"),
         precision=cfg.precision,
         max_steps=cfg.steps,
         val_check_interval=min(cfg.val_every, cfg.steps),

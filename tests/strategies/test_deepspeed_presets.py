@@ -70,6 +70,13 @@ for preset in PRESETS:
                    "force_ds_cpu_optimizer": trainer.strategy.config.get("zero_force_ds_cpu_optimizer"),
                    "engine": type(trainer.strategy.model).__name__,
                    "ds_accelerator": os.environ.get("DS_ACCELERATOR"), "rank": trainer.global_rank}
+# deepspeed_auto end to end: Net has 676 fp32 parameters; on CPU zero1 needs 12 B/param (8112 B), zero2 10 B/param
+# (6760 B): a 7000 B budget must pick zero2
+from lightning_accel.strategies.deepspeed_presets import DeepSpeedAutoStrategy
+trainer, losses = fit(DeepSpeedAutoStrategy(device_memory_bytes=7000 / 0.8), N)
+out["auto"] = {"preset": trainer.strategy.preset, "stage": trainer.strategy.config["zero_optimization"]["stage"],
+               "fits": [(c["preset"], c["fits"]) for c in trainer.strategy.decision["candidates"]],
+               "steps": len(losses)}
 with open(f"ds_rank{trainer.global_rank}.json", "w") as f:
     json.dump(out, f)
 """
@@ -97,6 +104,7 @@ def test_cpu_presets_train_and_resume_with_matching_loss(ddp_script, tmp_path):
                 assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-7), (preset, step, straight, resumed)
             # training did something: the loss fell over the run
             assert straight["6"] < straight["1"]
+        assert out["auto"] == {"preset": "zero2", "stage": 2, "fits": [["zero1", False], ["zero2", True]], "steps": 3}
 
 
 def test_preset_configs_follow_deepspeed_docs_and_merge_overrides():
