@@ -411,9 +411,10 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
     The model's parameters are counted (tied ones once) when the Trainer sets up, and :func:`choose_zero_preset`
     runs on rank 0 with :func:`~lightning_accel.core.memory.estimate_zero_memory`; the choice is broadcast so all
     ranks agree, and logged with every candidate's estimate. Bytes per parameter follow the precision: mixed or
-    half precision → 2-byte parameters and gradients and K = 12 (fp32 master copy + Adam moments); ``32-true`` →
-    4-byte parameters and gradients and K = 8 (Adam moments). Pass ``optimizer_bytes_per_param`` for other
-    optimizers.
+    half precision → 2-byte parameters and gradients; ``32-true`` → 4-byte ones. K = 12 in both (Adam moments plus
+    an fp32 master partition, which DeepSpeed's ZeRO-1/2 optimizer keeps even in fp32 training — it clones
+    ``single_partition_of_fp32_groups`` — so 12 is exact there and 4 B/param/N conservative at ZeRO-3, which
+    reuses an fp32 parameter partition). Pass ``optimizer_bytes_per_param`` for other optimizers.
 
     Capacity: ``device_memory_bytes`` if given, else the CUDA device's total memory; on CPU the machine's RAM
     divided by the local processes. Host capacity (for offload): the machine's RAM divided by the local processes.
@@ -469,7 +470,7 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
         half = precision.startswith(("16", "bf16"))
         k = self._auto["optimizer_bytes_per_param"]
         return {"param_bytes": 2 if half else 4, "grad_bytes": 2 if half else 4,
-                "optimizer_bytes_per_param": k if k is not None else (12 if half else 8)}
+                "optimizer_bytes_per_param": k if k is not None else 12}
 
     def decide(self, model: torch.nn.Module) -> dict[str, Any]:
         """Choose the preset for ``model`` on this run's devices (rank 0 decides; the choice is broadcast)."""

@@ -70,10 +70,10 @@ for preset in PRESETS:
                    "force_ds_cpu_optimizer": trainer.strategy.config.get("zero_force_ds_cpu_optimizer"),
                    "engine": type(trainer.strategy.model).__name__,
                    "ds_accelerator": os.environ.get("DS_ACCELERATOR"), "rank": trainer.global_rank}
-# deepspeed_auto end to end: Net has 676 fp32 parameters; on CPU zero1 needs 12 B/param (8112 B), zero2 10 B/param
-# (6760 B): a 7000 B budget must pick zero2
+# deepspeed_auto end to end: Net has 676 fp32 parameters; on CPU (4-byte params and grads, K = 12) zero1 needs
+# 4 + 4 + 12/2 = 14 B/param (9464 B), zero2 4 + 16/2 = 12 B/param (8112 B): an 8500 B budget must pick zero2
 from lightning_accel.strategies.deepspeed_presets import DeepSpeedAutoStrategy
-trainer, losses = fit(DeepSpeedAutoStrategy(device_memory_bytes=7000 / 0.8), N)
+trainer, losses = fit(DeepSpeedAutoStrategy(device_memory_bytes=8500 / 0.8), N)
 out["auto"] = {"preset": trainer.strategy.preset, "stage": trainer.strategy.config["zero_optimization"]["stage"],
                "fits": [(c["preset"], c["fits"]) for c in trainer.strategy.decision["candidates"]],
                "steps": len(losses)}
@@ -255,15 +255,15 @@ def test_auto_strategy_decides_from_the_model_and_precision(monkeypatch):
                          strategy=DeepSpeedAutoStrategy(device_memory_bytes=1e9))
     strategy = trainer.strategy
     assert strategy._on_cpu
-    # fp32 (32-true): 4-byte params and grads, K = 8 -> zero1 needs 8 psi + 4 psi = 12 MB per process on CPU
+    # fp32 (32-true): 4-byte params and grads, K = 12 -> zero1 needs 4 psi + 4 psi + 12 psi / 2 = 14 psi
     decision = strategy.decide(model)
     assert decision["num_params"] == psi and decision["preset"] == "zero1"
-    assert decision["candidates"][0]["device_total"] == pytest.approx(4 * psi + 4 * psi + 8 * psi / 2)
-    strategy._auto["device_memory_bytes"] = 12 * psi / 0.8 * 0.99  # just too small for zero1 (12 psi)
-    assert strategy.decide(model)["preset"] == "zero2"  # 4 psi + 12 psi / 2 = 10 psi
-    strategy._auto["device_memory_bytes"] = 8.5 * psi / 0.8
-    assert strategy.decide(model)["preset"] == "zero3"  # 16 psi / 2 = 8 psi
-    strategy._auto["device_memory_bytes"] = 7 * psi / 0.8
+    assert decision["candidates"][0]["device_total"] == pytest.approx(14 * psi)
+    strategy._auto["device_memory_bytes"] = 14 * psi / 0.8 * 0.99  # just too small for zero1
+    assert strategy.decide(model)["preset"] == "zero2"  # 4 psi + 16 psi / 2 = 12 psi
+    strategy._auto["device_memory_bytes"] = 10.5 * psi / 0.8
+    assert strategy.decide(model)["preset"] == "zero3"  # 20 psi / 2 = 10 psi
+    strategy._auto["device_memory_bytes"] = 9 * psi / 0.8
     with pytest.raises(ValueError, match="no ZeRO preset fits"):
         strategy.decide(model)
     # mixed precision: 2-byte params and grads, K = 12 -> zero1 needs 2 psi + 2 psi + 12 psi / 2 = 10 psi
