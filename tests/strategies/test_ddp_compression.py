@@ -7,6 +7,7 @@ import warnings
 
 import lightning.pytorch as pl
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 import lightning_accel  # noqa: F401  (registers the strategy strings)
 from lightning_accel.strategies.ddp_compression import CommStats, DDPCompressionStrategy, ddp_powersgd
@@ -111,7 +112,8 @@ with open(f"ddp_rank{out['ddp']['rank']}.json", "w") as f:
 
 @pytest.mark.distributed
 def test_compression_strings_train_count_bytes_accumulate_and_resume(ddp_script, tmp_path):
-    ddp_script(SCRIPT, timeout=400)
+    # a fresh port rather than one left behind by another process (see tests/strategies/conftest.py)
+    ddp_script(SCRIPT, timeout=400, env={"MASTER_PORT": str(find_free_network_port())})
     ranks = read_rank_json(tmp_path, "ddp")
     for out in ranks:
         ref = out["ddp"]

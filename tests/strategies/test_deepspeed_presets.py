@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 import lightning_accel  # noqa: F401  (registers the strategy strings)
 from lightning_accel.core.memory import estimate_zero_memory
@@ -90,7 +91,8 @@ CPU_PRESETS = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", 
 @pytest.mark.deepspeed
 @pytest.mark.slow
 def test_cpu_presets_train_and_resume_with_matching_loss(ddp_script, tmp_path):
-    ddp_script(SCRIPT, args=[",".join(CPU_PRESETS)], timeout=600)
+    # a fresh port rather than one left behind by another process (see tests/strategies/conftest.py)
+    ddp_script(SCRIPT, args=[",".join(CPU_PRESETS)], timeout=600, env={"MASTER_PORT": str(find_free_network_port())})
     for out in read_rank_json(tmp_path, "ds"):
         for preset in CPU_PRESETS:
             run = out[preset]
