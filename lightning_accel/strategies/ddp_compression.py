@@ -110,6 +110,11 @@ class DDPCompressionStrategy(DDPStrategy):
     ``comm/compression_rate``           ratio   before ÷ sent over the window (1 = none, 2 = fp16/bf16)
     ==================================  ======  ======================================================
 
+    PowerSGD on gloo (CPU): torch's ``powerSGD_hook`` blocks inside its future callbacks, which gloo runs on its
+    two worker threads; with several gradient buckets in flight that deadlocks. On gloo the strategy therefore
+    completes each PowerSGD bucket before returning it to DDP (no overlap of that communication with backward); on
+    NCCL the hook is asynchronous as usual.
+
     Gradient accumulation: Lightning runs non-final micro-batches under ``no_sync``, so the hook (and the
     communication) runs once per optimizer step.
 
@@ -192,6 +197,7 @@ class DDPCompressionStrategy(DDPStrategy):
         self.powersgd_state: Any = None
         self._restored: dict[str, Any] | None = None
         self._iters_since_setup = 0
+        self._blocking_powersgd = False
         self._logged = CommStats()
         self._lock = threading.Lock()
 
@@ -233,6 +239,11 @@ class DDPCompressionStrategy(DDPStrategy):
                     powersgd_active = state.iter >= state.start_powerSGD_iter
                     numel_after = state.total_numel_after_compression
                     fut = hook(state, bucket)
+                    if powersgd_active and self._blocking_powersgd:
+                        # torch's powerSGD_hook calls .wait() inside its future callbacks; on gloo those run on
+                        # gloo's two worker threads, so two buckets in flight can block both and deadlock. Finish
+                        # each bucket before the next (no overlap with backward for PowerSGD on gloo).
+                        fut.wait()
                     sent = ((state.total_numel_after_compression - numel_after) * buffer.element_size()
                             if powersgd_active else before)
             else:
@@ -277,6 +288,7 @@ class DDPCompressionStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         state, hook = self.build_comm_hook()
         self._iters_since_setup = 0
+        self._blocking_powersgd = torch.distributed.get_backend() == "gloo"
         self.model.register_comm_hook(state, hook)
         if self.compression == "powersgd":
             rank_zero_info(f"ddp_powersgd: rank {self._powersgd_kwargs['matrix_approximation_rank']}, plain all-reduce "

@@ -94,8 +94,9 @@ out["ddp"] = fit("ddp")
 out["ddp_fp16_compress"] = fit("ddp_fp16_compress", callbacks=[AddWrapper()])
 out["wrapper_calls"] = WrapperCount.calls
 out["ddp_bf16_compress"] = fit("ddp_bf16_compress")
+# tiny buckets: one gradient bucket per parameter, several in flight at once (PowerSGD on gloo must not deadlock)
 out["ddp_powersgd"] = fit(DDPCompressionStrategy(compression="powersgd", start_powerSGD_iter=8,
-                                                 matrix_approximation_rank=4))
+                                                 matrix_approximation_rank=4, bucket_cap_mb=0.001))
 # accumulation: 2 micro-batches per step under no_sync -> one synchronising backward per optimizer step
 out["accumulate"] = fit("ddp_bf16_compress", steps=6, accumulate=2)
 # checkpoint/resume: PowerSGD's iteration counter survives, training continues compressed
@@ -137,6 +138,7 @@ def test_compression_strings_train_count_bytes_accumulate_and_resume(ddp_script,
             assert out[name]["logged"]["comm/compression_rate"] == pytest.approx(2.0)
         # the callback's wrapper ran around the hook once per bucket call
         assert out["wrapper_calls"] == out["ddp_fp16_compress"]["stats"]["calls"] > 0
+        assert out["ddp_powersgd"]["stats"]["calls"] > steps  # several buckets in flight per step
         # PowerSGD: plain all-reduce for 8 warm-up steps, then compressed (rank 4 on a 64x32 and an 8x64 matrix)
         psgd = out["ddp_powersgd"]["stats"]
         assert psgd["powersgd_steps"] == steps - 8
