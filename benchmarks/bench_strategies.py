@@ -12,7 +12,7 @@ writing 5 to ``/proc/self/clear_refs``, Linux only) and the script prints it nex
 ``estimate_zero_memory`` for fp32 training (4-byte parameters and gradients; K = 8 for torch AdamW, 12 for
 DeepSpeed's ZeRO optimizers, which keep an fp32 master partition).
 
-Run: ``flock /tmp/la-bench.lock python benchmarks/bench_strategies.py`` (about 2 minutes on a 2-core CPU).
+Run: ``flock /tmp/la-bench.lock python benchmarks/bench_strategies.py`` (about 4 minutes on a 2-core CPU; ``--part comm`` or ``--part memory`` for one half).
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="A B C rounds for the comm part (default 3)")
     parser.add_argument("--steps", type=int, default=25, help="steps per comm fit (default 25; first 5 not timed)")
     parser.add_argument("--width", type=int, default=512, help="MLP width for the comm part (default 512)")
-    parser.add_argument("--memory-widths", type=int, nargs=2, default=(1024, 1536),
-                        help="two MLP widths for the memory part (default 1024 1536)")
+    parser.add_argument("--memory-widths", type=int, nargs=2, default=(1024, 2048),
+                        help="two MLP widths for the memory part (default 1024 2048)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--child", choices=("comm", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
