@@ -12,7 +12,8 @@ writing 5 to ``/proc/self/clear_refs``, Linux only) and the script prints it nex
 ``estimate_zero_memory`` for fp32 training (4-byte parameters and gradients; K = 8 for torch AdamW, 12 for
 DeepSpeed's ZeRO optimizers, which keep an fp32 master partition).
 
-Run: ``flock /tmp/la-bench.lock python benchmarks/bench_strategies.py`` (about 4 minutes on a 2-core CPU; ``--part comm`` or ``--part memory`` for one half).
+Run: ``flock /tmp/la-bench.lock python benchmarks/bench_strategies.py`` (about 4 minutes on a 2-core CPU;
+``--part comm`` or ``--part memory`` for one half).
 """
 
 from __future__ import annotations

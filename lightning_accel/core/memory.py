@@ -44,8 +44,8 @@ OffloadDevice = Literal["cpu", "nvme"]
 
 #: The configurations :func:`zero_memory_table` lists, in the order to try them: cheapest in communication and
 #: host traffic first. The order follows Hugging Face's DeepSpeed guide ("How to choose which ZeRO stage and
-#: offloads to use for best performance": stage 0 → 1 → 2 → 2 + offload optimizer → 3 → 3 + offload optimizer →
-#: 3 + offload optimizer and parameters → NVMe).
+#: offloads to use for best performance": stage 0 → 1 → 2 → 2 + offload optimizer → 3 → 3 + offload
+#: optimizer → 3 + offload optimizer and parameters → NVMe).
 ZERO_CONFIGS: tuple[tuple[int, OffloadDevice | None, OffloadDevice | None], ...] = (
     (0, None, None),
     (1, None, None),

@@ -70,14 +70,16 @@ class CommStats:
 class DDPCompressionStrategy(DDPStrategy):
     """Lightning DDP whose gradient all-reduce is compressed by one of torch's DDP communication hooks.
 
-    ===============  ==================================================  ===============================================
-    ``compression``  torch hook                                          traffic per step (payload vs fp32 gradients)
-    ===============  ==================================================  ===============================================
-    ``"fp16"``       ``default_hooks.fp16_compress_hook``                1/2; fp16 range: gradients above 65504 overflow
-    ``"bf16"``       ``default_hooks.bf16_compress_hook``                1/2; fp32's range, 8-bit mantissa
-    ``"powersgd"``   ``powerSGD_hook.powerSGD_hook`` (Vogels et al.      ``(n + m)·rank / (n·m)`` per compressed matrix;
-                     2019)                                               plain all-reduce during warm-up
-    ===============  ==================================================  ===============================================
+    ===============  =================================  ===============================================
+    ``compression``  torch hook                         traffic per step (payload vs fp32 gradients)
+    ===============  =================================  ===============================================
+    ``"fp16"``       ``default_hooks.fp16_compress_``   1/2; fp16 range: gradients above 65504 overflow
+                     ``hook``
+    ``"bf16"``       ``default_hooks.bf16_compress_``   1/2; fp32's range, 8-bit mantissa
+                     ``hook``
+    ``"powersgd"``   ``powerSGD_hook.powerSGD_hook``    ``(n + m)·rank / (n·m)`` per compressed matrix;
+                     (Vogels et al. 2019)               plain all-reduce during warm-up
+    ===============  =================================  ===============================================
 
     Defaults differ from ``DDPStrategy``: ``find_unused_parameters=False`` (the default graph traversal costs time
     every step; set ``True`` only if some parameters really get no gradient), ``gradient_as_bucket_view=True``
@@ -96,8 +98,9 @@ class DDPCompressionStrategy(DDPStrategy):
     ``wrapper(hook) -> hook`` applied in order around the strategy's hook when ``setup`` registers it (callbacks'
     ``setup`` runs first, so a callback may append to it). DDP inspects the registered hook: its parameters must
     be named ``(state, bucket)`` and carry no annotations other than ``dist.GradBucket`` /
-    ``torch.futures.Future[torch.Tensor]`` (as objects, not ``from __future__`` strings). :attr:`comm_stats` holds the :class:`CommStats` of this
-    rank; no device synchronisation is needed to read it (sizes come from tensor shapes).
+    ``torch.futures.Future[torch.Tensor]`` (as objects, not ``from __future__`` strings). :attr:`comm_stats`
+    holds the :class:`CommStats` of this rank; no device synchronisation is needed to read it (sizes come from
+    tensor shapes).
 
     Logged through the LightningModule every ``log_every_n_steps`` optimizer steps (``log_comm_stats=True``), as
     means over the steps since the last log, per rank (every rank sends the same amount):

@@ -220,8 +220,8 @@ def test_auto_picks_the_lowest_stage_that_fits_mocked_capacities():
     #   zero1 4 + 1.5 = 5.5 GB, zero2 2 + 1.75 = 3.75 GB, zero2_offload 2 GB, zero3 2 GB, zero3_offload 0 GB
     psi, nd = 1_000_000_000, 8
     assert estimate_zero_memory(psi, nd, 1).device_total == pytest.approx(5.5 * GB)
-    cases = [(80 * GB, "zero1"), (5.5 / 0.8 * GB, "zero1"), (5.4 / 0.8 * GB, "zero2"), (3.7 / 0.8 * GB, "zero2_offload"),
-             (1.9 / 0.8 * GB, "zero3_offload")]
+    cases = [(80 * GB, "zero1"), (5.5 / 0.8 * GB, "zero1"), (5.4 / 0.8 * GB, "zero2"),
+             (3.7 / 0.8 * GB, "zero2_offload"), (1.9 / 0.8 * GB, "zero3_offload")]
     for capacity, expected in cases:
         chosen, report = choose_zero_preset(psi, nd, capacity, margin=0.2)
         assert chosen == expected, (capacity, chosen)
