@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "get_peak_flops": "lightning_accel.core.peak",
     "measure_peak_flops": "lightning_accel.core.peak",
     "find_batch_size": "lightning_accel.core.search",
+    "estimate_zero_memory": "lightning_accel.core.memory",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -8,6 +8,7 @@ from lightning_accel.core.checkpointing import (
 )
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
+from lightning_accel.core.memory import ZeroMemoryEstimate, estimate_zero_memory
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
 from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
 from lightning_accel.core.search import (
@@ -35,7 +36,9 @@ __all__ = [
     "WindowedThroughput",
     "apply_activation_checkpointing",
     "choose_autocast_dtype",
+    "ZeroMemoryEstimate",
     "count_flops",
+    "estimate_zero_memory",
     "device_memory_capacity",
     "find_batch_size",
     "find_throughput_batch_size",

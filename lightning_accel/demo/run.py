@@ -37,6 +37,7 @@ class DemoConfig:
     checkpointing: bool = False
     tune_batch_size: str | None = None
     tune_dataloader: bool = False
+    strategy: str | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -46,6 +47,13 @@ class DemoConfig:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.tune_batch_size not in (None, "max_fit", "throughput"):
             raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
+        if self.strategy is not None:
+            import lightning_accel  # noqa: F401  (registers the strategy strings)
+            from lightning.pytorch.strategies import StrategyRegistry
+
+            if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
+                raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
+                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the README)")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
         if self.data not in ("tokens", "images"):
@@ -80,6 +88,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune-dataloader", action="store_true",
                         help="pick num_workers with DataLoaderTuner before training")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
+    parser.add_argument("--strategy", default=None,
+                        help="Lightning strategy string, e.g. ddp_bf16_compress, ddp_powersgd, deepspeed_zero2, "
+                             "deepspeed_auto (with --devices 2 on CPU); default: ddp if --devices > 1")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
     parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
                         help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
@@ -137,7 +148,7 @@ def build_trainer(cfg: DemoConfig) -> Any:
     return pl.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
-        strategy="ddp" if cfg.devices > 1 else "auto",
+        strategy=cfg.strategy or ("ddp" if cfg.devices > 1 else "auto"),
         **build_precision(cfg),
         max_steps=cfg.steps,
         val_check_interval=min(cfg.val_every, cfg.steps),
