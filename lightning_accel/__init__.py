@@ -16,6 +16,12 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # callbacks
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
+    "DevicePrefetcher": "lightning_accel.callbacks.device_prefetcher",
+    "ProfileWindow": "lightning_accel.callbacks.profile_window",
+    # attention fast paths
+    "SDPABackendRecorder": "lightning_accel.attention",
+    "sdpa_backends": "lightning_accel.attention",
+    "use_fused_attention": "lightning_accel.attention",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",
