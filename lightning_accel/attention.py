@@ -182,7 +182,8 @@ class SDPABackendRecorder:
     Limits: calls through a reference taken before the block (``from torch.nn.functional import
     scaled_dot_product_attention`` at import time) are seen only when they reach a fused op; code compiled by
     ``torch.compile`` is not seen (its kernels run outside the dispatcher); ``nn.MultiheadAttention``'s C++
-    inference fast path (``_native_multi_head_attention``) is not seen.
+    inference fast path (``_native_multi_head_attention``) is not seen. The dispatch mode adds Python work to every
+    op while active: record a few steps, not a whole run.
     """
 
     def __init__(self) -> None:

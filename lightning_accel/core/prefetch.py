@@ -79,7 +79,8 @@ class CudaTransfer:
             copied.append(out)
             return out
 
-        with torch.cuda.stream(self.stream):
+        # the producer thread's current device is not the trainer's (it is per thread): set both device and stream
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             moved = map_tensors(batch, move)
             event = torch.cuda.Event()
             event.record(self.stream)

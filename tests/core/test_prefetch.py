@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import threading
@@ -291,6 +292,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", StreamCtx)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
