@@ -235,6 +235,7 @@ class PrefetchingLoader:
         object.__setattr__(self, "_prefetch_pin", True if pin_memory is None else bool(pin_memory))
         object.__setattr__(self, "_prefetch_transfer", None)
         object.__setattr__(self, "_prefetch_iterators", weakref.WeakSet())
+        object.__setattr__(self, "_prefetch_threads", [])
 
     @property
     def loader(self) -> Iterable[Any]:
@@ -261,15 +262,25 @@ class PrefetchingLoader:
             transfer = self._prefetch_transfer
         iterator = PrefetchIterator(self._prefetch_loader, self._prefetch_depth, transfer)
         self._prefetch_iterators.add(iterator)
+        # threads of passes abandoned without close() (e.g. Lightning's limit_train_batches) end on their own
+        # after garbage collection; keep them too, so close() can wait for them
+        self._prefetch_threads[:] = [(stop, t) for stop, t in self._prefetch_threads if t.is_alive()]
+        if iterator._thread is not None:
+            self._prefetch_threads.append((iterator._stop, iterator._thread))
         return iterator
 
     def __len__(self) -> int:
         return len(self._prefetch_loader)  # type: ignore[arg-type]  # TypeError for unsized loaders, as usual
 
     def close(self) -> None:
-        """Stop every running pass (its thread) over this loader."""
+        """Stop every running pass over this loader and wait for its thread to end."""
         for iterator in list(self._prefetch_iterators):
             iterator.close()
+        for stop, thread in self._prefetch_threads:
+            stop.set()
+        for _, thread in self._prefetch_threads:
+            thread.join(timeout=5.0)
+        self._prefetch_threads.clear()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_prefetch_"):  # not set yet (copy/unpickle): no recursion into the wrapped loader

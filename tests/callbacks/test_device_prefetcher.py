@@ -119,6 +119,13 @@ def test_stopping_mid_epoch_leaves_no_thread_and_val_opt_in():
     assert not prefetch_threads()
 
 
+def test_epochs_cut_short_by_limit_train_batches_leave_no_thread():
+    # Lightning abandons each epoch's iterator without exhausting it; the threads must still all end
+    trainer, model = fit([DevicePrefetcher()], max_epochs=3, limit_train_batches=2, num_sanity_val_steps=0)
+    assert len(model.seen) == 6
+    assert not prefetch_threads()
+
+
 def test_loader_error_surfaces_from_fit():
     class Broken(Samples):
         def __getitem__(self, i):
