@@ -365,6 +365,8 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
        use of one (reading the scores, training-mode dropout with p > 0, a finite ``masked_fill``, ...) computes
        the original operations exactly as written, so the block never changes its results beyond floating-point
        rounding. Rows masked entirely with ``-inf`` give 0 in the fused kernel and NaN in the original.
+       Meant for eager mode: under ``torch.compile``, Inductor's own pattern matcher (``fuse_attention``) rewrites
+       many such patterns, and the hooks and ``TorchFunctionMode`` used here are best left out of compiled code.
 
     Args:
         model: the model; changed in place through forward hooks (undo with :meth:`FusedAttention.restore`).

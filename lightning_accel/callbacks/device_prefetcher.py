@@ -17,7 +17,7 @@ and forwards other attributes (``sampler``, ``batch_sampler``, ``dataset``, ``ba
 ``_set_sampler_epoch`` (which reads ``loader.sampler`` / ``loader.batch_sampler.sampler``) and its length logic work
 unchanged. On CUDA, batches arrive already on the device, so Lightning's ``batch_to_device`` is a no-op for them.
 Lightning's "does not have many workers" hint (given only for ``DataLoader`` instances) is not shown for wrapped
-loaders.
+loaders, and on CUDA the ``on_before_batch_transfer`` hook receives the batch already on the device.
 
 Nothing is logged. Batches, their order and, under DDP, each rank's samples are the same as without the callback.
 """
