@@ -31,6 +31,8 @@ class DemoConfig:
     val_every: int = 50
     progress_bar: bool = True
     output_dir: str | None = None
+    prefetch: bool = False
+    profile_at_step: int | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -40,6 +42,8 @@ class DemoConfig:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
+        if self.profile_at_step is not None and (not isinstance(self.profile_at_step, int) or self.profile_at_step < 0):
+            raise ValueError(f"demo: --profile-at-step must be a step number >= 0, got {self.profile_at_step!r}")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +64,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="DevicePrefetcher: fetch (and on GPU copy) the next batches while the step runs")
+    parser.add_argument("--profile-at-step", type=int, default=None,
+                        help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or "
+                             "cwd>/profile)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -70,7 +79,17 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
-    return [MFUMonitor(window=cfg.window), *cfg.extra_callbacks]
+    callbacks: list[Any] = [MFUMonitor(window=cfg.window)]
+    if cfg.prefetch:
+        from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+        callbacks.append(DevicePrefetcher())
+    if cfg.profile_at_step is not None:
+        from lightning_accel.callbacks.profile_window import ProfileWindow
+
+        callbacks.append(ProfileWindow(at_step=cfg.profile_at_step,
+                                       dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None))
+    return [*callbacks, *cfg.extra_callbacks]
 
 
 def build_trainer(cfg: DemoConfig) -> Any:

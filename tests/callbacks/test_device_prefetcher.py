@@ -161,6 +161,16 @@ def test_existing_instance_patch_is_restored():
     assert len(calls) == 1 and vars(trainer.strategy)["process_dataloader"] is theirs
 
 
+def test_demo_flags_add_the_callbacks():
+    from lightning_accel.demo.run import DemoConfig, build_callbacks
+
+    names = [type(cb).__name__ for cb in build_callbacks(DemoConfig(prefetch=True, profile_at_step=5))]
+    assert names == ["MFUMonitor", "DevicePrefetcher", "ProfileWindow"]
+    assert [type(cb).__name__ for cb in build_callbacks(DemoConfig())] == ["MFUMonitor"]
+    with pytest.raises(ValueError, match="--profile-at-step must be"):
+        DemoConfig(profile_at_step=-1).validate()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"depth": 0}, "depth must be a positive"),
     ({"pin_memory": "yes"}, "pin_memory"),
