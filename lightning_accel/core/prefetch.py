@@ -2,8 +2,8 @@
 
 :class:`PrefetchingLoader` wraps any iterable of batches (a ``DataLoader``, a DALI iterator, a generator factory):
 
-* **CPU (and the host side of CUDA).** A background thread keeps up to ``depth`` batches ready in a bounded queue,
-  so work the loader does in the training process (``collate_fn``, decoding, augmenting with ``num_workers=0``)
+* **CPU (and the host side of CUDA).** A background thread keeps up to ``depth`` batches ready in a bounded queue
+  (plus the one it is fetching while the queue is full), so work the loader does in the training process (``collate_fn``, decoding, augmenting with ``num_workers=0``)
   overlaps the training step. PyTorch and NumPy kernels, file reads and ``time.sleep`` release the GIL, so the
   overlap is real for them; pure-Python collate code still competes for the GIL and gains little.
 * **CUDA.** The same thread also pins each host tensor (unless it is pinned already, e.g. by
@@ -208,8 +208,8 @@ class PrefetchingLoader:
 
     Args:
         loader: what to wrap: anything iterable, re-iterable for several epochs (a ``DataLoader``).
-        depth: batches fetched ahead (queue size). 2 hides one slow batch behind one step with one in flight;
-            each batch held ahead costs its memory (host, or device for CUDA).
+        depth: batches kept ready (queue size; the thread may hold one more while it waits for room). Each batch
+            held ahead costs its memory (host, or device for CUDA); 2 absorbs one slow batch without stalling.
         device: the CUDA device to copy batches to; ``None`` or a CPU device prefetches on the host only.
         pin_memory: pin host tensors before a CUDA copy (default: on for CUDA). Ignored on CPU.
 
