@@ -3,9 +3,10 @@
 
 Variants alternate A B A B ... (``--rounds`` rounds of ``--iters`` timed iterations each, after warm-up); the table
 shows the median time per iteration and the ratio fused ÷ original. The backend that actually ran is read with
-SDPABackendRecorder and printed. GPU figures (flash/efficient kernels, where the gap is largest) need a GPU machine.
+SDPABackendRecorder and printed.
 
-Run: ``flock /tmp/la-bench.lock python benchmarks/bench_attention.py [--seq 512 --dim 256 --heads 4 --batch 8]``.
+Run: ``flock /tmp/la-bench.lock python benchmarks/bench_attention.py [--seq 512 --dim 256 --heads 4 --batch 8]``;
+on a GPU: ``python benchmarks/bench_attention.py --device cuda --dtype bfloat16 --seq 2048``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def time_iters(model: nn.Module, x: torch.Tensor, iters: int) -> list[float]:
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        model(x).square().mean().backward()
+        model(x).float().square().mean().backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()  # a benchmark: wait for the kernels to finish before reading the clock
         times.append(time.perf_counter() - start)
     return times
 
@@ -73,21 +76,25 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    x = torch.randn(args.batch, args.seq, args.dim)
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.batch, args.seq, args.dim, device=args.device, dtype=dtype)
     pairs = {}
-    hand = CausalSelfAttention(args.dim, args.heads, args.seq)
+    hand = CausalSelfAttention(args.dim, args.heads, args.seq).to(args.device, dtype)
     hand_fused = copy.deepcopy(hand)
     use_fused_attention(hand_fused, blocks=[""])
     pairs["hand-written causal"] = (hand, hand_fused)
-    mha = MHABlock(args.dim, args.heads)
+    mha = MHABlock(args.dim, args.heads).to(args.device, dtype)
     mha_fused = copy.deepcopy(mha)
     use_fused_attention(mha_fused, example_inputs=x[:1])
     pairs["nn.MultiheadAttention"] = (mha, mha_fused)
 
-    print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch}, seq {args.seq}, "
+    where = torch.cuda.get_device_name() if x.is_cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{where}, torch {torch.__version__}, {args.dtype}; batch {args.batch}, seq {args.seq}, "
           f"dim {args.dim}, heads {args.heads}; forward + backward; {args.rounds} rounds x {args.iters} iters")
     print(f"{'module':24s} {'original':>10s} {'fused':>10s} {'ratio':>7s}  backends (original | fused)")
     for name, (original, fused) in pairs.items():
