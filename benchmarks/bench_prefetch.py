@@ -4,7 +4,8 @@ The loader's ``collate_fn`` costs ``--collate-ms`` per batch in the training pro
 or network I/O does (``--collate io``: ``time.sleep``) or doing tensor work like decoding/augmenting
 (``--collate compute``: torch ops, which release the GIL but compete for the CPU cores with the step). The step
 is the 3-layer MLP of ``_common.MLPTask`` (tens of ms on a 2-core CPU). Variants run A B C A B C ... in one
-process; the table shows median step time (data wait included) and the ratio to the run without the prefetcher;
+process; the table shows the median over rounds of each round's median step time (data wait included), its ratio to the
+run without the prefetcher, and that ratio per round (how steady the machine was);
 C, the same step with a free collate, is the floor the prefetcher can reach.
 
 Run: ``flock /tmp/la-bench.lock python benchmarks/bench_prefetch.py [--collate io|compute]``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 import warnings
 from typing import Any
@@ -68,17 +70,22 @@ def main() -> None:
     def task() -> SlowCollateTask:
         return SlowCollateTask(args.collate, args.collate_ms)
 
-    medians = alternate({
+    variants = {
         "no prefetcher": lambda: fit_step_times([], args.steps, task),
         "DevicePrefetcher()": lambda: fit_step_times([DevicePrefetcher()], args.steps, task),
         "step, no collate cost": lambda: fit_step_times([], args.steps, MLPTask),  # the floor prefetch can reach
-    }, rounds=args.rounds)
-    base = medians["no prefetcher"]
+    }
+    # one round at a time, so the per-round ratios show how steady the machine was
+    per_round = [alternate(variants, rounds=1) for _ in range(args.rounds)]
+    base_name = "no prefetcher"
     print(f"collate: {args.collate}, {args.collate_ms:g} ms per batch, num_workers=0; "
           f"{args.rounds} rounds x {args.steps} steps; torch threads {torch.get_num_threads()}")
-    print(f"{'variant':22s} {'median step':>12s} {'ratio':>7s}")
-    for name, value in medians.items():
-        print(f"{name:22s} {1e3 * value:10.2f}ms {value / base:7.3f}")
+    print(f"{'variant':22s} {'median step':>12s} {'ratio':>7s}  per-round ratios")
+    for name in variants:
+        median = statistics.median(r[name] for r in per_round)
+        base = statistics.median(r[base_name] for r in per_round)
+        ratios = " ".join(f"{r[name] / r[base_name]:.2f}" for r in per_round)
+        print(f"{name:22s} {1e3 * median:10.2f}ms {median / base:7.3f}  {ratios}")
 
 
 if __name__ == "__main__":
