@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import multiprocessing
 import threading
 import time
 import traceback
@@ -114,6 +115,20 @@ def test_dataloader_attributes_and_len_are_the_inner_loaders():
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped)) and len(plain) == len(wrapped)
     with pytest.raises(TypeError):
         len(PrefetchingLoader(iter([1, 2])))
+
+
+def test_worker_processes_loader_same_batches_and_clean_shutdown():
+    # iter() (which starts the workers) runs in the caller, next() in the prefetch thread
+    dl = DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, num_workers=2)
+    expected = [b[0] for b in dl]
+    loader = PrefetchingLoader(dl)
+    got = [b[0] for b in loader]
+    assert len(got) == 10 and all(torch.equal(a, b) for a, b in zip(got, expected))
+    it = iter(loader)
+    next(it)
+    loader.close()  # mid-pass: the thread drops the DataLoader iterator, whose workers then shut down
+    assert not it.alive
+    assert wait_for(lambda: not multiprocessing.active_children())
 
 
 def test_fetches_ahead_at_most_depth_batches():
