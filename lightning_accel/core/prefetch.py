@@ -28,6 +28,8 @@ the interpreter alive. Closing waits for a ``next()`` of the loader that is alre
 Attributes the wrapper does not define (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``,
 ``num_workers``, ...) are read from and written to the wrapped loader, and ``len()`` is the wrapped loader's, so
 code that inspects loaders (Lightning's ``set_epoch`` on a ``DistributedSampler``, its length checks) keeps working.
+``state_dict``/``load_state_dict`` of a stateful loader are deliberately not forwarded (its state would count the
+batches fetched ahead as consumed), so a resumed run restarts the epoch's data instead of skipping batches.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ __all__ = ["CudaTransfer", "PrefetchIterator", "PrefetchingLoader"]
 
 _BATCH, _END, _ERROR = "batch", "end", "error"
 _POLL_S = 0.05  # how often a blocked producer re-checks the stop flag
+# A stateful loader's (torchdata StatefulDataLoader) state counts the batches fetched ahead as consumed; forwarding
+# it would make a mid-epoch resume skip them. Without these, Lightning treats the loader as not stateful.
+_NOT_FORWARDED = frozenset({"state_dict", "load_state_dict"})
 
 
 class CudaTransfer:
@@ -285,6 +290,9 @@ class PrefetchingLoader:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_prefetch_"):  # not set yet (copy/unpickle): no recursion into the wrapped loader
             raise AttributeError(name)
+        if name in _NOT_FORWARDED:
+            raise AttributeError(f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
+                                 "produced the batches fetched ahead, so its state would skip them on resume")
         return getattr(self._prefetch_loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

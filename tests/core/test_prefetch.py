@@ -108,6 +108,13 @@ def test_dataloader_attributes_and_len_are_the_inner_loaders():
     assert dl.worker_init_fn is print
     with pytest.raises(AttributeError):
         loader.no_such_attribute
+
+    class Stateful(list):
+        def state_dict(self):
+            return {"consumed": 99}
+
+    with pytest.raises(AttributeError, match="skip them on resume"):
+        PrefetchingLoader(Stateful([1])).state_dict  # noqa: B018
     torch.manual_seed(0)
     plain = [b[0] for b in dl]
     torch.manual_seed(0)
