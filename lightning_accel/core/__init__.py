@@ -1,6 +1,6 @@
 """Framework-free measuring and tuning core: no Lightning imports here."""
 
-from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
+from lightning_accel.core.batch import iter_tensors, map_tensors, samples_in_batch, tokens_in_batch
 from lightning_accel.core.checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
@@ -19,6 +19,7 @@ from lightning_accel.core.search import (
     find_batch_size,
     find_throughput_batch_size,
 )
+from lightning_accel.core.prefetch import PrefetchingLoader
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 
@@ -28,22 +29,24 @@ __all__ = [
     "FlopCounter",
     "Fp32Islands",
     "MemoryModel",
-    "PeakMemoryMeter",
-    "ProbeRecord",
     "PeakFlops",
+    "PeakMemoryMeter",
+    "PrefetchingLoader",
+    "ProbeRecord",
     "Rates",
     "StageTimer",
     "WindowedThroughput",
+    "ZeroMemoryEstimate",
     "apply_activation_checkpointing",
     "choose_autocast_dtype",
-    "ZeroMemoryEstimate",
     "count_flops",
-    "estimate_zero_memory",
     "device_memory_capacity",
+    "estimate_zero_memory",
     "find_batch_size",
     "find_throughput_batch_size",
     "get_peak_flops",
     "iter_tensors",
+    "map_tensors",
     "measure_peak_flops",
     "peak_rss_bytes",
     "remove_activation_checkpointing",

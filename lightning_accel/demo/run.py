@@ -38,6 +38,8 @@ class DemoConfig:
     tune_batch_size: str | None = None
     tune_dataloader: bool = False
     strategy: str | None = None
+    prefetch: bool = False
+    profile_at_step: int | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -60,6 +62,8 @@ class DemoConfig:
             raise ValueError(f"demo: --data must be 'tokens' or 'images', got {self.data!r}")
         if self.checkpointing and self.data != "tokens":
             raise ValueError("demo: --checkpointing wraps the GPT's transformer blocks; use it with --data tokens")
+        if self.profile_at_step is not None and (not isinstance(self.profile_at_step, int) or self.profile_at_step < 0):
+            raise ValueError(f"demo: --profile-at-step must be a step number >= 0, got {self.profile_at_step!r}")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +100,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
                              "TokenMemmapDataset); images: a small CNN on generated JPEGs through "
                              "DALIImageDataModule (needs the dali extra) (default %(default)s)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="DevicePrefetcher: fetch (and on GPU copy) the next batches while the step runs")
+    parser.add_argument("--profile-at-step", type=int, default=None,
+                        help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or "
+                             "cwd>/profile)")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -125,6 +134,15 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
         from lightning_accel.demo.model import Block
 
         callbacks.append(ActivationCheckpointing(modules=[Block]))
+    if cfg.prefetch:
+        from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+        callbacks.append(DevicePrefetcher())
+    if cfg.profile_at_step is not None:
+        from lightning_accel.callbacks.profile_window import ProfileWindow
+
+        callbacks.append(ProfileWindow(at_step=cfg.profile_at_step,
+                                       dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None))
     return [*callbacks, *cfg.extra_callbacks]
 
 
