@@ -14,13 +14,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class StepTimes(pl.Callback):
-    """Host time between consecutive ``on_train_batch_end`` calls (the full step, data wait included)."""
+    """Time between consecutive ``on_train_batch_end`` calls (the full step, data wait included).
 
-    def __init__(self, skip: int = 5) -> None:
+    ``clock="wall"`` records ``time.perf_counter``; ``clock="cpu"`` records the process's CPU time
+    (``time.process_time``, all threads), which other processes on a shared machine disturb far less: use it with
+    one torch thread to measure the CPU overhead of a callback.
+    """
+
+    def __init__(self, skip: int = 5, clock: str = "wall") -> None:
         self.skip, self.times, self._last = skip, [], None
+        self._clock = {"wall": time.perf_counter, "cpu": time.process_time}[clock]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         if self._last is not None and batch_idx >= self.skip:
             self.times.append(now - self._last)
         self._last = now
@@ -47,9 +53,9 @@ class MLPTask(pl.LightningModule):
                           batch_size=self.batch_size)
 
 
-def fit_step_times(callbacks: list[Any], steps: int, make_model: Callable[[], pl.LightningModule],
-                   **trainer_kwargs: Any) -> list[float]:
-    recorder = StepTimes()
+def fit_step_times(callbacks: list[Any], steps: int, make_model: Callable[[], pl.LightningModule], *,
+                   clock: str = "wall", **trainer_kwargs: Any) -> list[float]:
+    recorder = StepTimes(clock=clock)
     kwargs = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)
@@ -59,10 +65,19 @@ def fit_step_times(callbacks: list[Any], steps: int, make_model: Callable[[], pl
     return recorder.times
 
 
-def alternate(variants: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, float]:
-    """Run the variants A B A B ... ``rounds`` times; median step time per variant over all rounds."""
+def alternate(variants: dict[str, Callable[[], list[float]]], rounds: int, *, verbose: bool = True
+              ) -> dict[str, float]:
+    """Run the variants A B A B ... ``rounds`` times; median step time per variant over all rounds.
+
+    The order inside a round flips every round (A B, B A, ...) so neither variant always runs first.
+    """
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            samples[name].extend(run())
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            times = variants[name]()
+            samples[name].extend(times)
+            if verbose:
+                print(f"  round {r}: {name:24s} median {1e3 * statistics.median(times):8.2f} ms over {len(times)} steps",
+                      flush=True)
     return {name: statistics.median(times) for name, times in samples.items()}

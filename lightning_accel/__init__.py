@@ -31,6 +31,12 @@ _EXPORTS: dict[str, str] = {
     "pack_webdataset": "lightning_accel.data.webdataset",
     "BatchSizeTuner": "lightning_accel.callbacks.batch_size_tuner",
     "DataLoaderTuner": "lightning_accel.callbacks.dataloader_tuner",
+    "DevicePrefetcher": "lightning_accel.callbacks.device_prefetcher",
+    "ProfileWindow": "lightning_accel.callbacks.profile_window",
+    # attention fast paths
+    "SDPABackendRecorder": "lightning_accel.attention",
+    "sdpa_backends": "lightning_accel.attention",
+    "use_fused_attention": "lightning_accel.attention",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",
@@ -41,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "diagnose": "lightning_accel.core.rules",
     "timed_comm_hook": "lightning_accel.core.comm",
     "find_batch_size": "lightning_accel.core.search",
+    "estimate_zero_memory": "lightning_accel.core.memory",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

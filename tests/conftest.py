@@ -15,6 +15,22 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: variables a distributed launcher sets; none may leak from this process into a script that launches its own ranks
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_launch_variables():
+    """Undo what an in-process Trainer leaves in ``os.environ`` (Lightning sets the launch variables)."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from lightning_accel._imports import is_available
@@ -39,7 +55,10 @@ def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str
     """
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    # a Trainer that ran inside this pytest process leaves LOCAL_RANK, MASTER_PORT, ... in os.environ; a child
+    # inheriting them believes it was launched externally and rank 0 waits forever for peers
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    full_env = {**inherited, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run([sys.executable, str(script), *(args or [])], cwd=tmp_path, env=full_env, text=True,
                           capture_output=True, timeout=timeout)

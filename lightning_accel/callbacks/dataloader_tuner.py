@@ -76,7 +76,7 @@ class DataLoaderTuner(Callback):
        undone bit for bit (parameters, optimizer, RNG — see :class:`~lightning_accel.BatchSizeTuner`).
     2. **Supply**: for each grid point, cheapest first (0 workers; then 1, 2, 4, … up to this rank's share of the
        CPU cores, each with ``prefetch_factors``), the user's ``train_dataloader()`` is rebuilt with those
-       attributes set and timed in steady state: the first ``warmup_batches`` batches plus the prefetch queue
+       attributes set and timed in steady state: the first ``trial_warmup_batches`` batches plus the prefetch queue
        (workers × prefetch) are skipped, so worker start-up and pre-filled queues do not inflate the rate.
     3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) in two consecutive measurements
        (the lower one counts) wins and the search stops there;
@@ -113,7 +113,7 @@ class DataLoaderTuner(Callback):
         prefetch_factors: ``prefetch_factor`` values tried for each worker count > 0 (the playbook's 2–8 range).
         margin: required headroom of supply over consumption (0.2 = 20 %).
         batches_per_trial: batches timed per setting (after warm-up).
-        warmup_batches: batches skipped per setting before timing (plus the prefetch queue).
+        trial_warmup_batches: batches skipped per setting before timing (plus the prefetch queue).
         consumption_steps: training steps timed to measure consumption (the first is warm-up).
         num_workers_attr: attribute holding ``num_workers``; ``prefetch_factor_attr``, ``persistent_workers_attr``,
             ``pin_memory_attr`` likewise (optional).
@@ -129,7 +129,7 @@ class DataLoaderTuner(Callback):
         prefetch_factors: Sequence[int] = (2, 4),
         margin: float = 0.2,
         batches_per_trial: int = 20,
-        warmup_batches: int = 2,
+        trial_warmup_batches: int = 2,
         consumption_steps: int = 6,
         num_workers_attr: str = "num_workers",
         prefetch_factor_attr: str = "prefetch_factor",
@@ -147,7 +147,8 @@ class DataLoaderTuner(Callback):
             raise ValueError(f"DataLoaderTuner(prefetch_factors={prefetch_factors!r}): give ints >= 1, e.g. (2, 4)")
         if not isinstance(margin, (int, float)) or margin < 0:
             raise ValueError(f"DataLoaderTuner(margin={margin!r}): give a fraction >= 0, e.g. 0.2")
-        for name, value, low in (("batches_per_trial", batches_per_trial, 2), ("warmup_batches", warmup_batches, 0),
+        for name, value, low in (("batches_per_trial", batches_per_trial, 2),
+                                 ("trial_warmup_batches", trial_warmup_batches, 0),
                                  ("consumption_steps", consumption_steps, 2)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"DataLoaderTuner({name}={value!r}): give an int >= {low}")
@@ -155,7 +156,7 @@ class DataLoaderTuner(Callback):
         self.prefetch_factors = tuple(prefetch_factors)
         self.margin = float(margin)
         self.batches_per_trial = batches_per_trial
-        self.warmup_batches = warmup_batches
+        self.trial_warmup_batches = trial_warmup_batches
         self.consumption_steps = consumption_steps
         self.attrs = {"num_workers": num_workers_attr, "prefetch_factor": prefetch_factor_attr,
                       "persistent_workers": persistent_workers_attr, "pin_memory": pin_memory_attr}
@@ -306,7 +307,7 @@ class DataLoaderTuner(Callback):
                              f"`{self.attrs['num_workers']}` was set to {workers}: build it from that attribute "
                              f"(DataLoader(..., num_workers=self.{self.attrs['num_workers']}))")
         # the queue the workers fill before the first batch is consumed (DataLoader's default prefetch_factor is 2)
-        skip = self.warmup_batches + workers * (values.get("prefetch_factor") or (2 if workers else 0))
+        skip = self.trial_warmup_batches + workers * (values.get("prefetch_factor") or (2 if workers else 0))
         stamps: list[float] = []
         it = iter(iterate_batches(loader))
         try:
@@ -320,7 +321,7 @@ class DataLoaderTuner(Callback):
             del it, loader  # shuts the workers down (persistent ones too: the loader goes away)
         if len(stamps) < 3:
             raise ValueError(f"the train dataloader has too few batches to time ({skip} warm-up + "
-                             f"{self.batches_per_trial}); lower warmup_batches / batches_per_trial")
+                             f"{self.batches_per_trial}); lower trial_warmup_batches / batches_per_trial")
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         # mean over the window (a median would hide periodic stalls, e.g. one slow worker every N batches)
         return len(gaps) / max(sum(gaps), 1e-9) if statistics.fmean(gaps) > 0 else math.inf

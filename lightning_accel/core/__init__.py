@@ -1,6 +1,6 @@
 """Framework-free measuring and tuning core: no Lightning imports here."""
 
-from lightning_accel.core.batch import iter_tensors, samples_in_batch, tokens_in_batch
+from lightning_accel.core.batch import iter_tensors, map_tensors, samples_in_batch, tokens_in_batch
 from lightning_accel.core.breakdown import Breakdown, split_seconds
 from lightning_accel.core.checkpointing import (
     apply_activation_checkpointing,
@@ -10,6 +10,7 @@ from lightning_accel.core.checkpointing import (
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
+from lightning_accel.core.memory import ZeroMemoryEstimate, estimate_zero_memory
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
 from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
 from lightning_accel.core.report import DoctorReport, compare, plot_timeline
@@ -22,6 +23,7 @@ from lightning_accel.core.search import (
     find_batch_size,
     find_throughput_batch_size,
 )
+from lightning_accel.core.prefetch import PrefetchingLoader
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 
@@ -37,6 +39,7 @@ __all__ = [
     "MemoryModel",
     "PeakFlops",
     "PeakMemoryMeter",
+    "PrefetchingLoader",
     "ProbeRecord",
     "Rates",
     "RunContext",
@@ -44,16 +47,19 @@ __all__ = [
     "StageTimer",
     "Thresholds",
     "WindowedThroughput",
+    "ZeroMemoryEstimate",
     "apply_activation_checkpointing",
     "choose_autocast_dtype",
     "compare",
     "count_flops",
     "device_memory_capacity",
     "diagnose",
+    "estimate_zero_memory",
     "find_batch_size",
     "find_throughput_batch_size",
     "get_peak_flops",
     "iter_tensors",
+    "map_tensors",
     "measure_peak_flops",
     "peak_rss_bytes",
     "plot_timeline",

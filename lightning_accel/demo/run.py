@@ -40,6 +40,9 @@ class DemoConfig:
     checkpointing: bool = False
     tune_batch_size: str | None = None
     tune_dataloader: bool = False
+    strategy: str | None = None
+    prefetch: bool = False
+    profile_at_step: int | None = None
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -49,6 +52,13 @@ class DemoConfig:
                 raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.tune_batch_size not in (None, "max_fit", "throughput"):
             raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
+        if self.strategy is not None:
+            import lightning_accel  # noqa: F401  (registers the strategy strings)
+            from lightning.pytorch.strategies import StrategyRegistry
+
+            if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
+                raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
+                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the README)")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
         if self.data not in ("tokens", "images"):
@@ -57,6 +67,8 @@ class DemoConfig:
             raise ValueError("demo: --slow-data plants its delay in the token pipeline; use it with --data tokens")
         if self.checkpointing and self.data != "tokens":
             raise ValueError("demo: --checkpointing wraps the GPT's transformer blocks; use it with --data tokens")
+        if self.profile_at_step is not None and (not isinstance(self.profile_at_step, int) or self.profile_at_step < 0):
+            raise ValueError(f"demo: --profile-at-step must be a step number >= 0, got {self.profile_at_step!r}")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,11 +97,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune-dataloader", action="store_true",
                         help="pick num_workers with DataLoaderTuner before training")
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
+    parser.add_argument("--strategy", default=None,
+                        help="Lightning strategy string, e.g. ddp_bf16_compress, ddp_powersgd, deepspeed_zero2, "
+                             "deepspeed_auto (with --devices 2 on CPU); default: ddp if --devices > 1")
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
     parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
                         help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
                              "TokenMemmapDataset); images: a small CNN on generated JPEGs through "
                              "DALIImageDataModule (needs the dali extra) (default %(default)s)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="DevicePrefetcher: fetch (and on GPU copy) the next batches while the step runs")
+    parser.add_argument("--profile-at-step", type=int, default=None,
+                        help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or "
+                             "cwd>/profile)")
     parser.add_argument("--doctor", action=argparse.BooleanOptionalAction, default=d.doctor,
                         help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)")
     parser.add_argument("--slow-data", action="store_true",
@@ -128,6 +148,15 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
         from lightning_accel.demo.model import Block
 
         callbacks.append(ActivationCheckpointing(modules=[Block]))
+    if cfg.prefetch:
+        from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+        callbacks.append(DevicePrefetcher())
+    if cfg.profile_at_step is not None:
+        from lightning_accel.callbacks.profile_window import ProfileWindow
+
+        callbacks.append(ProfileWindow(at_step=cfg.profile_at_step,
+                                       dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None))
     if cfg.doctor:  # last: its report prints after MFUMonitor's summary
         from pathlib import Path
 
@@ -159,7 +188,7 @@ def build_trainer(cfg: DemoConfig) -> Any:
     return pl.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
-        strategy="ddp" if cfg.devices > 1 else "auto",
+        strategy=cfg.strategy or ("ddp" if cfg.devices > 1 else "auto"),
         **build_precision(cfg),
         max_steps=cfg.steps,
         val_check_interval=min(cfg.val_every, cfg.steps),

@@ -13,8 +13,25 @@ from typing import Any
 
 __all__ = ["STRATEGIES", "register_strategies"]
 
-#: name -> (module, factory function in it, description). Filled in as strategies land.
-STRATEGIES: dict[str, tuple[str, str, str]] = {}
+_DDP = "lightning_accel.strategies.ddp_compression"
+_DS = "lightning_accel.strategies.deepspeed_presets"
+
+#: name -> (module, factory function in it, description).
+STRATEGIES: dict[str, tuple[str, str, str]] = {
+    "ddp_fp16_compress": (_DDP, "ddp_fp16_compress", "DDP, gradients all-reduced in fp16 (half the bytes)"),
+    "ddp_bf16_compress": (_DDP, "ddp_bf16_compress", "DDP, gradients all-reduced in bf16 (half the bytes)"),
+    "ddp_powersgd": (_DDP, "ddp_powersgd", "DDP with PowerSGD low-rank gradient compression"),
+    "deepspeed_zero1": (_DS, "deepspeed_zero1", "DeepSpeed ZeRO-1 (optimizer states sharded), CUDA or CPU"),
+    "deepspeed_zero2": (_DS, "deepspeed_zero2", "DeepSpeed ZeRO-2 (+ gradients sharded), CUDA or CPU"),
+    "deepspeed_zero2_offload": (_DS, "deepspeed_zero2_offload", "DeepSpeed ZeRO-2, optimizer offloaded to CPU"),
+    "deepspeed_zero3": (_DS, "deepspeed_zero3", "DeepSpeed ZeRO-3 (+ parameters sharded), CUDA or CPU"),
+    "deepspeed_zero3_offload": (_DS, "deepspeed_zero3_offload",
+                                "DeepSpeed ZeRO-3, optimizer and parameters offloaded to CPU"),
+    "deepspeed_zero3_offload_nvme": (_DS, "deepspeed_zero3_offload_nvme",
+                                     "DeepSpeed ZeRO-3, optimizer and parameters offloaded to NVMe (nvme_path=...)"),
+    "deepspeed_auto": (_DS, "deepspeed_auto",
+                       "DeepSpeed with the lowest ZeRO stage/offload whose estimated memory fits the device"),
+}
 
 
 def _lazy_factory(module: str, factory: str) -> Callable[..., Any]:

@@ -1,0 +1,611 @@
+"""Attention fast paths: choose SDPA backends, see which one ran, and route slow attention to the fused kernels.
+
+* :func:`sdpa_backends` — a context manager (and decorator) over ``torch.nn.attention.sdpa_kernel`` that allows or
+  forbids backends by name (``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``) and refuses, naming what the
+  device has, a backend the device lacks.
+* :class:`SDPABackendRecorder` — counts which backend each ``scaled_dot_product_attention`` call actually ran, so a
+  silent fall-back to the (slow, memory-hungry) math path can be named.
+* :func:`use_fused_attention` — makes ``nn.MultiheadAttention`` modules whose attention weights are never used run
+  with ``need_weights=False`` (which lets them use the fused SDPA kernels), and rewrites the hand-written pattern
+  ``softmax(q @ k^T * scale + mask) @ v`` inside modules the user names into one
+  ``F.scaled_dot_product_attention`` call.
+
+Why it matters: ``need_weights=True`` (``nn.MultiheadAttention``'s default!) and hand-written attention both
+materialise the ``L x S`` score matrix in memory and run softmax as separate kernels; FlashAttention-style kernels
+tile it in on-chip memory (Dao et al., 2022, "FlashAttention", arXiv:2205.14135).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
+           "use_fused_attention"]
+
+BACKENDS: dict[str, SDPBackend] = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# choosing backends
+# ---------------------------------------------------------------------------------------------------------------
+
+def available_sdpa_backends(device: torch.device | str | None = None) -> tuple[str, ...]:
+    """SDPA backends the device can run at all (inputs may still rule a fused one out, e.g. fp32 on flash).
+
+    CPU: ``math`` and ``flash`` (``aten._scaled_dot_product_flash_attention_for_cpu``). CUDA, by compute capability
+    as PyTorch's ``sdp_utils.cpp`` checks it: ``flash`` needs a FlashAttention build and sm80+; ``efficient``
+    (xFormers' memory-efficient kernel) sm50+; ``cudnn`` cuDNN >= 9 and sm80+. ``math`` runs everywhere.
+
+    Args:
+        device: default: the current CUDA device if CUDA is available, else CPU.
+    """
+    device = _resolve_device(device)
+    if device.type == "cpu":
+        return ("flash", "math")
+    if device.type != "cuda":
+        return ("math",)
+    major, minor = torch.cuda.get_device_capability(device)
+    capability = (major, minor)
+    found = []
+    if torch.backends.cuda.is_flash_attention_available() and (capability >= (8, 0) or torch.version.hip):
+        found.append("flash")
+    if capability >= (5, 0) or torch.version.hip:
+        found.append("efficient")
+    cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if cudnn_version is not None and cudnn_version >= 90000 and capability >= (8, 0):
+        found.append("cudnn")
+    found.append("math")
+    return tuple(found)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+class sdpa_backends(contextlib.ContextDecorator):  # noqa: N801 - used like a function: ``with sdpa_backends(...)``
+    """Allow only some SDPA backends (in order of preference), or forbid some, inside a ``with`` block.
+
+    ``with sdpa_backends("flash", "efficient"):`` runs attention only on those kernels (in that priority order),
+    erroring inside ``scaled_dot_product_attention`` when the inputs suit neither — a way to *prove* the fused
+    kernel runs. ``with sdpa_backends(forbid="math"):`` allows every available backend but the slow one. Also works
+    as a decorator (``@sdpa_backends("flash")``) on a ``training_step``.
+
+    Args:
+        *allow: backend names to allow, by preference; default: every backend the device has.
+        forbid: names to leave out (a backend the device lacks is simply not there to forbid).
+        device: whose backends to check against; default: the current CUDA device if any, else CPU.
+
+    Raises:
+        ValueError: an unknown name, a backend the device lacks (the message names the available ones), or
+            nothing left to run.
+    """
+
+    def __init__(self, *allow: str, forbid: str | Iterable[str] = (), device: torch.device | str | None = None
+                 ) -> None:
+        forbid = (forbid,) if isinstance(forbid, str) else tuple(forbid)
+        for name in (*allow, *forbid):
+            if name not in BACKENDS:
+                raise ValueError(f"sdpa_backends: unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+        dev = _resolve_device(device)
+        available = available_sdpa_backends(dev)
+        missing = [name for name in allow if name not in available]
+        if missing:
+            raise ValueError(f"sdpa_backends: {', '.join(missing)} not available on {dev}"
+                             f" ({_describe(dev)}); available there: {', '.join(available)}")
+        chosen = [name for name in (allow or available) if name not in forbid]
+        if not chosen:
+            raise ValueError(f"sdpa_backends(allow={allow}, forbid={forbid}): no backend left to run attention on "
+                             f"{dev}; available there: {', '.join(available)}")
+        self.backends: tuple[str, ...] = tuple(dict.fromkeys(chosen))
+        self.device = dev
+        self._priority = bool(allow)
+        self._contexts: list[Any] = []
+
+    def __enter__(self) -> sdpa_backends:
+        ctx = sdpa_kernel([BACKENDS[name] for name in self.backends], set_priority=self._priority)
+        ctx.__enter__()
+        self._contexts.append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._contexts.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"sdpa_backends({', '.join(map(repr, self.backends))}, device={str(self.device)!r})"
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)}, sm{major}{minor}"
+    return device.type
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# seeing which backend ran
+# ---------------------------------------------------------------------------------------------------------------
+
+_FUSED_OPS: dict[str, str] = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+}
+
+
+class _FusedOpCounter(TorchDispatchMode):
+    def __init__(self, counts: dict[str, int]) -> None:
+        super().__init__()
+        self.counts = counts
+        self.fused_seen = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        backend = _FUSED_OPS.get(func._overloadpacket.__name__)  # forward ops only: backward ops have other names
+        if backend is not None:
+            self.counts[backend] += 1
+            self.fused_seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SDPABackendRecorder:
+    """Counts which SDPA backend ran, while the ``with`` block runs.
+
+    ``with SDPABackendRecorder() as rec: model(x)`` then ``rec.counts == {"flash": n, "efficient": n, "cudnn": n,
+    "math": n}``: fused kernels are counted as the aten ops they dispatch to (forward calls; backward kernels are
+    not counted again); ``math`` counts calls of ``torch.nn.functional.scaled_dot_product_attention`` that reached no
+    fused op (the math path is a composite that decomposes into matmul/softmax), plus ``nn.MultiheadAttention``
+    calls with ``need_weights=True`` (``F.multi_head_attention_forward`` then computes attention with explicit
+    bmm + softmax and never calls SDPA). :attr:`calls` is the number of attention calls seen (SDPA calls plus those
+    MHA calls).
+
+    Limits: calls through a reference taken before the block (``from torch.nn.functional import
+    scaled_dot_product_attention`` at import time) are seen only when they reach a fused op; code compiled by
+    ``torch.compile`` is not seen (its kernels run outside the dispatcher); ``nn.MultiheadAttention``'s C++
+    inference fast path (``_native_multi_head_attention``) is not seen. The dispatch mode adds Python work to every
+    op while active: record a few steps, not a whole run.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {name: 0 for name in BACKENDS}
+        self.calls = 0
+        self._mode: _FusedOpCounter | None = None
+        self._original: Callable[..., torch.Tensor] | None = None
+        self._original_mha: Callable[..., Any] | None = None
+
+    @property
+    def math_fallback(self) -> bool:
+        """Whether any attention call ran on the math path."""
+        return self.counts["math"] > 0
+
+    def __enter__(self) -> SDPABackendRecorder:
+        mode = _FusedOpCounter(self.counts)
+        original = F.scaled_dot_product_attention
+
+        def counting_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+            before = mode.fused_seen
+            out = original(*args, **kwargs)
+            self.calls += 1
+            if mode.fused_seen == before:
+                self.counts["math"] += 1
+            return out
+
+        original_mha = F.multi_head_attention_forward
+
+        def counting_mha(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("need_weights", True):
+                # the explicit bmm-softmax-bmm path: unfused, whatever the SDPA settings
+                self.calls += 1
+                self.counts["math"] += 1
+            return original_mha(*args, **kwargs)
+
+        self._mode, self._original, self._original_mha = mode, original, original_mha
+        # nn.MultiheadAttention calls F.multi_head_attention_forward, which looks scaled_dot_product_attention up
+        # in torch.nn.functional's globals: both are found through the module at call time
+        F.scaled_dot_product_attention = counting_sdpa
+        F.multi_head_attention_forward = counting_mha
+        mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        F.scaled_dot_product_attention = self._original  # type: ignore[assignment]
+        F.multi_head_attention_forward = self._original_mha  # type: ignore[assignment]
+        self._mode = None
+
+    def __repr__(self) -> str:
+        return f"SDPABackendRecorder(calls={self.calls}, counts={self.counts})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# routing slow attention to SDPA
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class FusedAttention:
+    """What :func:`use_fused_attention` changed.
+
+    Attributes:
+        mha: names of ``nn.MultiheadAttention`` modules that now run with ``need_weights=False``.
+        kept: names of ``nn.MultiheadAttention`` modules left alone because their weights are used.
+        blocks: names of hand-written blocks whose attention pattern is now rewritten.
+        fused_calls: per block, how many times the pattern was replaced by one SDPA call so far (0 means the
+            block's code did not match the pattern: it still runs, unchanged).
+    """
+
+    mha: list[str] = dataclasses.field(default_factory=list)
+    kept: list[str] = dataclasses.field(default_factory=list)
+    blocks: list[str] = dataclasses.field(default_factory=list)
+    fused_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    _handles: list[Any] = dataclasses.field(default_factory=list, repr=False)
+
+    def restore(self) -> None:
+        """Undo every change (remove the hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _no_weights_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # MultiheadAttention.forward(query, key, value, key_padding_mask=None, need_weights=True, ...)
+    if len(args) > 4:
+        args = (*args[:4], False, *args[5:])
+    else:
+        kwargs = {**kwargs, "need_weights": False}
+    return args, kwargs
+
+
+class _WeightsProbe(torch.Tensor):
+    """Attention weights handed back during the probe forward: any torch use of them marks them as used."""
+
+    _probe_flag: list[bool]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for arg in _flatten((args, kwargs or {})):
+            if isinstance(arg, _WeightsProbe):
+                arg._probe_flag[0] = True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _flatten(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _flatten(item)
+    else:
+        yield obj
+
+
+def _call(model: nn.Module, example_inputs: Any) -> Any:
+    if isinstance(example_inputs, dict):
+        return model(**example_inputs)
+    if isinstance(example_inputs, tuple):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+def _mha_weights_used(model: nn.Module, mhas: dict[str, nn.MultiheadAttention], example_inputs: Any) -> dict[str, bool]:
+    """One example forward; per MHA module called with weights: whether the weights were used (or kept)."""
+    probes: dict[str, list[weakref.ref]] = {name: [] for name in mhas}
+    flags: dict[str, list[bool]] = {name: [False] for name in mhas}  # outlive the probes
+    used: dict[str, bool] = {}
+
+    def make_hook(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            out, weights = output
+            if weights is None:  # called with need_weights=False already
+                return output
+            probe = weights.as_subclass(_WeightsProbe)
+            probe._probe_flag = flags[name]
+            probes[name].append(weakref.ref(probe))
+            return out, probe
+        return hook
+
+    handles = [module.register_forward_hook(make_hook(name)) for name, module in mhas.items()]
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            output = _call(model, example_inputs)
+            del output
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():  # the probe must not move BatchNorm statistics & co.
+            for name, buf in model.named_buffers():
+                if name in buffers and buf.shape == buffers[name].shape:
+                    buf.copy_(buffers[name])
+    gc.collect()
+    for name, refs in probes.items():
+        if not refs:
+            continue  # not called in the example forward, or never with weights
+        # used by a torch op, or still referenced after the forward (stored, returned): treat as used
+        used[name] = flags[name][0] or any(ref() is not None for ref in refs)
+    return used
+
+
+def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: Iterable[str] = ()) -> FusedAttention:
+    """Route attention in ``model`` to ``F.scaled_dot_product_attention`` where results stay the same.
+
+    1. ``nn.MultiheadAttention`` modules. With ``example_inputs``, one forward (no grad, RNG and buffers restored)
+       finds the modules called with ``need_weights=True`` whose returned weights are never used — no torch
+       operation touches them and nothing keeps them after the forward; those then run with
+       ``need_weights=False`` (the fused path) and return ``(output, None)``. Without ``example_inputs``, only
+       MHA modules named in ``blocks`` are switched.
+    2. Hand-written attention in the modules named in ``blocks``: while such a module runs, the pattern
+       ``matmul(q, kt) [* c | / c] [+ mask | .masked_fill(bool_mask, -inf)] -> softmax(dim=-1)
+       [-> dropout with p=0 or in eval] -> matmul(p, v)`` becomes ``F.scaled_dot_product_attention(q,
+       kt.transpose(-2, -1), v, attn_mask=..., scale=c)``. Intermediate results are lazy placeholders; any other
+       use of one (reading the scores, training-mode dropout with p > 0, a finite ``masked_fill``, ...) computes
+       the original operations exactly as written, so the block never changes its results beyond floating-point
+       rounding. Rows masked entirely with ``-inf`` give 0 in the fused kernel and NaN in the original.
+       Meant for eager mode: under ``torch.compile``, Inductor's own pattern matcher (``fuse_attention``) rewrites
+       many such patterns, and the hooks and ``TorchFunctionMode`` used here are best left out of compiled code.
+
+    Args:
+        model: the model; changed in place through forward hooks (undo with :meth:`FusedAttention.restore`).
+        example_inputs: one input for ``model(...)``: a tensor, a tuple of positional args or a dict of kwargs.
+        blocks: names (as in ``model.named_modules()``) of hand-written attention modules, or of MHA modules to
+            switch without a probe.
+
+    Returns:
+        A :class:`FusedAttention` listing what changed.
+
+    Raises:
+        ValueError: a name in ``blocks`` that is not a submodule of ``model``.
+    """
+    blocks = [blocks] if isinstance(blocks, str) else list(blocks)
+    modules = dict(model.named_modules())
+    unknown = [name for name in blocks if name not in modules]
+    if unknown:
+        raise ValueError(f"use_fused_attention(blocks={blocks!r}): {unknown} not found in the model; names are as in "
+                         f"model.named_modules(), e.g. {list(modules)[1:6]}")
+    result = FusedAttention()
+    mhas = {name: m for name, m in modules.items() if isinstance(m, nn.MultiheadAttention)}
+    switch = [name for name in blocks if name in mhas]
+    if example_inputs is not None and mhas:
+        used = _mha_weights_used(model, mhas, example_inputs)
+        switch += [name for name, was_used in used.items() if not was_used and name not in switch]
+        result.kept = [name for name, was_used in used.items() if was_used and name not in switch]
+    for name in switch:
+        result._handles.append(mhas[name].register_forward_pre_hook(_no_weights_pre_hook, with_kwargs=True))
+        result.mha.append(name)
+    for name in blocks:
+        if name in mhas:
+            continue
+        _install_block_rewrite(name, modules[name], result)
+        result.blocks.append(name)
+    if not result.mha and not result.blocks:
+        warnings.warn(
+            "use_fused_attention: nothing to change: " + (
+                f"the MultiheadAttention modules {result.kept} use their attention weights" if result.kept else
+                "no nn.MultiheadAttention module called with need_weights=True in the example forward"
+                if example_inputs is not None else
+                "pass example_inputs to find nn.MultiheadAttention modules, or name hand-written attention "
+                "modules in blocks=[...]") + "; the model is unchanged.",
+            UserWarning, stacklevel=2)
+    return result
+
+
+# --- hand-written attention: lazy placeholders under a TorchFunctionMode -------------------------------------------
+
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide}
+_ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+_SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax}
+_DROPOUT = {F.dropout, torch.dropout}
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,  # type: ignore
+    torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore
+    torch.Tensor.is_floating_point, torch.Tensor.__len__,
+}
+
+
+class _Lazy(torch.Tensor):
+    """A not-yet-computed step of ``softmax(q @ kt * c + mask) @ v``; computes the original ops when really used."""
+
+    _stage: str  # "scores" (q @ kt, maybe scaled), "masked", "probs"
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, like: torch.Tensor, requires_grad: bool) -> _Lazy:
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, shape: torch.Size, like: torch.Tensor, requires_grad: bool) -> None:
+        self._parent: _Lazy | None = None
+        self._op: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # replays this step; _SELF = parent
+        self._value: torch.Tensor | None = None
+        self._q: torch.Tensor | None = None
+        self._kt: torch.Tensor | None = None
+        self._scale = 1.0
+        self._mask: torch.Tensor | None = None
+        self._stage = "scores"
+
+    def derive(self, stage: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size | None
+               = None) -> _Lazy:
+        child = _Lazy(shape or self.shape, self, self.requires_grad)
+        child._parent, child._op = self, (func, args, kwargs)
+        child._q, child._kt, child._scale, child._mask, child._stage = self._q, self._kt, self._scale, self._mask, stage
+        return child
+
+    def materialize(self) -> torch.Tensor:
+        if self._value is None:
+            func, args, kwargs = self._op  # type: ignore[misc]
+            self._value = func(*_materialize_all(args), **_materialize_all(kwargs))
+        return self._value
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        # outside the rewriting mode (a placeholder that escaped) or an unmatched use: compute the original
+        return func(*_materialize_all(args), **_materialize_all(kwargs))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(f"use_fused_attention: a lazy attention intermediate reached {func} without being "
+                           "computed; remove this module from blocks=[...] and report the pattern")
+
+
+def _materialize_all(obj: Any) -> Any:
+    if isinstance(obj, _Lazy):
+        return obj.materialize()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_materialize_all(item) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _materialize_all(value) for key, value in obj.items()}
+    return obj
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plain(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, _Lazy)
+
+
+class _AttentionRewrite(TorchFunctionMode):
+    """Active while a listed block runs: turns the attention pattern into one SDPA call (see use_fused_attention)."""
+
+    def __init__(self, on_fused: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_fused = on_fused
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        lazies = [a for a in _flatten((args, kwargs)) if isinstance(a, _Lazy)]
+        if not lazies:
+            if func in _MATMUL and not kwargs and len(args) == 2:
+                lazy = self._scores(func, args)
+                if lazy is not None:
+                    return lazy
+            return func(*args, **kwargs)
+        if func in _METADATA:
+            return func(*args, **kwargs)
+        if len(lazies) == 1:
+            out = self._step(func, args, kwargs, lazies[0])
+            if out is not None:
+                return out
+        return func(*_materialize_all(args), **_materialize_all(kwargs))
+
+    @staticmethod
+    def _scores(func: Any, args: tuple[Any, ...]) -> _Lazy | None:
+        q, kt = args
+        if not (_plain(q) and _plain(kt) and q.is_floating_point() and q.dtype == kt.dtype
+                and q.device == kt.device and q.ndim >= 3 and kt.ndim == q.ndim
+                and q.shape[:-2] == kt.shape[:-2] and q.shape[-1] == kt.shape[-2]):
+            return None
+        shape = torch.Size((*q.shape[:-1], kt.shape[-1]))
+        lazy = _Lazy(shape, q, torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad))
+        lazy._op, lazy._q, lazy._kt = (func, args, {}), q, kt
+        return lazy
+
+    def _step(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lazy: _Lazy) -> Any:
+        if lazy._value is not None:  # computed already for another use: continue on the real tensor
+            return None
+        stage = lazy._stage
+        if stage == "scores" and len(args) == 2 and not kwargs:
+            a, b = args
+            if func in _MUL and _is_number(b if a is lazy else a):
+                child = lazy.derive("scores", func, args, kwargs)
+                child._scale = lazy._scale * float(b if a is lazy else a)
+                return child
+            if func in _DIV and a is lazy and _is_number(b) and b != 0:
+                child = lazy.derive("scores", func, args, kwargs)
+                child._scale = lazy._scale / float(b)
+                return child
+        if stage == "scores" and func in _ADD and len(args) == 2 and not kwargs:
+            mask = args[1] if args[0] is lazy else args[0]
+            if _plain(mask) and mask.dtype == lazy.dtype and mask.device == lazy.device and \
+                    torch.broadcast_shapes(mask.shape, lazy.shape) == lazy.shape:
+                child = lazy.derive("masked", func, args, kwargs)
+                child._mask = mask
+                return child
+        if stage == "scores" and func is torch.Tensor.masked_fill and args[0] is lazy and len(args) == 3 \
+                and not kwargs:
+            bool_mask, value = args[1], args[2]
+            if _plain(bool_mask) and bool_mask.dtype == torch.bool and _is_number(value) and value == -math.inf \
+                    and torch.broadcast_shapes(bool_mask.shape, lazy.shape) == lazy.shape:
+                child = lazy.derive("masked", func, args, kwargs)
+                child._mask = ~bool_mask  # SDPA's boolean mask: True takes part
+                return child
+        if stage in ("scores", "masked") and func in _SOFTMAX and args[0] is lazy:
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            extra = {k: v for k, v in kwargs.items() if k not in ("dim", "_stacklevel")}
+            if dim in (-1, lazy.ndim - 1) and not extra.get("dtype") and len(args) <= 2:
+                return lazy.derive("probs", func, args, kwargs)
+        if stage == "probs" and func in _DROPOUT and args[0] is lazy:
+            params = dict(zip(("p", "training", "inplace") if func is F.dropout else ("p", "train"), args[1:]))
+            params.update(kwargs)
+            p = params.get("p", 0.5)
+            training = params.get("training", params.get("train", True))
+            if not params.get("inplace", False) and (p == 0 or not training):
+                return lazy  # identity
+        if stage == "probs" and func in _MATMUL and len(args) == 2 and args[0] is lazy and not kwargs:
+            v = args[1]
+            q, kt = lazy._q, lazy._kt
+            assert q is not None and kt is not None
+            if _plain(v) and v.dtype == q.dtype and v.device == q.device and v.ndim == q.ndim \
+                    and v.shape[:-2] == q.shape[:-2] and v.shape[-2] == kt.shape[-1]:
+                self.on_fused()
+                k, mask = kt.transpose(-2, -1), lazy._mask
+                if q.ndim == 3:  # (batch*heads, L, E): the fused kernels want (batch, heads, L, E)
+                    if mask is not None and mask.ndim == 3:
+                        mask = mask.unsqueeze(1)
+                    return F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
+                                                          attn_mask=mask, dropout_p=0.0, scale=lazy._scale
+                                                          ).squeeze(1)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=lazy._scale)
+        return None
+
+
+def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention) -> None:
+    result.fused_calls[name] = 0
+    modes: list[_AttentionRewrite] = []
+
+    def on_fused() -> None:
+        result.fused_calls[name] += 1
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        mode = _AttentionRewrite(on_fused)
+        mode.__enter__()
+        modes.append(mode)
+
+    def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        if modes:
+            modes.pop().__exit__(None, None, None)
+        return _materialize_all(output)  # a placeholder never leaves the block
+
+    result._handles.append(module.register_forward_pre_hook(pre_hook))
+    result._handles.append(module.register_forward_hook(post_hook, always_call=True))

@@ -1,0 +1,306 @@
+"""Prefetching iterable: fetch the next batches in a background thread and, on CUDA, copy them on a side stream.
+
+:class:`PrefetchingLoader` wraps any iterable of batches (a ``DataLoader``, a DALI iterator, a generator factory):
+
+* **CPU (and the host side of CUDA).** A background thread keeps up to ``depth`` batches ready in a bounded queue
+  (plus the one it is fetching while the queue is full), so work the loader does in the training process (``collate_fn``, decoding, augmenting with ``num_workers=0``)
+  overlaps the training step. PyTorch and NumPy kernels, file reads and ``time.sleep`` release the GIL, so the
+  overlap is real for them; pure-Python collate code still competes for the GIL and gains little.
+* **CUDA.** The same thread also pins each host tensor (unless it is pinned already, e.g. by
+  ``DataLoader(pin_memory=True)``) and copies it to the device with ``non_blocking=True`` on a side
+  ``torch.cuda.Stream``, recording an event. When the training loop takes the batch, the compute stream waits on
+  that event (a device-side wait: the host does not block) and each copied tensor is marked with
+  ``record_stream(current_stream)`` so the caching allocator does not hand its memory to the side stream while the
+  compute stream still reads it. Batch ``i + 1`` is thus on the device before step ``i`` ends. Tensors already on
+  the device (DALI's GPU output) and non-tensor leaves pass through untouched.
+
+Batches come out identical and in the same order as from the wrapped loader. ``iter()`` of the wrapped loader and
+the first batch are fetched in the calling thread (where an un-wrapped loop would fetch them), so a sampler's seed
+drawn from the global RNG is drawn at the same point; later randomness a ``num_workers=0`` loader draws from the
+*global* torch RNG (per-sample augmentation) interleaves with the training step's draws in another order, so for
+bitwise-reproducible augmentation use worker processes or a generator of the dataset's own.
+
+Exceptions raised by the loader are re-raised by ``next()`` in the consumer with their original traceback. The
+thread ends when the loader is exhausted, when the iterator is closed (:meth:`PrefetchIterator.close`,
+:meth:`PrefetchingLoader.close`) or garbage-collected; it is a daemon thread, so a loader stuck forever cannot keep
+the interpreter alive. Closing waits for a ``next()`` of the loader that is already running to return.
+
+Attributes the wrapper does not define (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``,
+``num_workers``, ...) are read from and written to the wrapped loader, and ``len()`` is the wrapped loader's, so
+code that inspects loaders (Lightning's ``set_epoch`` on a ``DistributedSampler``, its length checks) keeps working.
+``state_dict``/``load_state_dict`` of a stateful loader are deliberately not forwarded (its state would count the
+batches fetched ahead as consumed), so a resumed run restarts the epoch's data instead of skipping batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_accel.core.batch import map_tensors
+
+__all__ = ["CudaTransfer", "PrefetchIterator", "PrefetchingLoader"]
+
+_BATCH, _END, _ERROR = "batch", "end", "error"
+_POLL_S = 0.05  # how often a blocked producer re-checks the stop flag
+# A stateful loader's (torchdata StatefulDataLoader) state counts the batches fetched ahead as consumed; forwarding
+# it would make a mid-epoch resume skip them. Without these, Lightning treats the loader as not stateful.
+_NOT_FORWARDED = frozenset({"state_dict", "load_state_dict"})
+
+
+class CudaTransfer:
+    """Copies batches host→device on a side CUDA stream (producer side) and hands them to the compute stream.
+
+    Args:
+        device: the CUDA device to copy to.
+        pin_memory: pin host tensors that are not pinned yet before copying (pinned memory is what lets the copy
+            run asynchronously with ``non_blocking=True``; from pageable memory the copy is synchronous).
+    """
+
+    def __init__(self, device: torch.device, *, pin_memory: bool = True) -> None:
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.device.type and (
+            self.device.index is None or tensor.device.index == self.device.index)
+
+    def copy(self, batch: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Start copying ``batch``; returns ``(device_batch, ready_event, copied_tensors)``. Runs in the producer."""
+        copied: list[torch.Tensor] = []
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type != "cpu" or self._on_device(tensor):
+                return tensor  # already on a device (e.g. DALI GPU output): untouched
+            if self.pin_memory and not tensor.is_pinned():
+                tensor = tensor.pin_memory()
+            out = tensor.to(self.device, non_blocking=True)
+            copied.append(out)
+            return out
+
+        # the producer thread's current device is not the trainer's (it is per thread): set both device and stream
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            moved = map_tensors(batch, move)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return moved, event, copied
+
+    def ready(self, moved: Any, event: Any, copied: list[torch.Tensor]) -> Any:
+        """Make the consumer's current stream wait for the copy and keep the allocator safe; returns the batch."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for tensor in copied:
+            # the memory was allocated on the side stream; without this the allocator could reuse it for the next
+            # copy while the compute stream still reads it
+            tensor.record_stream(current)
+        return moved
+
+
+def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(source: Iterator[Any], q: queue.Queue, stop: threading.Event, transfer: CudaTransfer | None) -> None:
+    # Holds no reference to the PrefetchIterator, so dropping that object stops this thread (via __del__).
+    try:
+        while not stop.is_set():
+            try:
+                batch = next(source)
+            except StopIteration:
+                _put(q, (_END, None), stop)
+                return
+            item = transfer.copy(batch) if transfer is not None else batch
+            if not _put(q, (_BATCH, item), stop):
+                return
+    except BaseException as err:  # noqa: BLE001 - re-raised in the consumer with its traceback
+        _put(q, (_ERROR, err), stop)
+    finally:
+        del source
+
+
+class PrefetchIterator(Iterator[Any]):
+    """One pass over a :class:`PrefetchingLoader`; see the module docstring."""
+
+    def __init__(self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None) -> None:
+        self._transfer = transfer
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._done = False
+        self._first: tuple[str, Any] | None
+        # iter() and the first batch in the caller's thread: see the module docstring (RNG draw order)
+        source = iter(iterable)
+        try:
+            first = next(source)
+            self._first = (_BATCH, transfer.copy(first) if transfer is not None else first)
+        except StopIteration:
+            self._first = (_END, None)
+            return
+        except Exception as err:  # delivered by the first next(), like an un-wrapped loader would
+            self._first = (_ERROR, err)
+            return
+        self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop, transfer),
+                                        name="lightning-accel-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> PrefetchIterator:
+        return self
+
+    def _get(self) -> tuple[str, Any]:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if self._thread is None or not self._thread.is_alive():
+                    if not self._queue.empty():
+                        continue
+                    return (_ERROR, RuntimeError("the prefetch thread ended without delivering a batch or an error"))
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        kind, value = self._get()
+        if kind == _BATCH:
+            return self._transfer.ready(*value) if self._transfer is not None else value
+        self.close()
+        if kind == _END:
+            raise StopIteration
+        raise value  # the loader's own exception; its __traceback__ still holds the loader's frames
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop the producer thread and drop the batches it had fetched ahead."""
+        self._done = True
+        self._first = None
+        self._stop.set()
+        while True:  # unblock a producer waiting on a full queue and free the batches held
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the producer thread is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __del__(self) -> None:
+        # No join here: __del__ may run in any thread, at any time; the thread exits within _POLL_S.
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+
+class PrefetchingLoader:
+    """Wraps an iterable of batches so the next ``depth`` batches are fetched (and, on CUDA, copied) ahead.
+
+    Args:
+        loader: what to wrap: anything iterable, re-iterable for several epochs (a ``DataLoader``).
+        depth: batches kept ready (queue size; the thread may hold one more while it waits for room). Each batch
+            held ahead costs its memory (host, or device for CUDA); 2 absorbs one slow batch without stalling.
+        device: the CUDA device to copy batches to; ``None`` or a CPU device prefetches on the host only.
+        pin_memory: pin host tensors before a CUDA copy (default: on for CUDA). Ignored on CPU.
+
+    Raises:
+        ValueError: ``depth`` is not a positive int, or ``loader`` is not iterable.
+    """
+
+    def __init__(self, loader: Iterable[Any], *, depth: int = 2, device: torch.device | str | None = None,
+                 pin_memory: bool | None = None) -> None:
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"PrefetchingLoader(depth={depth!r}): depth must be a positive number of batches, "
+                             "e.g. 2")
+        if not hasattr(loader, "__iter__"):
+            raise ValueError(f"PrefetchingLoader: expected an iterable of batches (e.g. a DataLoader), got "
+                             f"{type(loader).__name__}")
+        device = torch.device(device) if device is not None else None
+        if device is not None and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"PrefetchingLoader(device={str(device)!r}): only 'cpu' and 'cuda' devices are "
+                             "supported; pass device=None to prefetch on the host only")
+        object.__setattr__(self, "_prefetch_loader", loader)
+        object.__setattr__(self, "_prefetch_depth", depth)
+        object.__setattr__(self, "_prefetch_device", device)
+        object.__setattr__(self, "_prefetch_pin", True if pin_memory is None else bool(pin_memory))
+        object.__setattr__(self, "_prefetch_transfer", None)
+        object.__setattr__(self, "_prefetch_iterators", weakref.WeakSet())
+        object.__setattr__(self, "_prefetch_threads", [])
+
+    @property
+    def loader(self) -> Iterable[Any]:
+        """The wrapped loader."""
+        return self._prefetch_loader
+
+    @property
+    def depth(self) -> int:
+        """Batches fetched ahead."""
+        return self._prefetch_depth
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device batches are copied to, or ``None`` (host-only prefetching)."""
+        return self._prefetch_device if self._prefetch_device is not None and \
+            self._prefetch_device.type == "cuda" else None
+
+    def __iter__(self) -> PrefetchIterator:
+        transfer = None
+        if self.device is not None:
+            if self._prefetch_transfer is None:  # one side stream per loader, created lazily (no CUDA at init)
+                object.__setattr__(self, "_prefetch_transfer", CudaTransfer(self.device,
+                                                                            pin_memory=self._prefetch_pin))
+            transfer = self._prefetch_transfer
+        iterator = PrefetchIterator(self._prefetch_loader, self._prefetch_depth, transfer)
+        self._prefetch_iterators.add(iterator)
+        # threads of passes abandoned without close() (e.g. Lightning's limit_train_batches) end on their own
+        # after garbage collection; keep them too, so close() can wait for them
+        self._prefetch_threads[:] = [(stop, t) for stop, t in self._prefetch_threads if t.is_alive()]
+        if iterator._thread is not None:
+            self._prefetch_threads.append((iterator._stop, iterator._thread))
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self._prefetch_loader)  # type: ignore[arg-type]  # TypeError for unsized loaders, as usual
+
+    def close(self) -> None:
+        """Stop every running pass over this loader and wait for its thread to end."""
+        for iterator in list(self._prefetch_iterators):
+            iterator.close()
+        for stop, thread in self._prefetch_threads:
+            stop.set()
+        for _, thread in self._prefetch_threads:
+            thread.join(timeout=5.0)
+        self._prefetch_threads.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_prefetch_"):  # not set yet (copy/unpickle): no recursion into the wrapped loader
+            raise AttributeError(name)
+        if name in _NOT_FORWARDED:
+            raise AttributeError(f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
+                                 "produced the batches fetched ahead, so its state would skip them on resume")
+        return getattr(self._prefetch_loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_prefetch_") or name in type(self).__dict__:
+            object.__setattr__(self, name, value)
+        else:  # e.g. Lightning setting ``worker_init_fn`` or resetting ``_iterator`` on the DataLoader
+            setattr(self._prefetch_loader, name, value)
+
+    def __repr__(self) -> str:
+        where = f", device={self.device}" if self.device is not None else ""
+        return f"PrefetchingLoader({self._prefetch_loader!r}, depth={self._prefetch_depth}{where})"

@@ -1,0 +1,311 @@
+"""Attention fast paths: backend choice and errors, the backend recorder, MHA and hand-written blocks fused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_accel import SDPABackendRecorder, sdpa_backends, use_fused_attention
+from lightning_accel.attention import available_sdpa_backends
+
+D, H, T, B = 16, 2, 6, 3
+
+
+def qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, T, D // H, generator=g, requires_grad=requires_grad) for _ in range(3)]
+
+
+# --- sdpa_backends -------------------------------------------------------------------------------------------------
+
+def test_cpu_backends_and_choice_is_what_runs():
+    assert available_sdpa_backends("cpu") == ("flash", "math")
+    q, k, v = qkv()
+    with sdpa_backends("math", device="cpu"), SDPABackendRecorder() as rec:
+        math_out = F.scaled_dot_product_attention(q, k, v)
+    assert rec.counts == {"flash": 0, "efficient": 0, "cudnn": 0, "math": 1} and rec.math_fallback
+    with sdpa_backends(forbid="math", device="cpu") as chosen, SDPABackendRecorder() as rec:
+        flash_out = F.scaled_dot_product_attention(q, k, v)
+    assert chosen.backends == ("flash",)
+    assert rec.counts == {"flash": 1, "efficient": 0, "cudnn": 0, "math": 0} and not rec.math_fallback
+    torch.testing.assert_close(flash_out, math_out)
+
+
+def test_decorator_form():
+    @sdpa_backends("math", device="cpu")
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    with SDPABackendRecorder() as rec:
+        attend(*qkv())
+        F.scaled_dot_product_attention(*qkv())  # outside the decorated function: the default choice again
+    assert rec.counts["math"] == 1 and rec.counts["flash"] == 1 and rec.calls == 2
+
+
+def test_unavailable_unknown_or_empty_choice_errors():
+    with pytest.raises(ValueError, match=r"cudnn not available on cpu.*available there: flash, math"):
+        sdpa_backends("cudnn", device="cpu")
+    with pytest.raises(ValueError, match="unknown backend 'flash2'"):
+        sdpa_backends("flash2")
+    with pytest.raises(ValueError, match="no backend left"):
+        sdpa_backends("math", forbid=["math"], device="cpu")
+
+
+@pytest.mark.parametrize("capability, cudnn, expected", [
+    ((7, 5), 90100, ("efficient", "math")),  # T4: no flash, no cuDNN attention
+    ((8, 0), 90100, ("flash", "efficient", "cudnn", "math")),  # A100
+    ((9, 0), 8907, ("flash", "efficient", "math")),  # H100 with cuDNN 8: no cuDNN attention
+])
+def test_cuda_backends_by_capability(monkeypatch, capability, cudnn, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert available_sdpa_backends("cuda:0") == expected
+    if "flash" not in expected:
+        with pytest.raises(ValueError, match=rf"flash not available on cuda:0 \(Fake GPU, sm{capability[0]}"
+                                             rf"{capability[1]}\); available there: {', '.join(expected)}"):
+            sdpa_backends("flash", device="cuda:0")
+
+
+# --- recorder on modules -------------------------------------------------------------------------------------------
+
+def test_recorder_names_mha_need_weights_as_math_and_restores_functional():
+    mha = nn.MultiheadAttention(D, H, batch_first=True)
+    x = torch.randn(B, T, D)
+    original = F.scaled_dot_product_attention, F.multi_head_attention_forward
+    with SDPABackendRecorder() as rec:
+        mha(x, x, x)  # need_weights=True by default: explicit bmm + softmax
+        mha(x, x, x, need_weights=False)  # SDPA
+    assert rec.counts == {"flash": 1, "efficient": 0, "cudnn": 0, "math": 1} and rec.calls == 2
+    assert (F.scaled_dot_product_attention, F.multi_head_attention_forward) == original
+
+
+# --- nn.MultiheadAttention -----------------------------------------------------------------------------------------
+
+class MHAModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.MultiheadAttention(D, H, batch_first=True)
+        self.used = nn.MultiheadAttention(D, H, batch_first=True)
+        self.stored = nn.MultiheadAttention(D, H, batch_first=True)
+        self.norm = nn.BatchNorm1d(T)
+        self.last_weights = None
+
+    def forward(self, x):
+        x = self.norm(x)
+        a, _ = self.unused(x, x, x)
+        b, w = self.used(a, a, a)
+        c, self.last_weights = self.stored(b, b, b)  # kept for later inspection: counts as used
+        return c + w.mean()
+
+
+def test_mha_unused_weights_switched_same_forward_and_gradients():
+    torch.manual_seed(0)
+    model = MHAModel()
+    x = torch.randn(B, T, D, requires_grad=True)
+    ref = model(x)
+    ref.square().sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    running_mean = model.norm.running_mean.clone()
+    rng = torch.get_rng_state()
+
+    result = use_fused_attention(model, example_inputs=x.detach())
+    assert result.mha == ["unused"] and sorted(result.kept) == ["stored", "used"]
+    assert torch.equal(model.norm.running_mean, running_mean) and torch.equal(torch.get_rng_state(), rng)
+
+    model.norm.running_mean.copy_(running_mean)
+    with SDPABackendRecorder() as rec:
+        out = model(x)
+    assert rec.counts["flash"] == 1 and rec.counts["math"] == 2  # one switched, two kept on the explicit path
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip([p.grad for p in model.parameters()] + [x.grad], ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert model.unused(x, x, x)[1] is None  # weights no longer computed
+    result.restore()
+    assert model.unused(x, x, x)[1] is not None
+
+
+def test_mha_without_example_only_named_modules_positional_need_weights():
+    model = MHAModel()
+    result = use_fused_attention(model, blocks=["used"])
+    assert result.mha == ["used"] and result.blocks == []
+    x = torch.randn(B, T, D)
+    out, weights = model.used(x, x, x, None, True)  # need_weights passed positionally
+    assert weights is None and out.shape == (B, T, D)
+
+
+def test_model_without_attention_warns_and_is_unchanged():
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU())
+    x = torch.randn(2, D)
+    before = model(x)
+    with pytest.warns(UserWarning, match="nothing to change.*model is unchanged"):
+        result = use_fused_attention(model, example_inputs=x)
+    assert result.mha == result.blocks == [] and not model[0]._forward_hooks and not model._forward_pre_hooks
+    torch.testing.assert_close(model(x), before)
+    with pytest.warns(UserWarning, match="name hand-written attention modules"):
+        use_fused_attention(model)
+
+
+def test_unknown_block_name():
+    with pytest.raises(ValueError, match=r"\['attn'\] not found in the model"):
+        use_fused_attention(nn.Sequential(nn.Linear(2, 2)), blocks=["attn"])
+
+
+# --- hand-written attention ----------------------------------------------------------------------------------------
+
+class HandWritten(nn.Module):
+    """nanoGPT-style attention; ``variant`` picks how the scores are scaled and masked."""
+
+    def __init__(self, variant="mul_masked_fill", dropout=0.0, expose=False):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.drop = nn.Dropout(dropout)
+        self.variant, self.expose = variant, expose
+        self.register_buffer("causal", torch.triu(torch.ones(T, T, dtype=torch.bool), 1))
+        self.last_probs = None
+
+    def forward(self, x, additive_mask=None):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, H, d // H).transpose(1, 2) for z in (q, k, v))
+        if self.variant == "mul_masked_fill":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.causal[:t, :t], float("-inf"))
+        elif self.variant == "div_additive":
+            att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(k.shape[-1]) + additive_mask
+        else:  # "unscaled_bmm": 3-d, no scale, no mask
+            q, k, v = (z.reshape(b * H, t, d // H) for z in (q, k, v))
+            att = torch.bmm(q, k.transpose(1, 2))
+        att = F.softmax(att, dim=-1)
+        att = self.drop(att)
+        if self.expose:
+            self.last_probs = att
+        y = att @ v
+        y = y.reshape(b, H, t, d // H).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y)
+
+
+class Net(nn.Module):
+    def __init__(self, **block_kwargs):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.attn = HandWritten(**block_kwargs)
+
+    def forward(self, x, additive_mask=None):
+        return self.attn(self.embed(x), additive_mask)
+
+
+def run(model, x, mask=None):
+    x = x.detach().clone().requires_grad_(True)
+    model.zero_grad()
+    out = model(x, mask)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+@pytest.mark.parametrize("variant", ["mul_masked_fill", "div_additive", "unscaled_bmm"])
+def test_hand_written_block_fused_same_forward_and_gradients(variant):
+    torch.manual_seed(0)
+    model = Net(variant=variant)
+    x = torch.randn(B, T, D)
+    mask = torch.randn(T, T) if variant == "div_additive" else None
+    ref_out, ref_grads = run(model, x, mask)
+    result = use_fused_attention(model, blocks=["attn"])
+    with SDPABackendRecorder() as rec:
+        out, grads = run(model, x, mask)
+    assert result.fused_calls == {"attn": 1} and rec.calls == 1 and rec.counts["math"] == 0
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hand_written_eval_dropout_is_fused_training_dropout_is_not():
+    torch.manual_seed(0)
+    model = Net(dropout=0.5)
+    x = torch.randn(B, T, D)
+    result = use_fused_attention(model, blocks=["attn"])
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert result.fused_calls["attn"] == 1
+    model.train()
+    result.restore()
+    torch.manual_seed(1)
+    ref_out, ref_grads = run(model, x)
+    result = use_fused_attention(model, blocks=["attn"])
+    torch.manual_seed(1)
+    out, grads = run(model, x)  # dropout p=0.5 in training: the original ops, same RNG draws, same numbers
+    assert result.fused_calls["attn"] == 0
+    assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_hand_written_probs_used_elsewhere_runs_the_original_exactly():
+    torch.manual_seed(0)
+    model = Net(expose=True)
+    x = torch.randn(B, T, D)
+    ref_out, ref_grads = run(model, x)
+    ref_probs = model.attn.last_probs.detach().clone()
+    result = use_fused_attention(model, blocks=["attn"])
+    out, grads = run(model, x)
+    # the probabilities are stored: the final matmul still fuses, the stored placeholder computes on first use
+    probs = model.attn.last_probs
+    assert torch.equal(probs + 0, ref_probs)
+    assert result.fused_calls["attn"] == 1
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hand_written_scores_read_inside_block_materialise():
+    class Peeking(HandWritten):
+        def forward(self, x, additive_mask=None):
+            b, t, d = x.shape
+            q, k, v = (z.view(b, t, H, d // H).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+            scores = q @ k.transpose(-2, -1)
+            self.max_score = scores.max()  # any other use: the original matmul runs
+            y = F.softmax(scores, dim=-1) @ v
+            return self.proj(y.transpose(1, 2).reshape(b, t, d)), scores
+
+    torch.manual_seed(0)
+    block = Peeking()
+    x = torch.randn(B, T, D)
+    ref_y, ref_scores = block(x)
+    result = use_fused_attention(block, blocks=[""])
+    y, scores = block(x)
+    assert result.fused_calls[""] == 0
+    assert type(scores) is torch.Tensor  # nothing lazy leaves the block
+    assert torch.equal(y, ref_y) and torch.equal(scores, ref_scores)
+
+
+# --- real GPU ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cuda_flash_and_fused_mha():
+    q, k, v = (t.cuda().half() for t in qkv())
+    assert "flash" in available_sdpa_backends("cuda") or "efficient" in available_sdpa_backends("cuda")
+    fused = [name for name in ("flash", "efficient") if name in available_sdpa_backends("cuda")]
+    with sdpa_backends(*fused), SDPABackendRecorder() as rec:
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert rec.counts["math"] == 0 and sum(rec.counts[n] for n in fused) == 1
+    with sdpa_backends("math"):
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=2e-3, atol=2e-3)
+    model = Net().cuda().half()
+    x = torch.randn(B, T, D, device="cuda", dtype=torch.half)
+    ref = model(x)
+    use_fused_attention(model, blocks=["attn"])
+    with SDPABackendRecorder() as rec:
+        out = model(x)
+    assert rec.counts["math"] == 0
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
