@@ -198,6 +198,16 @@ class SDPABackendRecorder:
         """Whether any attention call ran on the math path."""
         return self.counts["math"] > 0
 
+    @property
+    def backend(self) -> str | None:
+        """The backend of most calls (``None`` without attention); ``"math"`` wins ties, since one math call is
+        already what ``BottleneckDoctor``'s attention rule reports."""
+        top = max(self.counts.values())
+        if top == 0:
+            return None
+        winners = [name for name, n in self.counts.items() if n == top]
+        return "math" if "math" in winners else winners[0]
+
     def __enter__(self) -> SDPABackendRecorder:
         mode = _FusedOpCounter(self.counts)
         original = F.scaled_dot_product_attention

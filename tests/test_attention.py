@@ -309,3 +309,21 @@ def test_cuda_flash_and_fused_mha():
     assert rec.counts["math"] == 0
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
 
+
+
+def test_recorder_backend_names_the_kernel_that_ran():
+    """What BottleneckDoctor's attention rule reads: the CPU flash kernel, the math fallback, or no attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lightning_accel.attention import SDPABackendRecorder
+
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    with SDPABackendRecorder() as rec:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert rec.backend == "flash"
+    with sdpa_kernel(SDPBackend.MATH), SDPABackendRecorder() as rec:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert rec.backend == "math" and rec.counts["math"] == 1
+    with SDPABackendRecorder() as rec:
+        torch.nn.Linear(3, 3)(torch.randn(2, 3)).sum().backward()
+    assert rec.backend is None

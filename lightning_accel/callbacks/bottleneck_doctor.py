@@ -22,7 +22,7 @@ from lightning_accel.core.breakdown import MEASURED_STAGES, ROW_FIELDS, Breakdow
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.report import DoctorReport, plot_timeline
 from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, bottleneck_of, diagnose
-from lightning_accel.core.sdpa import SdpaBackendProbe
+from lightning_accel.attention import SDPABackendRecorder
 from lightning_accel.core.timing import StageTimer
 
 if TYPE_CHECKING:
@@ -114,7 +114,8 @@ class BottleneckDoctor(Callback):
         report_path: where the JSON report goes; ``None`` → ``<trainer.default_root_dir>/bottleneck_report.json``;
             ``False`` → no files.
         plot: also write ``<report_path stem>.png`` (needs matplotlib; skipped with a note if missing).
-        warn: warn findings during training (rank 0).
+        warn: warn findings during training (rank 0). A new finding also asks a ``ProfileWindow`` among the
+            callbacks (if any) for a ``torch.profiler`` trace of the next steps.
         warn_interval_s: the least time between two warnings of the same rule.
         log_metrics: log the keys above.
         print_report: print the report table at the end of ``fit`` (rank 0).
@@ -207,7 +208,7 @@ class BottleneckDoctor(Callback):
         self._active: set[str] = set()  # rules found in the last window
         self._warned: dict[str, tuple[str, float]] = {}  # rule -> (fix, time) of its last warning
         self._timeline: list[dict[str, Any]] = []
-        self._probe: SdpaBackendProbe | None = None
+        self._probe: SDPABackendRecorder | None = None
         self._probe_batch = 1
         self._comm_passes = 0
         self._restore: list[Callable[[], None]] = []
@@ -431,7 +432,7 @@ class BottleneckDoctor(Callback):
                              batch_idx: int) -> None:
         self._begin_batch("forward")
         if self._batches_seen == self._probe_batch:
-            self._probe = SdpaBackendProbe().__enter__()
+            self._probe = SDPABackendRecorder().__enter__()
 
     @override
     @_guarded
@@ -612,10 +613,21 @@ class BottleneckDoctor(Callback):
             if not changed or (last is not None and now - last[1] < self.warn_interval_s):
                 continue
             self._warned[f.rule] = (f.fix, now)
+            self._request_trace(trainer, f)
             if trainer.is_global_zero:
                 rank_zero_warn(f"BottleneckDoctor: {f.stage} is holding the run back: {f.evidence} Fix: {f.fix}",
                                category=UserWarning)
         self._active = set(current)
+
+    @staticmethod
+    def _request_trace(trainer: pl.Trainer, finding: Finding) -> None:
+        """Ask a ``ProfileWindow`` among the callbacks for a trace of the next steps (every rank sees the same
+        gathered findings, so every rank asks): the numbers say which stage, the trace says which ops."""
+        from lightning_accel.callbacks.profile_window import ProfileWindow
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, ProfileWindow):
+                cb.request(f"BottleneckDoctor finding: {finding}")
 
     # ------------------------------------------------------------------ pauses
     @override

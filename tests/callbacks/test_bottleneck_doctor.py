@@ -311,3 +311,20 @@ def test_precision_plugin_loss_scale_stats_are_reported():
     assert _precision_stats(SimpleNamespace(precision_plugin=plugin)) == {
         "loss_scale": 32768.0, "skipped_steps": 3, "total_steps": 100}
     assert _precision_stats(SimpleNamespace(precision_plugin=object())) == {}
+
+
+def test_a_new_finding_asks_profile_window_for_a_trace(tmp_path):
+    from lightning_accel import ProfileWindow
+
+    window = ProfileWindow(dirpath=tmp_path, wait=0, warmup=0, active=2)
+    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
+                              warn_interval_s=0, log_metrics=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor, window])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Planted(data=SLEEP))
+    assert doctor.report.bottleneck == "data"
+    assert len(window.windows) == 1  # traced once, on the first data finding, not the whole run
+    table = next(tmp_path.glob("top_ops_step*_rank0.txt")).read_text()
+    assert "BottleneckDoctor finding: [data]" in table
