@@ -210,11 +210,27 @@ class DataLoaderTuner(Callback):
             if present[key]:
                 lightning_setattr(pl_module, self.attrs[key], value)
 
-    def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting:
-        """Measure, decide, apply; returns the chosen setting (the same on every rank)."""
+    def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting | None:
+        """Measure, decide, apply; returns the chosen setting (the same on every rank), or ``None`` when the train
+        loader is too short to time (a warning says so and the settings stay as they are)."""
         present = self._present(pl_module)
         initial = {k: lightning_getattr(pl_module, name) for k, name in self.attrs.items() if present[k]}
         grid = self._grid(trainer, present)
+        # every rank's loader has the same length (DistributedSampler), so every rank takes the same branch
+        try:
+            length = len(request_train_dataloader(trainer, pl_module))
+        except TypeError:  # an iterable without len(): measure and let the trial say if it ran out
+            length = None
+        needed = self.trial_warmup_batches + self.batches_per_trial + 1 + max(
+            s.num_workers * (s.prefetch_factor or 2) for s in grid)
+        if length is not None and length < needed:
+            rank_zero_warn(f"DataLoaderTuner: the train loader has {length} batches, fewer than the {needed} the "
+                           f"largest trial needs ({self.trial_warmup_batches} warm-up + the workers' prefetch "
+                           f"queue + {self.batches_per_trial} timed); keeping the current settings {initial}. Use "
+                           "more data or lower batches_per_trial / trial_warmup_batches.")
+            self.decision = {"skipped": f"train loader has {length} batches, a trial needs {needed}",
+                             "initial": initial}
+            return None
         state = TrainingState(trainer, pl_module)
         self.table = []
         error: BaseException | None = None

@@ -112,7 +112,7 @@ def test_missing_attribute_names_where_it_looked() -> None:
 def test_loader_that_ignores_the_attribute_is_reported() -> None:
     class Ignores(Model):
         def train_dataloader(self):
-            return DataLoader(Sleepy(64, 0), batch_size=4)
+            return DataLoader(Sleepy(256, 0), batch_size=4)
 
     with pytest.raises(ValueError, match="build it from that attribute"):
         _trainer([DataLoaderTuner(num_workers=(1,), print_summary=False)]).fit(Ignores())
@@ -141,3 +141,37 @@ def test_grid_and_arguments() -> None:
                    dict(batches_per_trial=1), dict(consumption_steps=1)):
         with pytest.raises(ValueError, match="DataLoaderTuner"):
             DataLoaderTuner(**kwargs)
+
+
+def test_a_loader_too_short_to_time_keeps_its_settings_with_a_warning():
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_accel import DataLoaderTuner
+
+    class Tiny(pl.LightningModule):
+        num_workers = 0
+
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(20, 4)), batch_size=4, num_workers=self.num_workers)
+
+    tuner = DataLoaderTuner(print_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[tuner])
+    model = Tiny()
+    with pytest.warns(UserWarning, match="the train loader has 5 batches"):
+        trainer.fit(model)
+    assert trainer.global_step == 3 and model.num_workers == 0
+    assert "skipped" in tuner.decision

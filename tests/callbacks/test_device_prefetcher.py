@@ -165,8 +165,8 @@ def test_demo_flags_add_the_callbacks():
     from lightning_accel.demo.run import DemoConfig, build_callbacks
 
     names = [type(cb).__name__ for cb in build_callbacks(DemoConfig(prefetch=True, profile_at_step=5))]
-    assert names == ["MFUMonitor", "DevicePrefetcher", "ProfileWindow"]
-    assert [type(cb).__name__ for cb in build_callbacks(DemoConfig())] == ["MFUMonitor"]
+    assert names == ["MFUMonitor", "DevicePrefetcher", "ProfileWindow", "BottleneckDoctor"]
+    assert [type(cb).__name__ for cb in build_callbacks(DemoConfig())] == ["MFUMonitor", "BottleneckDoctor"]
     with pytest.raises(ValueError, match="--profile-at-step must be"):
         DemoConfig(profile_at_step=-1).validate()
 
