@@ -67,6 +67,11 @@ def usable_cores_per_rank(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
+#: with ``num_workers=0`` loading is serial with the step; at most this share of the step time may go to it (the same
+#: 10 % above which ``BottleneckDoctor`` reports a data wait)
+SERIAL_DATA_SHARE = 0.10
+
+
 class DataLoaderTuner(Callback):
     """Picks ``num_workers`` / ``prefetch_factor`` (with ``persistent_workers``, and ``pin_memory`` on GPU) at the start
     of ``fit``: the cheapest setting whose measured batches/s feeds the training step with a margin.
@@ -78,8 +83,10 @@ class DataLoaderTuner(Callback):
        CPU cores, each with ``prefetch_factors``), the user's ``train_dataloader()`` is rebuilt with those
        attributes set and timed in steady state: the first ``trial_warmup_batches`` batches plus the prefetch queue
        (workers × prefetch) are skipped, so worker start-up and pre-filled queues do not inflate the rate.
-    3. **Decision**: the first setting whose rate ≥ consumption × (1 + ``margin``) in two consecutive measurements
-       (the lower one counts) wins and the search stops there;
+    3. **Decision**: the first setting that feeds the step in two consecutive measurements (the lower one counts)
+       wins and the search stops there. Workers load in parallel with the step, so their rate must be ≥
+       consumption × (1 + ``margin``); with 0 workers loading is serial and adds to every step, so it passes only
+       if it costs at most 10 % of the step (rate ≥ 9 × consumption, the doctor's data-wait threshold);
        if none does, the cheapest within 5 % of the fastest (the data stage stays the bottleneck: see the table).
        Under DDP every rank measures, and all ranks adopt the most generous choice among them (one
        ``all_gather``).
@@ -210,6 +217,17 @@ class DataLoaderTuner(Callback):
             if present[key]:
                 lightning_setattr(pl_module, self.attrs[key], value)
 
+    def _feeds(self, num_workers: int | None, rate: float, consumption: float) -> bool:
+        """Whether a loader delivering ``rate`` batches/s keeps a step consuming ``consumption`` batches/s busy.
+
+        Workers load in parallel with the step, so their rate must exceed the step's with ``margin``. With
+        ``num_workers=0`` loading runs serially in the training process and always adds to the step: it passes only
+        when it costs at most :data:`SERIAL_DATA_SHARE` of the step time (the doctor's data-wait threshold).
+        """
+        if not num_workers:
+            return rate >= consumption * (1 - SERIAL_DATA_SHARE) / SERIAL_DATA_SHARE
+        return rate >= consumption * (1 + self.margin)
+
     def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting | None:
         """Measure, decide, apply; returns the chosen setting (the same on every rank), or ``None`` when the train
         loader is too short to time (a warning says so and the settings stay as they are)."""
@@ -239,20 +257,21 @@ class DataLoaderTuner(Callback):
             consumption = self._consumption(trainer, pl_module, state)
             initial_rate = self._loader_rate(trainer, pl_module, state, initial, present)
             self.table.append({"setting": "initial: " + _describe(initial, trainer), "batches_per_sec": initial_rate,
-                               "feeds": initial_rate >= consumption * (1 + self.margin), "chosen": False})
+                               "feeds": self._feeds(initial.get("num_workers", 0), initial_rate, consumption),
+                               "chosen": False})
             rates: list[float] = []
             for setting in grid:
                 rate = self._loader_rate(trainer, pl_module, state, asdict(setting), present)
-                feeds = rate >= consumption * (1 + self.margin)
+                feeds = self._feeds(setting.num_workers, rate, consumption)
                 if feeds:  # confirm before stopping the search: a busy machine can flatter one window
                     rate = min(rate, self._loader_rate(trainer, pl_module, state, asdict(setting), present))
-                    feeds = rate >= consumption * (1 + self.margin)
+                    feeds = self._feeds(setting.num_workers, rate, consumption)
                 rates.append(rate)
                 self.table.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds,
                                    "chosen": False, **asdict(setting)})
                 if feeds:
                     break
-            fed = [i for i, r in enumerate(rates) if r >= consumption * (1 + self.margin)]
+            fed = [i for i, r in enumerate(rates) if self._feeds(grid[i].num_workers, r, consumption)]
             # none feeds: the cheapest within 5 % of the fastest (closer than that is measurement noise)
             chosen_index = fed[0] if fed else next(i for i, r in enumerate(rates) if r >= 0.95 * max(rates))
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
@@ -273,7 +292,7 @@ class DataLoaderTuner(Callback):
             **asdict(setting), "loader_batches_per_sec": own, "step_batches_per_sec": consumption,
             "initial": initial, "initial_batches_per_sec": initial_rate,
             "speedup_vs_initial": own / initial_rate if initial_rate > 0 else math.nan,
-            "fed": own >= consumption * (1 + self.margin), "margin": self.margin,
+            "fed": self._feeds(setting.num_workers, own, consumption), "margin": self.margin,
         }
         metrics = {"dataloader/num_workers": setting.num_workers,
                    "dataloader/prefetch_factor": setting.prefetch_factor or 0,
