@@ -21,7 +21,7 @@ from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.breakdown import MEASURED_STAGES, ROW_FIELDS, Breakdown
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.report import DoctorReport, plot_timeline
-from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, bottleneck_of, diagnose
+from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, diagnose, holding_back
 from lightning_accel.attention import SDPABackendRecorder
 from lightning_accel.core.timing import StageTimer
 
@@ -707,7 +707,6 @@ class BottleneckDoctor(Callback):
                          "warmup_batches")
             return report
         report.shares = shares
-        report.bottleneck = bottleneck_of(shares)
         report.stage_seconds = bd.stage_seconds() or {}
         report.rank_shares = bd.rank_shares() if trainer.world_size > 1 else []
         report.step_seconds = bd.step_seconds()
@@ -719,6 +718,7 @@ class BottleneckDoctor(Callback):
             notes.append(f"only {bd.batches} batches measured (window={self.window}): the shares are noisy")
         diagnosis = diagnose(shares, ctx, self.thresholds)
         report.findings, report.skipped = diagnosis.findings, diagnosis.skipped
+        report.bottleneck = holding_back(shares, diagnosis.findings)
         return report
 
     def _write_files(self, trainer: pl.Trainer) -> None:

@@ -28,8 +28,9 @@ class DoctorReport:
     """What the doctor measured over a run.
 
     Attributes:
-        bottleneck: the stage with the largest share of the step time (one of ``STAGES``), ``None`` when too little
-            was measured (see ``notes``).
+        bottleneck: the stage that holds the run back (one of ``STAGES``): the stage of the first finding, or with no
+            finding the largest stage (then forward/backward: compute-bound); ``None`` when too little was measured
+            (see ``notes``).
         shares: stage → fraction of the step time (sums to 1), mean over the measured windows and ranks.
         stage_seconds: stage → mean seconds per batch (per device).
         step_seconds: mean wall time of one batch (per device), seconds.

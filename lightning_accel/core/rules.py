@@ -27,11 +27,11 @@ Default thresholds come from the project's playbook (``PLAYBOOK.md``) and the so
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "bottleneck_of",
+__all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "bottleneck_of", "holding_back",
            "diagnose"]
 
 #: The stages of a training step, in the order a step runs them.
@@ -212,6 +212,16 @@ def bottleneck_of(shares: Mapping[str, float]) -> str | None:
     if not present or max(present)[0] <= 0:
         return None
     return max(present)[2]
+
+
+def holding_back(shares: Mapping[str, float], findings: Sequence[Finding]) -> str | None:
+    """The stage that holds the run back: the stage of the first finding (findings come largest stage first), or,
+    with no finding (a balanced run), the largest stage — for a healthy run that is forward or backward, i.e. the
+    run is compute-bound. A data wait of 34 % next to a 41 % backward is therefore a ``data`` bottleneck: it is the
+    part of the step that should not be there."""
+    if findings:
+        return findings[0].stage
+    return bottleneck_of(shares)
 
 
 # ---------------------------------------------------------------------------------------------------- the rules

@@ -138,3 +138,13 @@ def test_bottleneck_of():
 def test_context_round_trip():
     ctx = gpu(num_workers=3, sdpa_backend="flash")
     assert RunContext.from_dict(ctx.to_dict()) == ctx
+
+
+def test_holding_back_is_the_finding_stage_else_the_largest():
+    from lightning_accel.core.rules import Finding, holding_back
+
+    shares = {"data": 0.34, "forward": 0.22, "backward": 0.41, "optimizer": 0.03}
+    finding = Finding(rule="data_wait", stage="data", evidence="...", fix="...", value=0.34)
+    assert holding_back(shares, [finding]) == "data"  # the data wait is what should not be there
+    assert holding_back(shares, []) == "backward"  # no finding: compute-bound
+    assert holding_back({}, []) is None
