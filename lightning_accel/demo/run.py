@@ -43,6 +43,8 @@ class DemoConfig:
     strategy: str | None = None
     prefetch: bool = False
     profile_at_step: int | None = None
+    compile_backend: str = "inductor"
+    quiet: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -138,11 +140,11 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
         from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 
         callbacks.append(DataLoaderTuner())
-    callbacks.append(MFUMonitor(window=cfg.window))
+    callbacks.append(MFUMonitor(window=cfg.window, print_summary=not cfg.quiet))
     if cfg.compile:
         from lightning_accel.callbacks.torch_compile import TorchCompile
 
-        callbacks.append(TorchCompile())
+        callbacks.append(TorchCompile(backend=cfg.compile_backend))
     if cfg.checkpointing:
         from lightning_accel.callbacks.activation_checkpointing import ActivationCheckpointing
         from lightning_accel.demo.model import Block
@@ -164,7 +166,8 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
 
         report: Any = cfg.doctor_report or (str(Path(cfg.output_dir) / "bottleneck_report.json")
                                             if cfg.output_dir else False)
-        callbacks.append(BottleneckDoctor(window=cfg.window, report_path=report))
+        callbacks.append(BottleneckDoctor(window=cfg.window, report_path=report, print_report=not cfg.quiet,
+                                          warn=not cfg.quiet))
     return [*callbacks, *cfg.extra_callbacks]
 
 

@@ -1,0 +1,181 @@
+"""The GPU check: one script to run on a CUDA machine (under 8 minutes on an H100/H200), printing one table.
+
+    python benchmarks/gpu_check.py                # on a GPU machine
+    python benchmarks/gpu_check.py --smoke        # tiny sizes on the CPU: checks the script itself (the tests do)
+
+Checks:
+1. the test suite's GPU-marked tests (``pytest -m gpu``);
+2. MFU of a GPT-2-small-sized model (124 M parameters, seq 1024) trained with bf16 (``AutoMixedPrecision``),
+   ``TorchCompile`` and SDPA attention, against the datasheet peak of the GPU (``MFUMonitor``); which SDPA kernel ran;
+3. DALI: ``DALIImageDataModule`` images/s with ``decode_device="mixed"`` (nvJPEG) vs ``"cpu"``, if DALI is installed;
+4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+Row = tuple[str, str, str]
+
+
+def check_gpu_tests(args: argparse.Namespace) -> list[Row]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(REPO / "tests")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.budget_s)
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return [("GPU-marked tests", last, f"pytest exit {proc.returncode}")]
+
+
+def check_gpt_mfu(args: argparse.Namespace) -> list[Row]:
+    import lightning.pytorch as pl
+
+    import lightning_accel as la
+    from lightning_accel.attention import SDPABackendRecorder
+    from lightning_accel.core.peak import get_peak_flops
+    from lightning_accel.demo.model import GPTConfig
+    from lightning_accel.demo.task import DemoDataModule, GPTTask
+
+    gpu = not args.smoke
+    cfg = (GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768) if gpu
+           else GPTConfig(seq_len=64, n_layer=2, d_model=64, n_head=2))
+    batch, steps = (16, 80) if gpu else (4, 12)
+    task = GPTTask(cfg)
+    data = DemoDataModule(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, batch_size=batch,
+                          train_tokens=(steps + 2) * batch * (cfg.seq_len + 1), val_tokens=4 * (cfg.seq_len + 1),
+                          data_dir=Path(tempfile.mkdtemp()) / "tokens")
+    monitor = la.MFUMonitor(window=10, print_summary=False)
+    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, plugins=[la.AutoMixedPrecision(dtype="bf16" if gpu else "fp32")],
+                         callbacks=[la.TorchCompile(backend="inductor" if gpu else "aot_eager"), monitor])
+    trainer.fit(task, datamodule=data)
+    s = monitor.summary
+    rows: list[Row] = [("GPT MFU", "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f} %",
+                        f"{task.model.num_params() / 1e6:.0f} M params, seq {cfg.seq_len}, batch {batch}, "
+                        f"{s.get('dtype')}; {s.get('samples_per_sec', 0):,.1f} samples/s; peak: {s.get('peak_source')}")]
+    if gpu:
+        import torch
+
+        name = torch.cuda.get_device_name()
+        rows.append(("peak table", f"{(get_peak_flops(name, 'bf16') or 0) / 1e12:,.1f} TFLOP/s", f"{name}, bf16 dense"))
+        x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device="cuda")
+        model = task.model.cuda()
+        with SDPABackendRecorder() as rec, torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x)
+        rows.append(("SDPA kernel (eager)", str(rec.backend), str(rec.counts)))
+    return rows
+
+
+def check_dali(args: argparse.Namespace) -> list[Row]:
+    from lightning_accel._imports import is_available
+
+    if not is_available("nvidia.dali"):
+        return [("DALI mixed vs cpu", "skipped", "nvidia-dali-cuda120 not installed")]
+    from lightning_accel.data.dali import DALIImageDataModule
+    from lightning_accel.demo.images import make_image_folder
+
+    root = Path(tempfile.mkdtemp()) / "images"
+    make_image_folder(root, num_classes=4, images_per_class=64 if not args.smoke else 8, size=500 if not args.smoke
+                      else 64)
+    rates = {}
+    for device in (("mixed", "cpu") if not args.smoke else ("cpu",)):
+        dm = DALIImageDataModule(train=root, image_size=224 if not args.smoke else 32, batch_size=32,
+                                 decode_device=device, last_batch="pad")
+        dm.trainer = None
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        seen, start = 0, None
+        for epoch in range(3):
+            for images, _labels in loader:
+                if start is None:
+                    start = time.perf_counter()  # after the first batch: pipeline build and warm-up
+                    continue
+                seen += images.shape[0]
+        rates[device] = seen / (time.perf_counter() - start)
+    detail = ", ".join(f"{k}: {v:,.0f} images/s" for k, v in rates.items())
+    ratio = f"{rates['mixed'] / rates['cpu']:.2f}x" if "mixed" in rates else "cpu only (smoke)"
+    return [("DALI mixed vs cpu", ratio, detail)]
+
+
+def check_stage_timer(args: argparse.Namespace) -> list[Row]:
+    import torch
+
+    from lightning_accel.core.timing import StageTimer
+
+    device = torch.device("cuda" if not args.smoke else "cpu")
+    width = 4096 if not args.smoke else 256
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
+    x = torch.randn(64, width, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        sync()
+        timer, events = StageTimer(device), []
+        for _ in range(20):
+            timer.start("forward")
+            model(x)
+            timer.stop("forward")
+        events_total = timer.flush()["forward"]
+        ref = []
+        for _ in range(20):
+            sync()
+            t = time.perf_counter()
+            model(x)
+            sync()
+            ref.append(time.perf_counter() - t)
+    per_step = events_total / 20
+    ref_mean = statistics.fmean(ref)
+    return [("stage timer vs sync reference", f"{per_step / ref_mean:.3f}x",
+             f"events {1e3 * per_step:.3f} ms/step, synchronised {1e3 * ref_mean:.3f} ms/step ({device.type})")]
+
+
+CHECKS = [("gpu tests", check_gpu_tests), ("gpt mfu", check_gpt_mfu), ("dali", check_dali),
+          ("stage timer", check_stage_timer)]
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (checks the script itself)")
+    parser.add_argument("--budget-s", type=int, default=240, help="time limit of the GPU-marked tests")
+    parser.add_argument("--skip", nargs="*", default=[], help=f"checks to skip: {[n for n, _ in CHECKS]}")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here; run it on a GPU machine, or --smoke to check the script")
+    rows: list[Row] = []
+    for name, check in CHECKS:
+        if name in args.skip or (args.smoke and name == "gpu tests"):
+            continue
+        start = time.perf_counter()
+        try:
+            rows.extend(check(args))
+        except Exception as err:  # one failing check must not hide the others
+            rows.append((name, "ERROR", f"{err!r}"))
+            traceback.print_exc()
+        print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lightning-accel GPU check" + (" (smoke, CPU)" if args.smoke else ""), header_style="bold")
+    for col in ("check", "result", "detail"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=160).print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

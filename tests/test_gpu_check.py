@@ -1,0 +1,16 @@
+"""benchmarks/gpu_check.py must not rot between GPU machines: its --smoke mode runs every check at tiny sizes on
+the CPU (the GPU-marked tests and nvJPEG decode excepted)."""
+
+import importlib.util
+
+from tests.conftest import REPO
+
+
+def test_gpu_check_smoke_runs_every_check_without_error():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows = gpu_check.main(["--smoke"])
+    names = [r[0] for r in rows]
+    assert "GPT MFU" in names and "stage timer vs sync reference" in names and "DALI mixed vs cpu" in names
+    assert not [r for r in rows if r[1] == "ERROR"], rows
