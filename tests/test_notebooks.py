@@ -20,7 +20,7 @@ def test_notebook_executes_and_plots(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("LIGHTNING_ACCEL_FAST", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend turns plt.show() into a PNG
     monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:  # start from a clean notebook: the outputs checked below are this run's

@@ -70,7 +70,7 @@ class BottleneckDoctor(Callback):
                       optimization: all ``training_step`` code outside backward and optimizer steps)
     ``backward``      ``on_before_backward`` → ``on_after_backward``, minus ``communication``
     ``optimizer``     ``on_before_zero_grad`` → ``on_before_backward`` and ``on_before_optimizer_step`` → the
-                      optimizer's step post-hook (``torch.optim.Optimizer.register_step_post_hook``)
+                      optimizer's step post-hook of the outermost ``step`` (``register_step_post_hook``)
     ``communication`` gradient all-reduce not hidden behind backward: from the launch of the last bucket (local
                       backward done) to the completion of every bucket (``lightning_accel.core.comm``), timed by
                       a DDP comm-hook wrapper; DDP only
@@ -321,11 +321,18 @@ class BottleneckDoctor(Callback):
         self._restore.append(restore)
 
     def _install_optimizer_hooks(self, trainer: pl.Trainer) -> None:
+        # An optimizer whose step() calls super().step() runs the step hooks once per hooked class in the chain
+        # (torch wraps every Optimizer subclass's step the first time one is built): count the depth with the
+        # pre-hook and end the stage when the outermost step returns.
         for opt in trainer.optimizers:
-            register = getattr(opt, "register_step_post_hook", None)
-            if register is not None:
-                handle = register(self._after_optimizer_step)
-                self._restore.append(handle.remove)
+            register_pre = getattr(opt, "register_step_pre_hook", None)
+            register_post = getattr(opt, "register_step_post_hook", None)
+            if register_pre is not None and register_post is not None:
+                self._restore.append(register_pre(self._before_optimizer_step_hook).remove)
+                self._restore.append(register_post(self._after_optimizer_step).remove)
+
+    def _before_optimizer_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._step_depth = getattr(self, "_step_depth", 0) + 1
 
     def _install_comm_timer(self, trainer: pl.Trainer) -> None:
         """Plain ``DDPStrategy``: time DDP's default all-reduce through our own comm hook (see module docstring)."""
@@ -403,7 +410,8 @@ class BottleneckDoctor(Callback):
         self._switch(stage)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._broken or self._stage != "optimizer":
+        self._step_depth = max(0, getattr(self, "_step_depth", 1) - 1)
+        if self._step_depth > 0 or self._broken or self._stage != "optimizer":
             return
         try:
             self._switch("forward" if self._manual else None)
