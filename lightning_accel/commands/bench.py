@@ -16,7 +16,8 @@ def _run(args: argparse.Namespace) -> int:
     results = run_bench(steps=args.steps, rounds=args.rounds, accelerator=args.accelerator,
                         batch_size=args.batch_size, compile_backend=args.compile_backend, seed=args.seed)
     stack = ", ".join(f"{k}={v}" for k, v in recommended_stack(args.accelerator).items())
-    Console().print(bench_table(results, title=f"demo GPT on {args.accelerator}: vanilla vs recommended stack "
+    console = Console()
+    Console(width=max(console.width, 130)).print(bench_table(results, title=f"demo GPT on {args.accelerator}: vanilla vs recommended stack "
                                                f"({stack}); {args.rounds} alternating rounds, medians"))
     for r in results:
         print(f"{r.name}: samples/s per round {', '.join(f'{x:,.1f}' for x in r.rounds)}")
