@@ -7,10 +7,8 @@ successors, so a model can learn it and the loss visibly falls below ``log(vocab
 from __future__ import annotations
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
-__all__ = ["TokenWindows", "markov_tokens"]
+__all__ = ["markov_tokens"]
 
 
 def markov_tokens(num_tokens: int, vocab_size: int = 256, *, branching: int = 4, seed: int = 0) -> np.ndarray:
@@ -26,21 +24,3 @@ def markov_tokens(num_tokens: int, vocab_size: int = 256, *, branching: int = 4,
     for i in range(1, num_tokens):  # ~1 µs a token: 1M tokens in about a second
         out[i] = successors[out[i - 1], choices[i]]
     return out
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping ``(input, next-token target)`` windows of ``seq_len`` over an in-memory token stream."""
-
-    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int) -> None:
-        self.tokens = torch.as_tensor(tokens, dtype=torch.long)
-        self.seq_len = seq_len
-        if seq_len < 1 or len(self.tokens) < seq_len + 1:
-            raise ValueError(f"TokenWindows: {len(self.tokens)} tokens cannot make one window of seq_len={seq_len}")
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.seq_len
-        chunk = self.tokens[start: start + self.seq_len + 1]
-        return chunk[:-1], chunk[1:]

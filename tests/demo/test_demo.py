@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from lightning_accel.cli import main
-from lightning_accel.demo.data import TokenWindows, markov_tokens
+from lightning_accel.demo.data import markov_tokens
 from lightning_accel.demo.run import DemoConfig, run_demo
 from tests.conftest import REPO
 
@@ -20,13 +20,6 @@ def test_markov_tokens_are_learnable_and_seeded():
     assert max(len(s) for s in successors.values()) <= 4
     with pytest.raises(ValueError, match="branching"):
         markov_tokens(10, 8, branching=9)
-
-
-def test_token_windows_shift_targets():
-    ds = TokenWindows(list(range(11)), seq_len=5)
-    assert len(ds) == 2
-    x, y = ds[1]
-    assert x.tolist() == [5, 6, 7, 8, 9] and y.tolist() == [6, 7, 8, 9, 10]
 
 
 def test_demo_runs_and_reports_mfu():
