@@ -166,9 +166,64 @@ class _DALILoader:
         self._open = False  # an epoch was started and not run to its end
         self._len = num_batches(len(index), batch_size=batch_size, world_size=world_size,
                                 last_batch=self.last_batch)
+        self._epoch: int | None = None  # the epoch last started, and the batches of it handed out (or skipped)
+        self._yielded = 0
+        self._resume: dict[str, Any] | None = None  # a checkpoint's position, applied when its epoch starts
 
     def __len__(self) -> int:
         return self._len
+
+    # ------------------------------------------------------------------ mid-epoch resume (Lightning's _Stateful)
+    def _batches_done(self) -> int:
+        """Batches of the current epoch whose training step has run.
+
+        Under a Trainer this is the fit loop's ``batch_progress.current.processed``, the count Lightning itself
+        resumes from; it is one less than the batches handed out when a checkpoint is written because a
+        training step raised (``OnExceptionCheckpoint``), and the resumed run must see that batch again.
+        Outside a Trainer, the batches handed out.
+        """
+        trainer = self.module._trainer_or_none()
+        fitting = trainer is not None and getattr(trainer.state, "fn", None) == "fit"  # TrainerFn.FITTING
+        if self.train and fitting and trainer.current_epoch == self._epoch:
+            return min(int(trainer.fit_loop.epoch_loop.batch_progress.current.processed), self._yielded)
+        return self._yielded
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the epoch, saved in Lightning checkpoints so that a mid-epoch resume sees only unseen
+        samples. Positions count samples of the epoch's global shuffled order, which depends on the seed, the
+        epoch and the number of samples only, so a resume with another world size or batch size stays exact."""
+        if self._epoch is None:
+            return {}
+        return {"epoch": self._epoch, "samples_done": self._batches_done() * self.batch_size * self.world_size,
+                "batch_size": self.batch_size, "world_size": self.world_size, "num_samples": len(self.index),
+                "seed": self.module.seed, "shuffle": self.train and self.module.shuffle,
+                "last_batch": self.last_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = dict(state) if state else None
+
+    def _resume_skip(self, epoch: int) -> int:
+        """Batches of ``epoch``'s plan a loaded checkpoint has already trained on (consumes the checkpoint)."""
+        state, self._resume = self._resume, None
+        if state is None or state.get("epoch") != epoch:
+            return 0  # the checkpoint ended its epoch (or was taken outside one): start the epoch afresh
+        same_order = (state["num_samples"], state["seed"], state["shuffle"], state["last_batch"]) == (
+            len(self.index), self.module.seed, self.train and self.module.shuffle, self.last_batch)
+        if not same_order:
+            warnings.warn(f"DALIImageDataModule: the checkpoint was taken mid-epoch with other data or settings "
+                          f"({state['num_samples']} samples, seed {state['seed']}, shuffle {state['shuffle']}, "
+                          f"last_batch {state['last_batch']!r}; now {len(self.index)}, {self.module.seed}, "
+                          f"{self.train and self.module.shuffle}, {self.last_batch!r}), so its position cannot be "
+                          f"mapped: epoch {epoch} is read from its start", stacklevel=3)
+            return 0
+        done, per_batch = int(state["samples_done"]), self.batch_size * self.world_size
+        skip = -(-done // per_batch)  # ceil: never show a sample twice in one epoch
+        if skip * per_batch != done:
+            warnings.warn(f"DALIImageDataModule: resuming epoch {epoch} with {self.world_size} rank(s) x batch "
+                          f"{self.batch_size} from a checkpoint taken with {state['world_size']} x "
+                          f"{state['batch_size']}: {skip * per_batch - done} sample(s) of this epoch are skipped "
+                          f"so that none is seen twice", stacklevel=3)
+        return min(skip, self._len)
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         return epoch_plan(len(self.index), batch_size=self.batch_size, rank=self.rank, world_size=self.world_size,
@@ -197,7 +252,10 @@ class _DALILoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._open and self._iter is not None:
             self._drain()
-        self.source.start_epoch(self.plan(self.epoch_fn()))
+        epoch = self.epoch_fn()
+        skip = self._resume_skip(epoch) if self._resume is not None else 0
+        self._epoch, self._yielded = epoch, skip
+        self.source.start_epoch(self.plan(epoch)[skip:])
         if self._iter is None:
             self._build()
         else:
@@ -216,6 +274,7 @@ class _DALILoader:
                 self._discard()
                 raise
             self.source.inflight.popleft()
+            self._yielded += 1
             images, labels = out[0]["images"], out[0]["labels"]
             yield images, labels.reshape(-1).long()
 
@@ -259,8 +318,8 @@ class DALIImageDataModule(pl.LightningDataModule):
     """Image classification data decoded and augmented by NVIDIA DALI, sharded over DDP ranks.
 
     Batches reach ``training_step`` as ``(images, labels)``: ``images`` a float tensor ``(B, 3, H, W)`` (NCHW) or
-    ``(B, H, W, 3)`` (NHWC), normalised with ``mean``/``std``; ``labels`` int64 ``(B,)``; both on the GPU with
-    ``mixed`` decode, on the CPU otherwise (Lightning moves them).
+    ``(B, H, W, 3)`` (NHWC), normalised with ``mean``/``std``; ``labels`` int64 ``(B,)``; both on the Trainer's
+    GPU when it runs on CUDA (with CPU decoding too: DALI copies them from pinned memory), on the CPU otherwise.
 
     Train pipeline: ROI decode with a random-resized crop (``fn.decoders.image_random_crop``: area
     ``random_area``, aspect ratio ``random_aspect_ratio``) → resize to ``image_size`` → random horizontal flip →
@@ -404,6 +463,11 @@ class DALIImageDataModule(pl.LightningDataModule):
         return getattr(self, "trainer", None)
 
     def _resolve_decode_device(self) -> tuple[str, int | None]:
+        """The decoder's device and the GPU the batches are delivered on (``None``: delivered on the CPU).
+
+        CPU decoding for a Trainer on CUDA still delivers on the Trainer's GPU: DALI copies each batch from its
+        own pinned buffers on a side stream, where Lightning would copy from pageable memory and block.
+        """
         trainer = self._trainer_or_none()
         device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
         choice = self.decode_device
@@ -416,6 +480,8 @@ class DALIImageDataModule(pl.LightningDataModule):
             index = device.index if device.type == "cuda" and device.index is not None else \
                 torch.cuda.current_device()
             return "mixed", index
+        if device.type == "cuda":
+            return "cpu", device.index if device.index is not None else torch.cuda.current_device()
         return "cpu", None
 
     def _threads(self) -> int:
@@ -493,7 +559,8 @@ class DALIImageDataModule(pl.LightningDataModule):
                 images, dtype=getattr(types, _DTYPES[self.dtype]),
                 output_layout="CHW" if self.layout == "NCHW" else "HWC",
                 mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], **crop_args)
-            if mixed:
+            if device_id is not None:  # deliver on the GPU (after CPU decoding: copied from DALI's pinned buffers)
+                images = images if mixed else images.gpu()
                 labels = labels.gpu()
             pipe.set_outputs(images, labels)
         return pipe

@@ -252,6 +252,19 @@ def test_mixed_decode_on_gpu(solid_folder):
     assert [label_of[i] for i in identify(images)] == labels.tolist()
 
 
+@pytest.mark.gpu
+def test_cpu_decode_for_a_cuda_trainer_delivers_on_the_gpu(solid_folder):
+    import lightning.pytorch as pl
+
+    root, truth = solid_folder
+    dm = make(root, decode_device="cpu")
+    dm.trainer = pl.Trainer(accelerator="cuda", devices=1, logger=False)
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.is_cuda and labels.is_cuda and labels.dtype == torch.int64
+    label_of = {pid: label for pid, label in truth.values()}
+    assert [label_of[i] for i in identify(images)] == labels.tolist()
+
+
 def test_auto_decode_device_follows_the_trainer(solid_folder, monkeypatch):
     """auto -> mixed on the Trainer's CUDA device (mocked: this checks the choice, not nvJPEG)."""
     from types import SimpleNamespace
@@ -268,4 +281,126 @@ def test_auto_decode_device_follows_the_trainer(solid_folder, monkeypatch):
     dm.decode_device = "cpu"
     monkeypatch.setattr(dm, "_trainer_or_none", lambda: SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
-    assert dm._resolve_decode_device() == ("cpu", None)
+    assert dm._resolve_decode_device() == ("cpu", 0)  # decoded on the CPU, delivered on cuda:0 by DALI
+
+
+def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None, fail_at=None):
+    """Fit 2 epochs of 6 batches; returns {(epoch, batch_idx): palette ids} and the warnings raised."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accel.data.dali import DALIImageDataModule
+
+    seen: dict[tuple[int, int], list[int]] = {}
+
+    class Probe(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 3)
+
+        def training_step(self, batch, batch_idx):
+            if (self.current_epoch, batch_idx) == fail_at:
+                raise RuntimeError("simulated crash")  # OnExceptionCheckpoint saves, then fit re-raises
+            seen[(self.current_epoch, batch_idx)] = identify(batch[0])
+            return self.layer(batch[0].mean(dim=(2, 3))).logsumexp(-1).mean()
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    if fail_at is not None:  # one checkpoint, written when the training step of fail_at raises
+        from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+        checkpoint = OnExceptionCheckpoint(dirpath=ckpt_dir, filename="interrupted")
+    elif val_check_interval is None:  # a checkpoint after every training step
+        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1,
+                                     every_n_train_steps=1)
+    else:  # a checkpoint after every (mid-epoch) validation
+        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1,
+                                     save_on_train_epoch_end=False)
+    dm = DALIImageDataModule(train=root, val=root if val_check_interval else None, image_size=32, batch_size=4,
+                             num_threads=1, seed=3)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, callbacks=[checkpoint],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         val_check_interval=val_check_interval)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(Probe(), datamodule=dm, ckpt_path=resume_from)
+        except RuntimeError as err:
+            if fail_at is None or "simulated crash" not in str(err):
+                raise
+    return seen, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("checkpoint,val_check_interval,first_batch", [
+    ("epoch=1-step=8.ckpt", None, 2),  # saved in on_train_batch_end, 2 batches into epoch 1
+    ("epoch=0-step=6.ckpt", None, 0),  # saved at the end of epoch 0: epoch 1 starts afresh
+    ("epoch=1-step=9.ckpt", 3, 3),  # saved after a mid-epoch validation, 3 batches into epoch 1
+])
+def test_mid_epoch_checkpoint_resumes_with_exactly_the_unseen_batches(solid_folder, tmp_path, checkpoint,
+                                                                       val_check_interval, first_batch):
+    root, _ = solid_folder  # 24 images: 6 batches of 4 per epoch
+    full, _ = _fit_recording(root, tmp_path / "a", val_check_interval=val_check_interval)
+    assert sorted(full) == [(e, b) for e in (0, 1) for b in range(6)]
+    resumed, messages = _fit_recording(root, tmp_path / "b", resume_from=tmp_path / "a" / checkpoint,
+                                       val_check_interval=val_check_interval)
+    assert sorted(resumed) == [(1, b) for b in range(first_batch, 6)]
+    assert all(resumed[key] == full[key] for key in resumed)  # the same images, in the same batches
+    assert not any("not resumable" in m for m in messages)
+
+
+def test_checkpoint_of_an_interrupted_step_resumes_with_that_batch(solid_folder, tmp_path):
+    """The loader has handed out the batch whose step raised; the resumed run must train on it."""
+    root, _ = solid_folder
+    full, _ = _fit_recording(root, tmp_path / "full")
+    partial, _ = _fit_recording(root, tmp_path / "a", fail_at=(1, 3))
+    assert sorted(partial) == [(0, b) for b in range(6)] + [(1, b) for b in range(3)]
+    resumed, _ = _fit_recording(root, tmp_path / "b", resume_from=tmp_path / "a" / "interrupted.ckpt")
+    assert sorted(resumed) == [(1, b) for b in range(3, 6)]
+    assert all(resumed[key] == full[key] for key in resumed)
+
+
+def test_resume_with_another_world_size_skips_no_unseen_batch_and_repeats_none(solid_folder):
+    """A checkpoint from 2 ranks x batch 4, 1 batch into epoch 0, resumed on 1 rank x batch 4."""
+    from lightning_accel.data.dali import _DALILoader
+    from lightning_accel.data.sharding import epoch_plan
+
+    root, _ = solid_folder
+    dm = make(root, batch_size=4, seed=3)
+    loader = dm.train_dataloader()
+    assert isinstance(loader, _DALILoader)
+    consumed = np.concatenate([epoch_plan(24, batch_size=4, rank=r, world_size=2, shuffle=True, seed=3, epoch=0,
+                                          last_batch="drop")[0] for r in (0, 1)])  # 8 samples
+    state = {"epoch": 0, "samples_done": 8, "batch_size": 4, "world_size": 2, "num_samples": 24, "seed": 3,
+             "shuffle": True, "last_batch": "drop"}
+    loader.load_state_dict(state)
+    ids, _, n = collect(loader)
+    assert n == 4 and len(ids) == 16  # 8 samples done = exactly 2 batches of this 1-rank loader
+    index = dm._index["train"]
+    palette_of = {i: int(p) for i, p in enumerate(_palette_ids(index))}
+    assert sorted(ids + [palette_of[int(i)] for i in consumed]) == list(range(24))
+    # a batch size that does not divide the position: round up and say how many samples are skipped
+    # (without a Trainer each pass over the loader is the next epoch: 1 now, then 2)
+    loader.load_state_dict({**state, "epoch": 1, "samples_done": 6, "world_size": 1, "batch_size": 3})
+    with pytest.warns(UserWarning, match="2 sample\\(s\\) of this epoch are skipped"):
+        ids, _, n = collect(loader)
+    assert n == 4
+    # other data: the position cannot be mapped, the epoch is read from its start
+    loader.load_state_dict({**state, "epoch": 2, "num_samples": 30})
+    with pytest.warns(UserWarning, match="cannot be mapped"):
+        ids, _, n = collect(loader)
+    assert n == 6 and sorted(ids) == list(range(24))
+    assert loader.state_dict()["samples_done"] == 24 and loader.state_dict()["epoch"] == 2
+
+
+def _palette_ids(index):
+    """Palette id of each sample of an ImageIndex over write_solid_folder's images (from the file names)."""
+    per_class = 8
+    out = []
+    for name in index.names:
+        label, image = name.split("/")[-2:]
+        out.append(int(label.split("_")[1]) * per_class + int(image.split("_")[1].split(".")[0]))
+    return out
