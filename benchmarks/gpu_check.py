@@ -7,7 +7,8 @@ Checks:
 1. the test suite's GPU-marked tests (``pytest -m gpu``);
 2. MFU of a GPT-2-small-sized model (124 M parameters, seq 1024) trained with bf16 (``AutoMixedPrecision``),
    ``TorchCompile`` and SDPA attention, against the datasheet peak of the GPU (``MFUMonitor``); which SDPA kernel ran;
-3. DALI: ``DALIImageDataModule`` images/s with ``decode_device="mixed"`` (nvJPEG) vs ``"cpu"``, if DALI is installed;
+3. DALI: ``DALIImageDataModule`` images/s with ``decode_device="mixed"`` (nvJPEG) and ``"cpu"`` (both delivering on
+   the GPU) vs a PIL DataLoader with as many workers, if DALI is installed (issue 7's GPU target: >= 3x);
 4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference.
 """
 
@@ -77,34 +78,32 @@ def check_gpt_mfu(args: argparse.Namespace) -> list[Row]:
 
 
 def check_dali(args: argparse.Namespace) -> list[Row]:
+    """Issue 7's GPU figure: DALIImageDataModule (mixed and CPU decode, delivered on the GPU) vs a PIL DataLoader
+    with as many workers as DALI has threads, side by side (``benchmarks/bench_dali.py``)."""
+    import os
+
+    import torch
+
     from lightning_accel._imports import is_available
 
     if not is_available("nvidia.dali"):
-        return [("DALI mixed vs cpu", "skipped", "nvidia-dali-cuda120 not installed")]
-    from lightning_accel.data.dali import DALIImageDataModule
-    from lightning_accel.demo.images import make_image_folder
+        return [("DALI vs PIL DataLoader", "skipped", "nvidia-dali-cuda120 not installed")]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_dali
 
-    root = Path(tempfile.mkdtemp()) / "images"
-    make_image_folder(root, num_classes=4, images_per_class=64 if not args.smoke else 8, size=500 if not args.smoke
-                      else 64)
-    rates = {}
-    for device in (("mixed", "cpu") if not args.smoke else ("cpu",)):
-        dm = DALIImageDataModule(train=root, image_size=224 if not args.smoke else 32, batch_size=32,
-                                 decode_device=device, last_batch="pad")
-        dm.trainer = None
-        dm.setup("fit")
-        loader = dm.train_dataloader()
-        seen, start = 0, None
-        for epoch in range(3):
-            for images, _labels in loader:
-                if start is None:
-                    start = time.perf_counter()  # after the first batch: pipeline build and warm-up
-                    continue
-                seen += images.shape[0]
-        rates[device] = seen / (time.perf_counter() - start)
-    detail = ", ".join(f"{k}: {v:,.0f} images/s" for k, v in rates.items())
-    ratio = f"{rates['mixed'] / rates['cpu']:.2f}x" if "mixed" in rates else "cpu only (smoke)"
-    return [("DALI mixed vs cpu", ratio, detail)]
+    root = Path(tempfile.mkdtemp()) / "jpegs"
+    images, size = (1024, (500, 375)) if not args.smoke else (64, (96, 72))
+    bench_dali.make_jpegs(root, images, size)
+    workers = min(8, os.cpu_count() or 1) if not args.smoke else 1
+    device = torch.device("cuda", 0) if not args.smoke else torch.device("cpu")
+    rates = bench_dali.compare(root, batch_size=64 if not args.smoke else 16, workers=workers,
+                               rounds=3 if not args.smoke else 1, device=device, reader=not args.smoke)
+    rows: list[Row] = []
+    for name, epoch, epoch_ratio, steady, steady_ratio in bench_dali.summarise(rates):
+        rows.append((f"data: {name}", f"{steady_ratio:.2f}x",
+                     f"{steady:,.0f} images/s after the first batch ({epoch:,.0f} whole epoch, {epoch_ratio:.2f}x); "
+                     f"{workers} threads/workers, {images} JPEGs {size[0]}x{size[1]} on {device}"))
+    return rows
 
 
 def check_stage_timer(args: argparse.Namespace) -> list[Row]:

@@ -12,5 +12,6 @@ def test_gpu_check_smoke_runs_every_check_without_error():
     spec.loader.exec_module(gpu_check)
     rows = gpu_check.main(["--smoke"])
     names = [r[0] for r in rows]
-    assert "GPT MFU" in names and "stage timer vs sync reference" in names and "DALI mixed vs cpu" in names
+    assert "GPT MFU" in names and "stage timer vs sync reference" in names
+    assert "data: PyTorch DataLoader + PIL" in names and "data: DALIImageDataModule (CPU, ROI decode)" in names
     assert not [r for r in rows if r[1] == "ERROR"], rows
