@@ -49,6 +49,8 @@ _DEVICE_MEMORY_PADDING = 211_025_920
 _HOST_MEMORY_PADDING = 140_544_512
 
 _DTYPES = {"float32": "FLOAT", "fp32": "FLOAT", "float16": "FLOAT16", "fp16": "FLOAT16"}
+#: what a checkpoint keeps of a train loader's position (see ``_DALILoader.state_dict``)
+_RESUME_KEYS = ("epoch", "samples_done", "batch_size", "world_size", "num_samples", "seed", "shuffle", "last_batch")
 
 
 def _dali() -> ModuleType:
@@ -200,7 +202,11 @@ class _DALILoader:
                 "last_batch": self.last_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = dict(state) if state else None
+        missing = sorted(set(_RESUME_KEYS) - set(state or {}))
+        if state and missing:
+            warnings.warn(f"DALIImageDataModule: the checkpoint's loader state lacks {missing} (written by another "
+                          f"loader or version), so the interrupted epoch is read from its start", stacklevel=2)
+        self._resume = dict(state) if state and not missing else None
 
     def _resume_skip(self, epoch: int) -> int:
         """Batches of ``epoch``'s plan a loaded checkpoint has already trained on (consumes the checkpoint)."""
