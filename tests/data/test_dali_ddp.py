@@ -11,14 +11,18 @@ from tests.data.conftest import write_solid_folder
 
 pytestmark = [pytest.mark.dali, pytest.mark.distributed]
 
-SCRIPT = """
+# both scripts: argv[1] the image folder, argv[2] the repository
+PREAMBLE = """
 import json, sys
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, sys.argv[2])
 from tests.data.conftest import identify
 from lightning_accel.data.dali import DALIImageDataModule
+"""
 
+SCRIPT = PREAMBLE + """
 class Probe(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -82,15 +86,7 @@ def test_ddp_every_sample_once_per_epoch_equal_batches_reshuffled(ddp_script, tm
     assert Counter(tuple(t) for r in ranks for t in r["types"]) == {("torch.float32", "torch.int64", "cpu"): 36}
 
 
-RESUMABLE_SCRIPT = """
-import json, sys
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-sys.path.insert(0, sys.argv[2])
-from tests.data.conftest import identify
-from lightning_accel.data.dali import DALIImageDataModule
-
+RESUMABLE_SCRIPT = PREAMBLE + """
 class Probe(pl.LightningModule):
     def __init__(self):
         super().__init__()
