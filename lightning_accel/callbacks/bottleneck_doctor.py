@@ -424,8 +424,9 @@ class BottleneckDoctor(Callback):
             _read_dataloader_settings(trainer.train_dataloader, self._context)
         except Exception:  # noqa: BLE001 - an unusual loader: the data rule gives the generic fix
             pass
-        if self._cpu is not None and self._context.num_workers == 0:
-            self._cpu.track_workers = False  # no worker processes: skip the /proc walk
+        no_workers = self._context.num_workers == 0 or self._context.loader not in (None, "DataLoader")
+        if self._cpu is not None and no_workers:
+            self._cpu.track_workers = False  # no worker processes (or a threaded pipeline): skip the /proc walk
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -760,13 +761,25 @@ def _nvml_index(cuda_index: int) -> int:
 
 
 def _read_dataloader_settings(loaders: Any, ctx: RunContext) -> None:
-    """DataLoader settings of the (first) training loader into ``ctx``; loaders may be nested in lists/dicts."""
+    """Settings of the (first) training loader into ``ctx``; loaders may be nested in lists/dicts.
+
+    A ``DataLoader``'s workers and prefetching, or the ``pipeline_settings`` mapping a non-DataLoader pipeline
+    publishes (``DALIImageDataModule``'s loader: ``loader``, ``decode_device``, ``loader_threads``,
+    ``prefetch_queue_depth``), so that the data finding names that pipeline's own knobs.
+    """
     from torch.utils.data import DataLoader
 
     stack = [loaders]
     while stack:
         item = stack.pop(0)
+        settings = getattr(item, "pipeline_settings", None)
+        if isinstance(settings, Mapping):
+            for key in ("loader", "decode_device", "loader_threads", "prefetch_queue_depth"):
+                if key in settings:
+                    setattr(ctx, key, settings[key])
+            return
         if isinstance(item, DataLoader):
+            ctx.loader = "DataLoader"
             ctx.num_workers = item.num_workers
             ctx.pin_memory = bool(item.pin_memory)
             ctx.prefetch_factor = item.prefetch_factor if item.num_workers > 0 else None

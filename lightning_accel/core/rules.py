@@ -100,6 +100,9 @@ class RunContext:
         compute_dtype: the matmul dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ...).
         world_size: number of data-parallel processes.
         num_workers / pin_memory / prefetch_factor / persistent_workers: the training DataLoader's settings.
+        loader: what feeds the training step: ``"DataLoader"``, ``"DALIImageDataModule"``, or ``None`` (unknown).
+        decode_device / loader_threads / prefetch_queue_depth: a DALI pipeline's settings (``"cpu"`` or
+            ``"mixed"``; its CPU threads; the batches it prepares ahead).
         cpu_count: CPU cores this process may use (for the ``num_workers`` suggestion).
         batch_size: per-device samples per batch.
         accumulate_grad_batches: micro-batches per optimizer step.
@@ -121,6 +124,10 @@ class RunContext:
     pin_memory: bool | None = None
     prefetch_factor: int | None = None
     persistent_workers: bool | None = None
+    loader: str | None = None
+    decode_device: str | None = None
+    loader_threads: int | None = None
+    prefetch_queue_depth: int | None = None
     cpu_count: int | None = None
     batch_size: int | None = None
     accumulate_grad_batches: int | None = None
@@ -225,10 +232,37 @@ def holding_back(shares: Mapping[str, float], findings: Sequence[Finding]) -> st
 
 
 # ---------------------------------------------------------------------------------------------------- the rules
+def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
+    """The data rule for a DALI pipeline: its own knobs, not a DataLoader's."""
+    evidence = (f"waiting for the next batch takes {_pct(data)} of the step time (threshold {_pct(th.data_share)}); "
+                f"DALIImageDataModule(decode_device={ctx.decode_device!r}, num_threads={ctx.loader_threads}, "
+                f"prefetch_queue_depth={ctx.prefetch_queue_depth}).")
+    steps = []
+    if ctx.decode_device == "cpu" and ctx.device_type == "cuda":
+        steps.append("decode on the GPU: decode_device='mixed' (nvJPEG; 'auto' picks it on CUDA)")
+    threads, cores = ctx.loader_threads, ctx.cpu_count
+    if threads is not None and cores is not None and threads < cores:
+        per_rank = " (the cores are shared by the ranks of a node)" if (ctx.world_size or 1) > 1 else ""
+        stage = "the Huffman decoding of nvJPEG" if ctx.decode_device == "mixed" else "decode and augmentation"
+        steps.append(f"give {stage} more CPU threads: num_threads={min(cores, 2 * threads)} of the {cores} cores"
+                     f"{per_rank}")
+    if ctx.prefetch_queue_depth is not None and ctx.prefetch_queue_depth < 3:
+        steps.append("prefetch_queue_depth=3 (absorbs slow batches)")
+    steps.append("if the source images are much larger than the training size, pre-resize the data set once "
+                 "(e.g. shorter side 256-320 px for 224 px crops): decode time grows with the pixels (3.5x from "
+                 "500x375 to 1000x750 JPEGs in benchmarks/bench_dali.py)")
+    if ctx.decode_device == "cpu" and ctx.device_type != "cuda" and not (threads is not None and cores is not None
+                                                                          and threads < cores):
+        steps.append("every core already decodes: the data rate is this machine's, until more cores or a GPU")
+    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data)
+
+
 def _rule_data_wait(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
     data = shares.get("data", 0.0)
     if data <= th.data_share:
         return None
+    if ctx.loader == "DALIImageDataModule":
+        return _dali_data_fix(data, ctx, th)
     settings = []
     if ctx.num_workers is not None:
         settings.append(f"num_workers={ctx.num_workers}")

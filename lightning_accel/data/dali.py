@@ -175,6 +175,12 @@ class _DALILoader:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def pipeline_settings(self) -> dict[str, Any]:
+        """What ``BottleneckDoctor`` reads to name this pipeline's own knobs in its data finding."""
+        return {"loader": "DALIImageDataModule", "decode_device": self.decode_device,
+                "loader_threads": self.module._threads(), "prefetch_queue_depth": self.module.prefetch_queue_depth}
+
     # ------------------------------------------------------------------ mid-epoch resume (Lightning's _Stateful)
     def _batches_done(self) -> int:
         """Batches of the current epoch whose training step has run.

@@ -63,6 +63,23 @@ def test_data_wait_with_workers_suggests_more_and_persistence():
     assert "num_workers=4" in f.fix and "prefetch_factor=4" in f.fix and "persistent_workers=True" in f.fix
 
 
+def test_data_wait_on_a_dali_pipeline_names_dali_settings_not_dataloader_ones():
+    dali = dict(loader="DALIImageDataModule", decode_device="cpu", loader_threads=2, prefetch_queue_depth=2)
+    (f,) = diagnose(shares(data=0.3, forward=0.7), gpu(cpu_count=16, **dali)).findings
+    assert "DALIImageDataModule(decode_device='cpu', num_threads=2, prefetch_queue_depth=2)" in f.evidence
+    assert "decode_device='mixed'" in f.fix and "num_threads=4" in f.fix and "prefetch_queue_depth=3" in f.fix
+    assert "DataLoader" not in f.fix and "num_workers" not in f.fix
+    # on a CPU-only machine with every core in use: no GPU to move to, no idle core; the pixels are the work
+    (f,) = diagnose(shares(data=0.3, forward=0.7),
+                    RunContext(device_type="cpu", cpu_count=2, **{**dali, "prefetch_queue_depth": 4})).findings
+    assert "mixed" not in f.fix and "num_threads" not in f.fix and "prefetch_queue_depth" not in f.fix
+    assert "pre-resize" in f.fix
+    # already on nvJPEG: the Huffman stage runs on the CPU threads
+    (f,) = diagnose(shares(data=0.3, forward=0.7),
+                    gpu(cpu_count=16, **{**dali, "decode_device": "mixed", "loader_threads": 8})).findings
+    assert "decode_device='mixed'" not in f.fix and "num_threads=16" in f.fix
+
+
 def test_transfer_names_pin_memory_and_device_prefetcher():
     (f,) = diagnose(shares(transfer=0.3, forward=0.7), RunContext(pin_memory=False)).findings
     assert f.stage == "transfer" and "pin_memory=False" in f.evidence

@@ -409,3 +409,47 @@ def _palette_ids(index):
         label, image = name.split("/")[-2:]
         out.append(int(label.split("_")[1]) * per_class + int(image.split("_")[1].split(".")[0]))
     return out
+
+
+def test_bottleneck_doctor_reads_the_dali_pipeline_and_names_its_knobs(tmp_path):
+    """The doctor learns the loader is DALI (not a DataLoader), so a data finding names num_threads and
+    prefetch_queue_depth instead of num_workers; the CPU line counts DALI's threads in the process."""
+    import lightning.pytorch as pl
+
+    from lightning_accel import BottleneckDoctor
+    from lightning_accel.core.rules import Thresholds
+    from lightning_accel.data.dali import DALIImageDataModule
+
+    root = tmp_path / "images"
+    write_solid_folder(root, num_classes=3, per_class=8)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 3)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0].mean(dim=(2, 3))).logsumexp(-1).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # a tiny model: nearly all of the step is waiting for DALI, so the data finding fires (threshold 1 %)
+    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
+                              thresholds=Thresholds(data_share=0.01))
+    dm = DALIImageDataModule(train=root, image_size=32, batch_size=2, num_threads=1, prefetch_queue_depth=2)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor])
+    trainer.fit(Tiny(), datamodule=dm)
+    report = doctor.report
+    assert (report.context.loader, report.context.decode_device, report.context.loader_threads,
+            report.context.prefetch_queue_depth) == ("DALIImageDataModule", "cpu", 1, 2)
+    (finding,) = [f for f in report.findings if f.rule == "data_wait"]
+    assert "DALIImageDataModule(decode_device='cpu', num_threads=1" in finding.evidence
+    assert "num_workers" not in finding.fix and "prefetch_queue_depth=3" in finding.fix
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report.table())
+    text = console.export_text()
+    assert "DALIImageDataModule's threads included" in text and "DataLoader workers" not in text
