@@ -315,6 +315,8 @@ def _rule_gpu_utilisation(shares: Mapping[str, float], ctx: RunContext, th: Thre
         "other": "cut host overhead per step: TorchCompile / CUDA graphs, a larger batch (BatchSizeTuner), fewer "
                  "host syncs (.item(), logging every step).",
     }
+    if stage == "data" and ctx.loader == "DALIImageDataModule":
+        fixes["data"] = _dali_data_fix(host["data"], ctx, th).fix
     return Finding("gpu_utilisation", stage, evidence, fixes[stage], util)
 
 

@@ -78,6 +78,10 @@ def test_data_wait_on_a_dali_pipeline_names_dali_settings_not_dataloader_ones():
     (f,) = diagnose(shares(data=0.3, forward=0.7),
                     gpu(cpu_count=16, **{**dali, "decode_device": "mixed", "loader_threads": 8})).findings
     assert "decode_device='mixed'" not in f.fix and "num_threads=16" in f.fix
+    # a GPU idling for want of data: the utilisation finding gives the same DALI fix
+    ctx = gpu(cpu_count=16, gpu_utilisation=0.5, **dali)
+    util = [f for f in diagnose(shares(data=0.08, forward=0.92), ctx).findings if f.rule == "gpu_utilisation"]
+    assert len(util) == 1 and "decode_device='mixed'" in util[0].fix and "DataLoader" not in util[0].fix
 
 
 def test_transfer_names_pin_memory_and_device_prefetcher():
