@@ -453,3 +453,32 @@ def test_bottleneck_doctor_reads_the_dali_pipeline_and_names_its_knobs(tmp_path)
     console.print(report.table())
     text = console.export_text()
     assert "DALIImageDataModule's threads included" in text and "DataLoader workers" not in text
+
+
+def test_lightning_cli_configures_the_data_module_from_yaml(tmp_path, monkeypatch):
+    """A LightningCLI user sets DALIImageDataModule from a config file (paths, tuples, the resume-safe defaults)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_accel.data.dali import DALIImageDataModule
+    from lightning_accel.demo.images import ImageTask
+
+    root = tmp_path / "images"
+    write_solid_folder(root, num_classes=3, per_class=8)
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  train: {root}\n  val: {root}\n  image_size: 32\n  batch_size: 4\n  num_threads: 1\n"
+                      f"  random_area: [0.5, 1.0]\n  dtype: float16\n  layout: NHWC\nmodel:\n  num_classes: 3\n"
+                      f"trainer:\n  max_epochs: 1\n  logger: false\n  enable_progress_bar: false\n"
+                      f"  enable_model_summary: false\n  accelerator: cpu\n  default_root_dir: {tmp_path}\n")
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    class Task(ImageTask):
+        def forward(self, images):
+            seen.append((images.dtype, tuple(images.shape)))
+            return super().forward(images.permute(0, 3, 1, 2).float())
+
+    cli = LightningCLI(Task, DALIImageDataModule, args=["fit", "--config", str(config)],
+                       save_config_kwargs={"overwrite": True})
+    dm = cli.datamodule
+    assert (dm.random_area, dm.layout, dm.dtype, dm.image_size) == ((0.5, 1.0), "NHWC", "float16", 32)
+    assert cli.trainer.num_training_batches == 6 and seen[0] == (torch.float16, (4, 32, 32, 3))
