@@ -6,7 +6,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,13 +170,23 @@ class DataLoaderTuner(Callback):
         self.print_summary = print_summary
         self.table: list[dict[str, Any]] = []
         self.decision: dict[str, Any] = {}
+        self._not_a_dataloader: str | None = None  # the pipeline's name when the train data is not a DataLoader
 
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        train_data_holder(trainer, pl_module)
+        holder = train_data_holder(trainer, pl_module)
+        pipeline = getattr(holder, "pipeline_settings", None)
+        self._not_a_dataloader = None
+        if isinstance(pipeline, Mapping):  # e.g. DALIImageDataModule: threads in one process, no workers to tune
+            loader = pipeline.get("loader", type(holder).__name__)
+            self._not_a_dataloader = loader
+            rank_zero_warn(f"DataLoaderTuner: the training data comes from {loader}, not a DataLoader, so there are "
+                           f"no workers to tune and the tuner does nothing; that pipeline's knobs are num_threads "
+                           f"and prefetch_queue_depth (BottleneckDoctor's data finding names them when data is slow)")
+            return
         if not lightning_hasattr(pl_module, self.attrs["num_workers"]):
             raise missing_attribute_error(trainer, pl_module, "DataLoaderTuner", self.attrs["num_workers"],
                                           "Add `self.num_workers = 0` and build the train DataLoader from it, or "
@@ -191,7 +201,8 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.tune(trainer, pl_module)
+        if self._not_a_dataloader is None:
+            self.tune(trainer, pl_module)
 
     # ------------------------------------------------------------------ the search
     def _present(self, pl_module: pl.LightningModule) -> dict[str, bool]:

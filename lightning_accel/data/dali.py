@@ -176,10 +176,14 @@ class _DALILoader:
         return self._len
 
     @property
+    def dataset(self) -> ImageIndex:
+        """The samples (sized), like a DataLoader's ``dataset``: what ``BatchSizeTuner`` caps the batch size by."""
+        return self.index
+
+    @property
     def pipeline_settings(self) -> dict[str, Any]:
         """What ``BottleneckDoctor`` reads to name this pipeline's own knobs in its data finding."""
-        return {"loader": "DALIImageDataModule", "decode_device": self.decode_device,
-                "loader_threads": self.module._threads(), "prefetch_queue_depth": self.module.prefetch_queue_depth}
+        return {**self.module.pipeline_settings, "decode_device": self.decode_device}
 
     # ------------------------------------------------------------------ mid-epoch resume (Lightning's _Stateful)
     def _batches_done(self) -> int:
@@ -457,6 +461,13 @@ class DALIImageDataModule(pl.LightningDataModule):
         return len(index.classes) if index.classes else int(index.labels.max()) + 1
 
     @property
+    def pipeline_settings(self) -> dict[str, Any]:
+        """This is a DALI pipeline, not a DataLoader: ``DataLoaderTuner`` steps aside and ``BottleneckDoctor``
+        names these knobs (``decode_device`` is the configured one; the train loader reports the resolved one)."""
+        return {"loader": "DALIImageDataModule", "decode_device": self.decode_device,
+                "loader_threads": self._threads(), "prefetch_queue_depth": self.prefetch_queue_depth}
+
+    @property
     def num_skipped(self) -> int:
         """Corrupt images skipped (``skip_corrupt=True``) so far on this rank."""
         return sum(len(loader.source.bad) for loader in self._loaders.values())
@@ -517,12 +528,17 @@ class DALIImageDataModule(pl.LightningDataModule):
             self.setup("fit" if split == "train" else "validate")
             if split not in self._index:
                 raise ValueError(f"DALIImageDataModule: no {split}=... source was given")
+        batch_size = self.batch_size if split == "train" else self.val_batch_size
+        stale = self._loaders.get(split)
+        if stale is not None and stale.batch_size != batch_size:  # e.g. BatchSizeTuner set a new batch_size
+            stale.close()
+            del self._loaders[split]
         if split not in self._loaders:
             rank, world_size = self._distributed()
             decode_device, device_id = self._resolve_decode_device()
             train = split == "train"
             self._loaders[split] = _DALILoader(
-                self, self._index[split], train=train, batch_size=self.batch_size if train else self.val_batch_size,
+                self, self._index[split], train=train, batch_size=batch_size,
                 rank=rank, world_size=world_size, decode_device=decode_device, device_id=device_id,
                 epoch_fn=self._epoch if train else (lambda: 0))
         return self._loaders[split]

@@ -482,3 +482,34 @@ def test_lightning_cli_configures_the_data_module_from_yaml(tmp_path, monkeypatc
     dm = cli.datamodule
     assert (dm.random_area, dm.layout, dm.dtype, dm.image_size) == ((0.5, 1.0), "NHWC", "float16", 32)
     assert cli.trainer.num_training_batches == 6 and seen[0] == (torch.float16, (4, 32, 32, 3))
+
+
+def test_the_tuners_in_the_recommended_stack_work_with_the_data_module(tmp_path):
+    """callbacks/accelerate.yaml puts BatchSizeTuner and DataLoaderTuner before fit: with DALIImageDataModule the
+    batch-size search rebuilds the DALI pipeline at each probed size, and DataLoaderTuner says it has nothing to tune
+    instead of failing the run."""
+    import lightning.pytorch as pl
+
+    from lightning_accel import BatchSizeTuner, DataLoaderTuner
+    from lightning_accel.data.dali import DALIImageDataModule
+    from lightning_accel.demo.images import ImageTask
+
+    root = tmp_path / "images"
+    write_solid_folder(root, num_classes=3, per_class=8)
+    sizes = []
+
+    class Task(ImageTask):
+        def training_step(self, batch, batch_idx):
+            sizes.append(len(batch[1]))
+            return super().training_step(batch, batch_idx)
+
+    dm = DALIImageDataModule(train=root, image_size=32, batch_size=2, num_threads=1)
+    tuner = BatchSizeTuner(init_batch_size=2, max_batch_size=8, memory_fraction=0.9, steps_per_trial=1)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[tuner, DataLoaderTuner()])
+    with pytest.warns(UserWarning, match="DataLoaderTuner: the training data comes from DALIImageDataModule"):
+        trainer.fit(Task(num_classes=3), datamodule=dm)
+    assert dm.batch_size == 8  # the tiny CNN fits the cap (24 images / 1 rank, max_batch_size=8)
+    assert trainer.num_training_batches == 3 and sizes[-3:] == [8, 8, 8]
+    assert len(set(sizes[:-3])) > 1  # the probes ran at several sizes through rebuilt pipelines
