@@ -49,7 +49,9 @@ __all__ = ["CudaTransfer", "PrefetchIterator", "PrefetchingLoader"]
 _BATCH, _END, _ERROR = "batch", "end", "error"
 _POLL_S = 0.05  # how often a blocked producer re-checks the stop flag
 # A stateful loader's (torchdata StatefulDataLoader) state counts the batches fetched ahead as consumed; forwarding
-# it would make a mid-epoch resume skip them. Without these, Lightning treats the loader as not stateful.
+# it would make a mid-epoch resume skip them. Without these, Lightning treats the loader as not stateful. A loader
+# whose state counts only the batches the training step consumed (``state_counts_trained_batches = True``, e.g.
+# DALIImageDataModule's, which asks the fit loop) is forwarded.
 _NOT_FORWARDED = frozenset({"state_dict", "load_state_dict"})
 
 
@@ -290,7 +292,7 @@ class PrefetchingLoader:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_prefetch_"):  # not set yet (copy/unpickle): no recursion into the wrapped loader
             raise AttributeError(name)
-        if name in _NOT_FORWARDED:
+        if name in _NOT_FORWARDED and not getattr(self._prefetch_loader, "state_counts_trained_batches", False):
             raise AttributeError(f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
                                  "produced the batches fetched ahead, so its state would skip them on resume")
         return getattr(self._prefetch_loader, name)

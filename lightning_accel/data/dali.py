@@ -172,6 +172,10 @@ class _DALILoader:
         self._yielded = 0
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, applied when its epoch starts
 
+    #: the resume state counts the batches the training step consumed (the fit loop's count), not those fetched
+    #: ahead, so a prefetching wrapper (``DevicePrefetcher``) may forward it
+    state_counts_trained_batches = True
+
     def __len__(self) -> int:
         return self._len
 

@@ -115,6 +115,11 @@ def test_dataloader_attributes_and_len_are_the_inner_loaders():
 
     with pytest.raises(AttributeError, match="skip them on resume"):
         PrefetchingLoader(Stateful([1])).state_dict  # noqa: B018
+
+    class CountsTrainedBatches(Stateful):
+        state_counts_trained_batches = True  # its state ignores batches fetched ahead: safe to forward
+
+    assert PrefetchingLoader(CountsTrainedBatches([1])).state_dict() == {"consumed": 99}
     torch.manual_seed(0)
     plain = [b[0] for b in dl]
     torch.manual_seed(0)

@@ -284,7 +284,8 @@ def test_auto_decode_device_follows_the_trainer(solid_folder, monkeypatch):
     assert dm._resolve_decode_device() == ("cpu", 0)  # decoded on the CPU, delivered on cuda:0 by DALI
 
 
-def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None, fail_at=None):
+def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None, fail_at=None,
+                   prefetch=False):
     """Fit 2 epochs of 6 batches; returns {(epoch, batch_idx): palette ids} and the warnings raised."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -322,7 +323,10 @@ def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None,
                                      save_on_train_epoch_end=False)
     dm = DALIImageDataModule(train=root, val=root if val_check_interval else None, image_size=32, batch_size=4,
                              num_threads=1, seed=3)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, callbacks=[checkpoint],
+    from lightning_accel import DevicePrefetcher
+
+    callbacks = [checkpoint] + ([DevicePrefetcher(depth=2)] if prefetch else [])
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          val_check_interval=val_check_interval)
     with warnings.catch_warnings(record=True) as caught:
@@ -335,18 +339,19 @@ def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None,
     return seen, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("checkpoint,val_check_interval,first_batch", [
-    ("epoch=1-step=8.ckpt", None, 2),  # saved in on_train_batch_end, 2 batches into epoch 1
-    ("epoch=0-step=6.ckpt", None, 0),  # saved at the end of epoch 0: epoch 1 starts afresh
-    ("epoch=1-step=9.ckpt", 3, 3),  # saved after a mid-epoch validation, 3 batches into epoch 1
+@pytest.mark.parametrize("checkpoint,val_check_interval,first_batch,prefetch", [
+    ("epoch=1-step=8.ckpt", None, 2, False),  # saved in on_train_batch_end, 2 batches into epoch 1
+    ("epoch=0-step=6.ckpt", None, 0, False),  # saved at the end of epoch 0: epoch 1 starts afresh
+    ("epoch=1-step=9.ckpt", 3, 3, False),  # saved after a mid-epoch validation, 3 batches into epoch 1
+    ("epoch=1-step=8.ckpt", None, 2, True),  # DevicePrefetcher fetched 2 batches ahead: still not skipped
 ])
 def test_mid_epoch_checkpoint_resumes_with_exactly_the_unseen_batches(solid_folder, tmp_path, checkpoint,
-                                                                       val_check_interval, first_batch):
+                                                                       val_check_interval, first_batch, prefetch):
     root, _ = solid_folder  # 24 images: 6 batches of 4 per epoch
-    full, _ = _fit_recording(root, tmp_path / "a", val_check_interval=val_check_interval)
+    full, _ = _fit_recording(root, tmp_path / "a", val_check_interval=val_check_interval, prefetch=prefetch)
     assert sorted(full) == [(e, b) for e in (0, 1) for b in range(6)]
     resumed, messages = _fit_recording(root, tmp_path / "b", resume_from=tmp_path / "a" / checkpoint,
-                                       val_check_interval=val_check_interval)
+                                       val_check_interval=val_check_interval, prefetch=prefetch)
     assert sorted(resumed) == [(1, b) for b in range(first_batch, 6)]
     assert all(resumed[key] == full[key] for key in resumed)  # the same images, in the same batches
     assert not any("not resumable" in m for m in messages)
