@@ -62,10 +62,16 @@ trainer.fit(Probe(), datamodule=dm)
 """
 
 
-def test_ddp_every_sample_once_per_epoch_equal_batches_reshuffled(ddp_script, tmp_path):
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_ddp_every_sample_once_per_epoch_equal_batches_reshuffled(ddp_script, tmp_path, source):
     root = tmp_path / "images"
     truth = write_solid_folder(root, num_classes=3, per_class=8)  # 24 = 3 batches x 4 x 2 ranks: no padding
     label_of = {pid: label for pid, label in truth.values()}
+    if source == "shards":  # WebDataset tar shards (5 of them) instead of the folder
+        from lightning_accel.data.webdataset import pack_webdataset
+
+        pack_webdataset(root, tmp_path / "shards", shard_size=5, progress_bar=False)
+        root = tmp_path / "shards"
     ddp_script(SCRIPT, args=[str(root), str(REPO)])
     ranks = read_rank_json(tmp_path, "seen")
     orders = []
