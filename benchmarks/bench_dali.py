@@ -114,18 +114,17 @@ class PILTrainSet(Dataset):
         return torch.from_numpy(pil_flip_normalise(img, self.rng)), self.labels[i]
 
 
-def dali_train_graph(encoded: Any, fn: Any, types: Any) -> Any:
-    """The data module's train operators (kept identical to ``DALIImageDataModule._pipeline``)."""
-    images = fn.decoders.image_random_crop(encoded, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0],
-                                           random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
-    images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
-    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN.tolist(),
-                                    std=STD.tolist(), mirror=fn.random.coin_flip(probability=0.5))
+def dali_train_graph(encoded: Any, module: Any) -> Any:
+    """The data module's own train operators (``DALIImageDataModule._decode_and_augment``), CPU decode."""
+    import nvidia.dali as dali
+
+    return module._decode_and_augment(encoded, train=True, decode_device="cpu", dali=dali)
 
 
-def reader_loader(files: list[Path], *, batch_size: int, threads: int, device_id: int | None) -> Any:
+def reader_loader(files: list[Path], module: Any, *, batch_size: int, threads: int,
+                  device_id: int | None) -> Any:
     """DALI's own file reader feeding the same operators (no DDP plan): the ceiling of DALI's CPU operators."""
-    from nvidia.dali import fn, types
+    from nvidia.dali import fn
     from nvidia.dali.pipeline import Pipeline
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -133,7 +132,7 @@ def reader_loader(files: list[Path], *, batch_size: int, threads: int, device_id
     with pipe:
         encoded, labels = fn.readers.file(files=[str(f) for f in files], labels=list(range(len(files))),
                                           random_shuffle=True, name="reader")
-        images = dali_train_graph(encoded, fn, types)
+        images = dali_train_graph(encoded, module)
         pipe.set_outputs(images.gpu() if device_id is not None else images, labels)
 
     class Epochs:  # DALIGenericIterator with auto_reset re-iterates; one pass per `iter`
@@ -174,20 +173,21 @@ def build_loaders(root: Path, files: list[Path], *, batch_size: int, workers: in
     cuda = device.type == "cuda"
     labels = [int(f.parent.name.rsplit("_", 1)[-1]) for f in files]
     loaders: dict[str, Any] = {
-        BASELINE: DataLoader(PILTrainSet(files, labels), batch_size=batch_size, shuffle=True,
-                                               drop_last=True, num_workers=workers, persistent_workers=True,
-                                               prefetch_factor=2, pin_memory=cuda)}
+        BASELINE: DataLoader(PILTrainSet(files, labels), batch_size=batch_size, shuffle=True, drop_last=True,
+                             num_workers=workers, persistent_workers=True, prefetch_factor=2, pin_memory=cuda)}
+    modules = {}
     for decode in ("cpu", "mixed") if cuda else ("cpu",):
         dm = DALIImageDataModule(train=root, image_size=SIZE, batch_size=batch_size, num_threads=workers,
                                  decode_device=decode, last_batch="drop")
         if cuda:  # a Trainer on the GPU: the data module delivers its batches there, as in training
             dm.trainer = pl.Trainer(accelerator="cuda", devices=1, logger=False, enable_progress_bar=False)
         dm.setup("fit")
+        modules[decode] = dm
         name = "DALIImageDataModule (CPU, ROI decode)" if decode == "cpu" else "DALIImageDataModule (mixed, nvJPEG)"
         loaders[name] = dm.train_dataloader()
     if reader:
         loaders["DALI readers.file, same operators (no DDP plan)"] = reader_loader(
-            files, batch_size=batch_size, threads=workers, device_id=device.index if cuda else None)
+            files, modules["cpu"], batch_size=batch_size, threads=workers, device_id=device.index if cuda else None)
     return loaders
 
 
@@ -223,9 +223,9 @@ def _ms_per_image(run: Callable[[], int], repeats: int = 3) -> float:
     return 1e3 * best
 
 
-def stage_costs(files: list[Path], batch_size: int) -> list[tuple[str, float, float]]:
+def stage_costs(files: list[Path], module: Any, batch_size: int) -> list[tuple[str, float, float]]:
     """(stage, PIL ms/image, DALI ms/image) on one core; each stage's cost is the difference of cumulative runs."""
-    from nvidia.dali import fn, types
+    from nvidia.dali import fn
     from nvidia.dali.pipeline import Pipeline
 
     rng = random.Random(0)
@@ -241,7 +241,7 @@ def stage_costs(files: list[Path], batch_size: int) -> list[tuple[str, float, fl
         with pipe:
             encoded, _ = fn.readers.file(files=[str(f) for f in files], random_shuffle=True)
             if stage == 3:
-                images = dali_train_graph(encoded, fn, types)
+                images = dali_train_graph(encoded, module)
             elif roi:
                 images = fn.decoders.image_random_crop(encoded, device="cpu", random_area=[0.08, 1.0],
                                                        random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even where CUDA is available")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    from lightning_accel.data.dali import DALIImageDataModule
+
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -289,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
         kb = sum(f.stat().st_size for f in files) / len(files) / 1024
         rates = compare(root, batch_size=args.batch_size, workers=args.workers, rounds=args.rounds, device=device,
                         reader=args.reader)
-        stages = stage_costs(files, args.batch_size) if args.stages else []
+        stages = stage_costs(files, DALIImageDataModule(train=root, image_size=SIZE, decode_device="cpu"),
+                             args.batch_size) if args.stages else []  # the module's operators, its defaults
     print(f"{args.images} JPEGs {args.width}x{args.height} (mean {kb:.0f} KB) -> {SIZE}x{SIZE} float32 NCHW on "
           f"{device}, batch {args.batch_size}, {args.workers} DALI threads vs {args.workers} DataLoader workers, "
           f"{os.cpu_count()} cores, median of {args.rounds} alternating epochs")

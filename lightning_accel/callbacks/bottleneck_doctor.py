@@ -424,7 +424,7 @@ class BottleneckDoctor(Callback):
             _read_dataloader_settings(trainer.train_dataloader, self._context)
         except Exception:  # noqa: BLE001 - an unusual loader: the data rule gives the generic fix
             pass
-        no_workers = self._context.num_workers == 0 or self._context.loader not in (None, "DataLoader")
+        no_workers = self._context.num_workers == 0 or self._context.threaded_pipeline
         if self._cpu is not None and no_workers:
             self._cpu.track_workers = False  # no worker processes (or a threaded pipeline): skip the /proc walk
 

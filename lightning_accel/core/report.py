@@ -196,7 +196,7 @@ class DoctorReport:
         util = self.utilisation
         if "gpu_util_pct" in util:
             facts.append(f"GPU utilisation {util['gpu_util_pct']:.0f} %")
-        if "cpu_process_pct" in util and self.context.loader not in (None, "DataLoader"):
+        if "cpu_process_pct" in util and self.context.threaded_pipeline:
             facts.append(f"CPU: process {util['cpu_process_pct']:.0f} % (of one core, per rank; "
                          f"{self.context.loader}'s threads included)")
         elif "cpu_process_pct" in util:

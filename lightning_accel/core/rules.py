@@ -140,6 +140,11 @@ class RunContext:
     sdpa_backend: str | None = None
     communication_measured: bool | None = None
 
+    @property
+    def threaded_pipeline(self) -> bool:
+        """The training data comes from a pipeline of threads in this process (DALI), not DataLoader workers."""
+        return self.loader not in (None, "DataLoader")
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if self.device_capability is not None:
@@ -241,7 +246,8 @@ def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
     if ctx.decode_device == "cpu" and ctx.device_type == "cuda":
         steps.append("decode on the GPU: decode_device='mixed' (nvJPEG; 'auto' picks it on CUDA)")
     threads, cores = ctx.loader_threads, ctx.cpu_count
-    if threads is not None and cores is not None and threads < cores:
+    spare_cores = threads is not None and cores is not None and threads < cores
+    if spare_cores:
         per_rank = " (the cores are shared by the ranks of a node)" if (ctx.world_size or 1) > 1 else ""
         stage = "the Huffman decoding of nvJPEG" if ctx.decode_device == "mixed" else "decode and augmentation"
         steps.append(f"give {stage} more CPU threads: num_threads={min(cores, 2 * threads)} of the {cores} cores"
@@ -251,8 +257,7 @@ def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
     steps.append("if the source images are much larger than the training size, pre-resize the data set once "
                  "(e.g. shorter side 256-320 px for 224 px crops): decode time grows with the pixels (3.5x from "
                  "500x375 to 1000x750 JPEGs in benchmarks/bench_dali.py)")
-    if ctx.decode_device == "cpu" and ctx.device_type != "cuda" and not (threads is not None and cores is not None
-                                                                          and threads < cores):
+    if ctx.decode_device == "cpu" and ctx.device_type != "cuda" and not spare_cores:
         steps.append("every core already decodes: the data rate is this machine's, until more cores or a GPU")
     return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data)
 

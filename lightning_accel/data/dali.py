@@ -49,8 +49,6 @@ _DEVICE_MEMORY_PADDING = 211_025_920
 _HOST_MEMORY_PADDING = 140_544_512
 
 _DTYPES = {"float32": "FLOAT", "fp32": "FLOAT", "float16": "FLOAT16", "fp16": "FLOAT16"}
-#: what a checkpoint keeps of a train loader's position (see ``_DALILoader.state_dict``)
-_RESUME_KEYS = ("epoch", "samples_done", "batch_size", "world_size", "num_samples", "seed", "shuffle", "last_batch")
 
 
 def _dali() -> ModuleType:
@@ -204,6 +202,11 @@ class _DALILoader:
             return min(int(trainer.fit_loop.epoch_loop.batch_progress.current.processed), self._yielded)
         return self._yielded
 
+    def _order(self) -> dict[str, Any]:
+        """What an epoch's global order depends on (besides the epoch): equal orders map positions exactly."""
+        return {"num_samples": len(self.index), "seed": self.module.seed, "shuffle": self.shuffle,
+                "last_batch": self.last_batch}
+
     def state_dict(self) -> dict[str, Any]:
         """Position in the epoch, saved in Lightning checkpoints so that a mid-epoch resume sees only unseen
         samples. Positions count samples of the epoch's global shuffled order, which depends on the seed, the
@@ -211,12 +214,11 @@ class _DALILoader:
         if self._epoch is None:
             return {}
         return {"epoch": self._epoch, "samples_done": self._batches_done() * self.batch_size * self.world_size,
-                "batch_size": self.batch_size, "world_size": self.world_size, "num_samples": len(self.index),
-                "seed": self.module.seed, "shuffle": self.train and self.module.shuffle,
-                "last_batch": self.last_batch}
+                "batch_size": self.batch_size, "world_size": self.world_size, **self._order()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = sorted(set(_RESUME_KEYS) - set(state or {}))
+        keys = {"epoch", "samples_done", "batch_size", "world_size", *self._order()}  # what state_dict writes
+        missing = sorted(keys - set(state or {}))
         if state and missing:
             warnings.warn(f"DALIImageDataModule: the checkpoint's loader state lacks {missing} (written by another "
                           f"loader or version), so the interrupted epoch is read from its start", stacklevel=2)
@@ -227,14 +229,12 @@ class _DALILoader:
         state, self._resume = self._resume, None
         if state is None or state.get("epoch") != epoch:
             return 0  # the checkpoint ended its epoch (or was taken outside one): start the epoch afresh
-        same_order = (state["num_samples"], state["seed"], state["shuffle"], state["last_batch"]) == (
-            len(self.index), self.module.seed, self.train and self.module.shuffle, self.last_batch)
-        if not same_order:
+        now = self._order()
+        then = {key: state[key] for key in now}
+        if then != now:
             warnings.warn(f"DALIImageDataModule: the checkpoint was taken mid-epoch with other data or settings "
-                          f"({state['num_samples']} samples, seed {state['seed']}, shuffle {state['shuffle']}, "
-                          f"last_batch {state['last_batch']!r}; now {len(self.index)}, {self.module.seed}, "
-                          f"{self.train and self.module.shuffle}, {self.last_batch!r}), so its position cannot be "
-                          f"mapped: epoch {epoch} is read from its start", stacklevel=3)
+                          f"({then}; now {now}), so its position cannot be mapped: epoch {epoch} is read from its "
+                          f"start", stacklevel=3)
             return 0
         done, per_batch = int(state["samples_done"]), self.batch_size * self.world_size
         skip = -(-done // per_batch)  # ceil: never show a sample twice in one epoch
@@ -245,10 +245,13 @@ class _DALILoader:
                           f"so that none is seen twice", stacklevel=3)
         return min(skip, self._len)
 
+    @property
+    def shuffle(self) -> bool:
+        return self.train and self.module.shuffle
+
     def plan(self, epoch: int) -> list[np.ndarray]:
         return epoch_plan(len(self.index), batch_size=self.batch_size, rank=self.rank, world_size=self.world_size,
-                          shuffle=self.train and self.module.shuffle, seed=self.module.seed, epoch=epoch,
-                          last_batch=self.last_batch)
+                          shuffle=self.shuffle, seed=self.module.seed, epoch=epoch, last_batch=self.last_batch)
 
     def _build(self) -> None:
         dali = _dali()
@@ -535,7 +538,7 @@ class DALIImageDataModule(pl.LightningDataModule):
         batch_size = self.batch_size if split == "train" else self.val_batch_size
         stale = self._loaders.get(split)
         if stale is not None and stale.batch_size != batch_size:  # e.g. BatchSizeTuner set a new batch_size
-            stale.close()
+            stale._discard()  # its pipeline only: the image index is shared with the new loader
             del self._loaders[split]
         if split not in self._loaders:
             rank, world_size = self._distributed()
@@ -565,37 +568,41 @@ class DALIImageDataModule(pl.LightningDataModule):
     def _pipeline(self, source: _BatchSource, *, train: bool, batch_size: int, decode_device: str,
                   device_id: int | None, seed: int, dali: ModuleType) -> Any:
         fn, types = dali.fn, dali.types
-        mixed = decode_device == "mixed"
-        decoder_args: dict[str, Any] = {"device": decode_device, "output_type": types.RGB}
-        if mixed:
-            decoder_args.update(device_memory_padding=_DEVICE_MEMORY_PADDING,
-                                host_memory_padding=_HOST_MEMORY_PADDING)
-        size = self.image_size
         pipe = dali.pipeline.Pipeline(batch_size=batch_size, num_threads=self._threads(), device_id=device_id,
                                       seed=seed, prefetch_queue_depth=self.prefetch_queue_depth)
         with pipe:
             encoded, labels = fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
                                                  dtype=[types.UINT8, types.INT32], ndim=[1, 0])
-            if train:
-                images = fn.decoders.image_random_crop(encoded, random_area=list(self.random_area),
-                                                       random_aspect_ratio=list(self.random_aspect_ratio),
-                                                       num_attempts=10, **decoder_args)
-                images = fn.resize(images, resize_x=size, resize_y=size)
-                mirror = fn.random.coin_flip(probability=self.mirror_probability)
-                crop_args: dict[str, Any] = {"mirror": mirror}
-            else:
-                images = fn.decoders.image(encoded, **decoder_args)
-                images = fn.resize(images, resize_shorter=self.val_resize)
-                crop_args = {"crop": (size, size), "crop_pos_x": 0.5, "crop_pos_y": 0.5}
-            images = fn.crop_mirror_normalize(
-                images, dtype=getattr(types, _DTYPES[self.dtype]),
-                output_layout="CHW" if self.layout == "NCHW" else "HWC",
-                mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], **crop_args)
+            images = self._decode_and_augment(encoded, train=train, decode_device=decode_device, dali=dali)
             if device_id is not None:  # deliver on the GPU (after CPU decoding: copied from DALI's pinned buffers)
-                images = images if mixed else images.gpu()
+                images = images if decode_device == "mixed" else images.gpu()
                 labels = labels.gpu()
             pipe.set_outputs(images, labels)
         return pipe
+
+    def _decode_and_augment(self, encoded: Any, *, train: bool, decode_device: str, dali: ModuleType) -> Any:
+        """The operators from encoded bytes to normalised images, inside a pipeline definition
+        (``benchmarks/bench_dali.py`` runs the same ones behind DALI's own file reader)."""
+        fn, types = dali.fn, dali.types
+        decoder_args: dict[str, Any] = {"device": decode_device, "output_type": types.RGB}
+        if decode_device == "mixed":
+            decoder_args.update(device_memory_padding=_DEVICE_MEMORY_PADDING,
+                                host_memory_padding=_HOST_MEMORY_PADDING)
+        size = self.image_size
+        if train:
+            images = fn.decoders.image_random_crop(encoded, random_area=list(self.random_area),
+                                                   random_aspect_ratio=list(self.random_aspect_ratio),
+                                                   num_attempts=10, **decoder_args)
+            images = fn.resize(images, resize_x=size, resize_y=size)
+            mirror = fn.random.coin_flip(probability=self.mirror_probability)
+            crop_args: dict[str, Any] = {"mirror": mirror}
+        else:
+            images = fn.decoders.image(encoded, **decoder_args)
+            images = fn.resize(images, resize_shorter=self.val_resize)
+            crop_args = {"crop": (size, size), "crop_pos_x": 0.5, "crop_pos_y": 0.5}
+        return fn.crop_mirror_normalize(
+            images, dtype=getattr(types, _DTYPES[self.dtype]), output_layout="CHW" if self.layout == "NCHW" else "HWC",
+            mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], **crop_args)
 
     def expected_batches(self, split: str = "train") -> int:
         """Batches per rank per epoch for ``split`` with the current world size (after :meth:`setup`)."""
