@@ -6,7 +6,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from lightning_accel.callbacks._trainer import rank_zero_print
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["DataLoaderTuner", "LoaderSetting"]
+__all__ = ["DataLoaderTuner", "LoaderSetting", "choose_loader_setting", "loader_batches_per_sec", "loader_feeds"]
 
 
 @dataclass(frozen=True)
@@ -229,15 +229,7 @@ class DataLoaderTuner(Callback):
                 lightning_setattr(pl_module, self.attrs[key], value)
 
     def _feeds(self, num_workers: int | None, rate: float, consumption: float) -> bool:
-        """Whether a loader delivering ``rate`` batches/s keeps a step consuming ``consumption`` batches/s busy.
-
-        Workers load in parallel with the step, so their rate must exceed the step's with ``margin``. With
-        ``num_workers=0`` loading runs serially in the training process and always adds to the step: it passes only
-        when it costs at most :data:`SERIAL_DATA_SHARE` of the step time (the doctor's data-wait threshold).
-        """
-        if not num_workers:
-            return rate >= consumption * (1 - SERIAL_DATA_SHARE) / SERIAL_DATA_SHARE
-        return rate >= consumption * (1 + self.margin)
+        return loader_feeds(num_workers, rate, consumption, self.margin)
 
     def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting | None:
         """Measure, decide, apply; returns the chosen setting (the same on every rank), or ``None`` when the train
@@ -270,21 +262,10 @@ class DataLoaderTuner(Callback):
             self.table.append({"setting": "initial: " + _describe(initial, trainer), "batches_per_sec": initial_rate,
                                "feeds": self._feeds(initial.get("num_workers", 0), initial_rate, consumption),
                                "chosen": False})
-            rates: list[float] = []
-            for setting in grid:
-                rate = self._loader_rate(trainer, pl_module, state, asdict(setting), present)
-                feeds = self._feeds(setting.num_workers, rate, consumption)
-                if feeds:  # confirm before stopping the search: a busy machine can flatter one window
-                    rate = min(rate, self._loader_rate(trainer, pl_module, state, asdict(setting), present))
-                    feeds = self._feeds(setting.num_workers, rate, consumption)
-                rates.append(rate)
-                self.table.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds,
-                                   "chosen": False, **asdict(setting)})
-                if feeds:
-                    break
-            fed = [i for i, r in enumerate(rates) if self._feeds(grid[i].num_workers, r, consumption)]
-            # none feeds: the cheapest within 5 % of the fastest (closer than that is measurement noise)
-            chosen_index = fed[0] if fed else next(i for i, r in enumerate(rates) if r >= 0.95 * max(rates))
+            chosen_index, rows = choose_loader_setting(
+                grid, lambda setting: self._loader_rate(trainer, pl_module, state, asdict(setting), present),
+                consumption, self.margin)
+            self.table.extend(rows)
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error = err
         finally:
@@ -352,25 +333,11 @@ class DataLoaderTuner(Callback):
             raise ValueError(f"train_dataloader() built a DataLoader with num_workers={got} after "
                              f"`{self.attrs['num_workers']}` was set to {workers}: build it from that attribute "
                              f"(DataLoader(..., num_workers=self.{self.attrs['num_workers']}))")
-        # the queue the workers fill before the first batch is consumed (DataLoader's default prefetch_factor is 2)
-        skip = self.trial_warmup_batches + workers * (values.get("prefetch_factor") or (2 if workers else 0))
-        stamps: list[float] = []
-        it = iter(iterate_batches(loader))
         try:
-            for i, _batch in enumerate(it):
-                if i >= skip:
-                    stamps.append(time.perf_counter())
-                if len(stamps) > self.batches_per_trial:
-                    break
+            return loader_batches_per_sec(loader, self.trial_warmup_batches, self.batches_per_trial, workers,
+                                          values.get("prefetch_factor"))
         finally:
-            it.close()  # type: ignore[attr-defined]
-            del it, loader  # shuts the workers down (persistent ones too: the loader goes away)
-        if len(stamps) < 3:
-            raise ValueError(f"the train dataloader has too few batches to time ({skip} warm-up + "
-                             f"{self.batches_per_trial}); lower trial_warmup_batches / batches_per_trial")
-        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-        # mean over the window (a median would hide periodic stalls, e.g. one slow worker every N batches)
-        return len(gaps) / max(sum(gaps), 1e-9) if statistics.fmean(gaps) > 0 else math.inf
+            del loader  # shuts the workers down (persistent ones too: the loader goes away)
 
     def _rich_table(self, consumption: float) -> Any:
         from rich.table import Table
@@ -386,6 +353,67 @@ class DataLoaderTuner(Callback):
             table.add_row(row["setting"], f"{row['batches_per_sec']:,.1f}", "yes" if row["feeds"] else "no",
                           "◀" if row["chosen"] else "")
         return table
+
+
+def loader_feeds(num_workers: int | None, rate: float, consumption: float, margin: float) -> bool:
+    """Whether a loader delivering ``rate`` batches/s keeps a step consuming ``consumption`` batches/s busy.
+
+    Workers load in parallel with the step, so their rate must exceed the step's with ``margin``. With
+    ``num_workers=0`` loading runs serially in the training process and always adds to the step: it passes only
+    when it costs at most :data:`SERIAL_DATA_SHARE` of the step time (the doctor's data-wait threshold).
+    """
+    if not num_workers:
+        return rate >= consumption * (1 - SERIAL_DATA_SHARE) / SERIAL_DATA_SHARE
+    return rate >= consumption * (1 + margin)
+
+
+def choose_loader_setting(grid: Sequence[LoaderSetting], measure: Callable[[LoaderSetting], float],
+                          consumption: float, margin: float) -> tuple[int, list[dict[str, Any]]]:
+    """Walk ``grid`` cheapest first and stop at the first setting whose measured rate feeds the step in two
+    consecutive measurements (the lower one counts: a busy machine can flatter one window); if none does, the
+    cheapest within 5 % of the fastest (closer than that is measurement noise). Returns the index in ``grid`` and
+    one table row per measured setting. Shared by :class:`DataLoaderTuner` and the Autopilot."""
+    rates: list[float] = []
+    rows: list[dict[str, Any]] = []
+    for setting in grid:
+        rate = measure(setting)
+        feeds = loader_feeds(setting.num_workers, rate, consumption, margin)
+        if feeds:
+            rate = min(rate, measure(setting))
+            feeds = loader_feeds(setting.num_workers, rate, consumption, margin)
+        rates.append(rate)
+        rows.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds, "chosen": False,
+                     **asdict(setting)})
+        if feeds:
+            break
+    if not rates:
+        raise ValueError("choose_loader_setting: the grid of DataLoader settings is empty")
+    fed = [i for i, r in enumerate(rates) if loader_feeds(grid[i].num_workers, r, consumption, margin)]
+    return (fed[0] if fed else next(i for i, r in enumerate(rates) if r >= 0.95 * max(rates))), rows
+
+
+def loader_batches_per_sec(loader: Any, warmup_batches: int, batches: int, num_workers: int,
+                           prefetch_factor: int | None) -> float:
+    """Steady-state batches/s of iterating ``loader``: the first ``warmup_batches`` plus the queue the workers fill
+    before the first batch is consumed (DataLoader's default ``prefetch_factor`` is 2) are not timed."""
+    skip = warmup_batches + num_workers * (prefetch_factor or (2 if num_workers else 0))
+    stamps: list[float] = []
+    it = iter(iterate_batches(loader))
+    try:
+        for i, _batch in enumerate(it):
+            if i >= skip:
+                stamps.append(time.perf_counter())
+            if len(stamps) > batches:
+                break
+    finally:
+        it.close()  # type: ignore[attr-defined]
+        del it
+    if len(stamps) < 3:
+        raise ValueError(f"the train dataloader has too few batches to time ({skip} warm-up + "
+                         f"{batches}); lower trial_warmup_batches / batches_per_trial")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    # mean over the window (a median would hide periodic stalls, e.g. one slow worker every N batches)
+    return len(gaps) / max(sum(gaps), 1e-9) if statistics.fmean(gaps) > 0 else math.inf
 
 
 def _describe(values: dict[str, Any], trainer: pl.Trainer) -> str:
