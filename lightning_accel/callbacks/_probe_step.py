@@ -37,6 +37,10 @@ __all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribu
            "request_train_dataloader", "train_data_holder"]
 
 
+#: optimizer param-group keys that choose how the step is computed, not what it computes
+_IMPLEMENTATION_FLAGS = ("foreach", "fused")
+
+
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (value.detach().to("cpu", copy=True), value.device)
@@ -108,7 +112,9 @@ class TrainingState:
         for opt, state, groups in self.optimizers:
             opt.state = defaultdict(dict, {p: {k: _from_cpu(v) for k, v in s.items()} for p, s in state.items()})
             for group, saved in zip(opt.param_groups, groups):
-                group.update(copy.deepcopy(saved))
+                # the implementation flags are not training state: a change of them (the Autopilot's foreach/fused
+                # trial) must survive the restore between its windows
+                group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _IMPLEMENTATION_FLAGS})
         for scheduler, saved in self.schedulers:
             scheduler.load_state_dict(copy.deepcopy(saved))
         self.trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))

@@ -1,0 +1,293 @@
+"""The Autopilot's measuring protocol: real training steps on the user's model, optimizer and data, outside the fit
+loop, timed stage by stage with the doctor's own :class:`~lightning_accel.core.timing.StageTimer` and split with
+:func:`~lightning_accel.core.breakdown.split_seconds`, then undone (:class:`TrainingState`).
+
+A window is ``warmup_steps`` untimed optimizer steps (worker start-up, allocator, compilation) then ``steps``
+timed ones; each optimizer step runs ``accumulate`` micro-batches as the fit loop would: the data wait, the
+host→device copy (``strategy.batch_to_device``), the forward (``strategy.training_step``: under DDP through the
+DDP wrapper, so the gradient all-reduce runs in backward as in training; ``no_sync`` for all but the last
+micro-batch), the backward (through the precision plugin's GradScaler when it has one) and the optimizer step.
+Lightning's callback hooks do not run, so other callbacks (the doctor, MFUMonitor) see none of these steps.
+A step whose micro-batches crossed the end of the loader (a new epoch: new workers, a new shuffle) is dropped
+from the window (Zeus does the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_accel.callbacks._probe_step import StepRunner, TrainingState, iterate_batches
+from lightning_accel.core.autopilot import ProbeResult, batch_digest
+from lightning_accel.core.batch import map_tensors, samples_in_batch
+from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
+from lightning_accel.core.timing import StageTimer
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks._loader_source import TrainLoaderSource
+
+__all__ = ["RunConfig", "TrialRunner", "Window", "concat_batches"]
+
+
+@dataclass
+class RunConfig:
+    """The settings a trial runs with that are not held by the loader source or the model itself."""
+
+    accumulate: int = 1
+    prefetch: bool = False
+    prefetch_depth: int = 2
+
+
+@dataclass
+class Window:
+    """One measured window on this rank."""
+
+    samples: int
+    seconds: float
+    steps: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    warmup_seconds: float = 0.0
+
+    @property
+    def samples_per_sec(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / self.steps if self.steps else math.inf
+
+    def shares(self) -> dict[str, float]:
+        split = split_seconds(self.seconds, self.stage_seconds)
+        total = sum(split.values()) or 1.0
+        return {k: v / total for k, v in split.items()}
+
+
+def concat_batches(batches: list[Any]) -> Any:
+    """Micro-batches joined along the batch dimension (tensors, tuples, lists, dicts; other leaves from the first)."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches, dim=0) if first.ndim > 0 else first
+    if isinstance(first, dict):
+        return {k: concat_batches([b[k] for b in batches]) for k in first}
+    if isinstance(first, (tuple, list)):
+        joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
+    return first
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, dict):
+        return output.get("loss")
+    return output
+
+
+class TrialRunner:
+    """Runs measuring windows and numerics probes for the Autopilot (see the module docstring)."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: TrainLoaderSource,
+                 config: RunConfig, state: TrainingState) -> None:
+        self.trainer, self.module = trainer, pl_module
+        self.source, self.config, self.state = source, config, state
+        self.device = trainer.strategy.root_device
+        self._runner = StepRunner(trainer, pl_module)
+
+    # ------------------------------------------------------------------ data
+    def loader(self) -> Any:
+        """The train loader as the current configuration builds it (prefetching wrapper included)."""
+        from lightning_accel.core.prefetch import PrefetchingLoader
+
+        loader = self.source.build()
+        self.state.track_loader(loader)
+        if self.config.prefetch:
+            return PrefetchingLoader(loader, depth=self.config.prefetch_depth,
+                                     device=self.device if self.device.type == "cuda" else None)
+        return loader
+
+    def _batches(self) -> Iterator[tuple[Any, bool]]:
+        """Endless batches of the current loader; the flag is True for the first batch of each new pass."""
+        new_pass = False
+        while True:
+            got = False
+            for batch in iterate_batches(self.loader()):
+                got = True
+                yield batch, new_pass
+                new_pass = False
+            if not got:
+                raise ValueError("the train dataloader yielded no batches")
+            new_pass = True
+
+    # ------------------------------------------------------------------ steps
+    def _scaler(self) -> Any:
+        return getattr(self.trainer.precision_plugin, "scaler", None)
+
+    def _no_sync(self, last: bool) -> Any:
+        model = self.trainer.strategy.model
+        if not last and self.trainer.world_size > 1 and hasattr(model, "no_sync"):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self, batches: Iterator[tuple[Any, bool]], timer: StageTimer | None) -> tuple[int, bool]:
+        """One optimizer step of ``accumulate`` micro-batches; returns (samples, crossed an epoch boundary)."""
+        strategy, module = self.trainer.strategy, self.module
+        accumulate = self.config.accumulate
+        scaler = self._scaler()
+        samples, crossed = 0, False
+        t = timer or _NullTimer()
+        for i in range(accumulate):
+            t.start("data", host=True)
+            batch, new_pass = next(batches)
+            t.stop("data")
+            crossed |= new_pass
+            samples += samples_in_batch(batch)
+            t.start("transfer")
+            batch = strategy.batch_to_device(batch)
+            t.stop("transfer")
+            with self._no_sync(i == accumulate - 1):
+                t.start("forward")
+                out = strategy.training_step(batch, i)
+                t.stop("forward")
+                if not module.automatic_optimization:
+                    continue
+                loss = _loss_of(out)
+                if loss is None:
+                    continue
+                t.start("backward")
+                loss = loss / accumulate if accumulate > 1 else loss
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                t.stop("backward")
+        if module.automatic_optimization:
+            t.start("optimizer")
+            for opt in self.trainer.optimizers:
+                if scaler is not None:
+                    scaler.step(opt)
+                else:
+                    opt.step()
+            if scaler is not None:
+                scaler.update()
+            for opt in self.trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+            t.stop("optimizer")
+        return samples, crossed
+
+    def measure(self, warmup_steps: int, steps: int) -> Window:
+        """One window with the current configuration, then the training state restored bit for bit."""
+        timer = StageTimer(self.device)
+        sync = self._runner.sync
+        try:
+            with self._runner.quiet():
+                self.module.train()
+                batches = self._batches()
+                t0 = time.perf_counter()
+                for _ in range(warmup_steps):
+                    self._optimizer_step(batches, None)
+                sync()
+                warmup = time.perf_counter() - t0
+                samples, seconds, kept = 0, 0.0, 0
+                totals = dict.fromkeys(MEASURED_STAGES, 0.0)
+                attempts = 0
+                while kept < steps:
+                    attempts += 1
+                    if attempts > 2 * steps + 2:
+                        raise ValueError("the train loader is too short for a measuring window: every step crossed "
+                                         "an epoch boundary; use more data or fewer accumulated batches")
+                    timer.flush()
+                    start = time.perf_counter()
+                    got, crossed = self._optimizer_step(batches, timer)
+                    sync()
+                    elapsed = time.perf_counter() - start
+                    stage = timer.flush()
+                    if crossed:
+                        continue
+                    kept += 1
+                    samples += got
+                    seconds += elapsed
+                    for k in MEASURED_STAGES:
+                        totals[k] += stage.get(k, 0.0)
+                batches.close()
+        finally:
+            timer.cancel()
+            self.state.restore()
+        return Window(samples=samples, seconds=seconds, steps=kept, stage_seconds=totals, warmup_seconds=warmup)
+
+    # ------------------------------------------------------------------ numerics
+    def probe_batches(self, steps: int) -> list[list[Any]]:
+        """``steps`` optimizer steps' worth of micro-batches from the current loader (kept on the CPU), with the
+        RNG restored afterwards so later loaders draw the same order."""
+        out: list[list[Any]] = []
+        try:
+            batches = self._batches()
+            for _ in range(steps):
+                out.append([map_tensors(next(batches)[0], lambda t: t.detach().clone())
+                            for _ in range(self.config.accumulate)])
+            batches.close()
+        finally:
+            self.state.restore()
+        return out
+
+    def probe(self, probe_steps: list[list[Any]], with_update: bool = True) -> ProbeResult:
+        """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and the
+        digests of the batches the current loader delivers in their place; the state is restored afterwards.
+
+        The probe steps call the LightningModule directly (no DDP wrapper: no collective), so a rank that fails here
+        cannot leave the others waiting."""
+        result = ProbeResult()
+        micro = self.source.current().get("batch_size")
+        original = probe_steps[0][0]
+        factor = 1
+        size = samples_in_batch(original)
+        if micro and size and micro != size:
+            factor = max(1, round(micro / size))
+        try:
+            with self._runner.quiet():
+                # the batches this configuration's loader delivers (same RNG state as the reference's)
+                delivered = self.probe_batches(len(probe_steps)) if self.config.accumulate else []
+                result.digests = [batch_digest(concat_batches(step)) for step in delivered]
+                self.module.train()
+                for index, micro_batches in enumerate(probe_steps):
+                    grouped = [concat_batches(micro_batches[i:i + factor])
+                               for i in range(0, len(micro_batches), factor)]
+                    loss_total = 0.0
+                    scaler = self._scaler()
+                    for batch in grouped:
+                        batch = self.trainer.strategy.batch_to_device(batch)
+                        with self.trainer.precision_plugin.train_step_context():
+                            out = self.module.training_step(batch, 0)
+                        loss = _loss_of(out)
+                        if loss is None or not self.module.automatic_optimization:
+                            continue
+                        loss_total += float(loss.detach().float()) / len(grouped)
+                        scaled = loss / len(grouped)
+                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    result.losses.append(loss_total)
+                    if index == 0 and self.module.automatic_optimization:
+                        params = [p for p in self.module.parameters() if p.requires_grad]
+                        grads = [p.grad.detach().double().flatten().cpu() for p in params if p.grad is not None]
+                        result.grad = torch.cat(grads) if grads else None
+                        if with_update:
+                            before = [p.detach().double().flatten().cpu() for p in params]
+                            for opt in self.trainer.optimizers:
+                                (scaler.step(opt) if scaler is not None else opt.step())
+                            if scaler is not None:
+                                scaler.update()
+                            after = [p.detach().double().flatten().cpu() for p in params]
+                            result.update = torch.cat([a - b for a, b in zip(after, before)]) if params else None
+                    self.state.restore()
+        finally:
+            self.state.restore()
+        return result
+
+
+class _NullTimer:
+    def start(self, stage: str, *, host: bool = False) -> None:
+        pass
+
+    def stop(self, stage: str) -> None:
+        pass

@@ -1,0 +1,606 @@
+"""The fixes the Autopilot can apply and undo, each built on the existing component that implements it.
+
+An :class:`Intervention` is one machine-applicable change: ``unavailable(run)`` says why it cannot apply (or
+``None``), ``apply(run)`` / ``revert(run)`` change and restore the run in place, ``describe(run)`` names the change
+for the table, ``config(run)`` gives its LightningCLI keys and Python lines, and ``params`` are what a plan stores to
+replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autopilot.NUMERICS_KINDS``) and
+``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
+
+==========================  ===========================================  ==============================  =============
+name                        change                                       built on                        kind
+==========================  ===========================================  ==============================  =============
+``dataloader``              num_workers / prefetch_factor /              ``DataLoaderTuner``'s search    data
+                            persistent_workers
+``pin_memory``              pin_memory=True (CUDA)                       the DataLoader                  data
+``prefetch``                background prefetch (+ side-stream copies)   ``DevicePrefetcher``            data
+``micro_batch``             micro-batch ×f, accumulation ÷f (global      ``BatchSizeTuner``'s attribute  reorder
+                            batch fixed)                                 lookup
+``optimizer_fused``         ``fused=True`` optimizer step                torch.optim                     reorder
+``optimizer_foreach``       ``foreach=True`` optimizer step              torch.optim                     exact
+``precision``               another autocast dtype                       ``AutoMixedPrecision``          low_precision
+``compile``                 torch.compile in place (pays back or not)    ``TorchCompile``                reorder
+``fused_attention``         hand-written attention → SDPA                ``use_fused_attention``         reorder
+``activation_checkpointing``  recompute blocks + larger micro-batch      ``core.checkpointing``          reorder
+==========================  ===========================================  ==============================  =============
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
+    from lightning_accel.callbacks._loader_source import TrainLoaderSource
+
+__all__ = ["INTERVENTIONS", "Intervention", "Run"]
+
+
+@dataclass
+class Run:
+    """What an intervention may look at and change."""
+
+    trainer: pl.Trainer
+    module: pl.LightningModule
+    source: TrainLoaderSource
+    config: RunConfig
+    runner: TrialRunner
+    baseline: Window | None = None
+    current: Window | None = None
+    steps_left: int | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.strategy.root_device
+
+
+class Intervention:
+    """Base class of the Autopilot's fixes (see the module docstring). Subclasses may be passed to
+    ``Autopilot(interventions=[...])`` to trial fixes of your own with the same protocol and numerics guard."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "exact"
+    knobs: ClassVar[tuple[str, ...]] = ()
+    #: estimated extra warm-up steps the change needs (compilation)
+    warmup_steps: ClassVar[int] = 0
+
+    def __init__(self, **params: Any) -> None:
+        self.params = dict(params)
+
+    def unavailable(self, run: Run) -> str | None:
+        return None
+
+    def apply(self, run: Run) -> None:
+        raise NotImplementedError
+
+    def revert(self, run: Run) -> None:
+        raise NotImplementedError
+
+    def describe(self, run: Run) -> str:
+        return self.name
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return [], []
+
+    def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
+        """An extra condition for keeping the change once it measured faster (``None``: none)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params})"
+
+
+# ------------------------------------------------------------------------------------------------ data
+class DataLoaderSettings(Intervention):
+    """More loader workers: the cheapest setting that feeds the measured step, found by DataLoaderTuner's search
+    (``choose_loader_setting``) over 0, 1, 2, 4, … workers × prefetch 2 and 4 with persistent workers."""
+
+    name = "dataloader"
+    kind = "data"
+    knobs = ("num_workers", "prefetch_factor", "persistent_workers")
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning_accel.callbacks.dataloader_tuner import default_worker_counts, usable_cores_per_rank
+
+        if self.params:
+            return None
+        current = run.source.current()["num_workers"]
+        if max(default_worker_counts(usable_cores_per_rank(run.trainer.num_devices))) <= current:
+            return f"num_workers={current} already uses every core of this rank"
+        return None
+
+    def _choose(self, run: Run) -> dict[str, Any]:
+        from lightning_accel.callbacks.dataloader_tuner import (
+            LoaderSetting,
+            choose_loader_setting,
+            default_worker_counts,
+            loader_batches_per_sec,
+            usable_cores_per_rank,
+        )
+
+        window = run.current or run.baseline
+        assert window is not None
+        # the rate the loader must sustain: steps/s of everything but the data wait
+        busy = max(window.step_seconds - window.stage_seconds.get("data", 0.0) / max(window.steps, 1), 1e-9)
+        consumption = run.config.accumulate / busy  # batches/s
+        current = run.source.current()
+        counts = [w for w in default_worker_counts(usable_cores_per_rank(run.trainer.num_devices))
+                  if w > current["num_workers"]]
+        if not counts:
+            raise ValueError(f"no worker count above the current {current['num_workers']} fits this rank's cores")
+        grid = [LoaderSetting(w, pf, True, bool(current["pin_memory"])) for w in counts for pf in (2, 4)]
+
+        def measure(setting: LoaderSetting) -> float:
+            values = {"num_workers": setting.num_workers, "prefetch_factor": setting.prefetch_factor,
+                      "persistent_workers": True}
+            loader = run.source.build(values)
+            run.runner.state.track_loader(loader)
+            try:
+                return loader_batches_per_sec(loader, 2, 20, setting.num_workers, setting.prefetch_factor)
+            finally:
+                run.runner.state.restore()
+
+        index, rows = choose_loader_setting(grid, measure, consumption, margin=0.2)
+        run.extras["dataloader_table"] = rows
+        chosen = grid[index]
+        return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
+                "persistent_workers": True}
+
+    def apply(self, run: Run) -> None:
+        if not self.params:
+            self.params = self._choose(run)
+        self._before = {k: run.source.current()[k] for k in self.params}
+        run.source.set(self.params)
+
+    def revert(self, run: Run) -> None:
+        run.source.set(self._before)
+
+    def describe(self, run: Run) -> str:
+        p = self.params
+        if not p:
+            return "DataLoader workers (searched)"
+        return f"num_workers={p['num_workers']}, prefetch_factor={p['prefetch_factor']}, persistent_workers=True"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return run.source.config_entries()
+
+
+class PinMemory(Intervention):
+    """``pin_memory=True``: page-locked host batches, so the host→device copy is a DMA that can overlap."""
+
+    name = "pin_memory"
+    kind = "data"
+    knobs = ("pin_memory",)
+
+    def unavailable(self, run: Run) -> str | None:
+        if run.device.type != "cuda":
+            return "pinned memory only speeds host-to-GPU copies; this run is on " + run.device.type
+        if run.source.current()["pin_memory"]:
+            return "the loader already pins memory"
+        return None
+
+    def apply(self, run: Run) -> None:
+        run.source.set({"pin_memory": True})
+
+    def revert(self, run: Run) -> None:
+        run.source.set({"pin_memory": False})
+
+    def describe(self, run: Run) -> str:
+        return "pin_memory=True"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return run.source.config_entries()
+
+
+class Prefetch(Intervention):
+    """``DevicePrefetcher``: batches fetched ahead in a thread (on CUDA pinned and copied on a side stream)."""
+
+    name = "prefetch"
+    kind = "data"
+    knobs = ("prefetch",)
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+        if run.config.prefetch or any(isinstance(cb, DevicePrefetcher) for cb in run.trainer.callbacks):
+            return "DevicePrefetcher is already in use"
+        if run.device.type not in ("cpu", "cuda"):
+            return f"no prefetching on {run.device.type}"
+        return None
+
+    def apply(self, run: Run) -> None:
+        run.config.prefetch = True
+
+    def revert(self, run: Run) -> None:
+        run.config.prefetch = False
+
+    def describe(self, run: Run) -> str:
+        return "DevicePrefetcher (batches fetched ahead in a thread)"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return ([("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}])],
+                ["callbacks.append(la.DevicePrefetcher())"])
+
+
+# ------------------------------------------------------------------------------------------------ batch
+def _smallest_factor(n: int) -> int:
+    for f in range(2, n + 1):
+        if n % f == 0:
+            return f
+    return 1
+
+
+class MicroBatch(Intervention):
+    """A larger micro-batch with the global batch held fixed (Composer's rule): micro-batch ×f and
+    ``accumulate_grad_batches`` ÷f, so every optimizer step sees the same samples; only possible with
+    accumulation > 1. The learning rate needs no change."""
+
+    name = "micro_batch"
+    kind = "reorder"
+    knobs = ("batch_size", "accumulate_grad_batches")
+
+    def unavailable(self, run: Run) -> str | None:
+        accumulate = run.config.accumulate
+        if accumulate <= 1:
+            return ("accumulate_grad_batches is 1: a larger micro-batch would change the global batch (and the "
+                    "training); use BatchSizeTuner(target_global_batch_size=...) to trade it for accumulation")
+        if not run.module.automatic_optimization:
+            return "manual optimization: the LightningModule does its own accumulation"
+        reason = run.source.can_set("batch_size")
+        if reason:
+            return reason
+        if not run.source.current().get("batch_size"):
+            return "the loader's batch size is unknown"
+        return None
+
+    def apply(self, run: Run) -> None:
+        current = run.source.current()
+        if not self.params:
+            factor = _smallest_factor(run.config.accumulate)
+            self.params = {"batch_size": int(current["batch_size"]) * factor,
+                           "accumulate_grad_batches": run.config.accumulate // factor}
+        global_before = int(current["batch_size"]) * run.config.accumulate
+        global_after = self.params["batch_size"] * self.params["accumulate_grad_batches"]
+        if global_before != global_after:
+            raise ValueError(f"micro_batch {self.params} changes the global batch per device from {global_before} "
+                             f"to {global_after}; the plan was made for another batch size or accumulation")
+        self._before = (current["batch_size"], run.config.accumulate)
+        run.source.set({"batch_size": self.params["batch_size"]})
+        run.config.accumulate = self.params["accumulate_grad_batches"]
+
+    def revert(self, run: Run) -> None:
+        run.source.set({"batch_size": self._before[0]})
+        run.config.accumulate = self._before[1]
+
+    def describe(self, run: Run) -> str:
+        p = self.params
+        if not p:
+            return "larger micro-batch, same global batch"
+        return (f"batch_size={p['batch_size']} × accumulate_grad_batches={p['accumulate_grad_batches']} "
+                "(same global batch)")
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        yaml, python = run.source.config_entries()
+        yaml = [e for e in yaml if e[0].endswith(".batch_size")]
+        python = [line for line in python if "batch_size" in line]
+        acc = self.params["accumulate_grad_batches"]
+        return ([*yaml, ("trainer.accumulate_grad_batches", acc)],
+                [*python, f"trainer_kwargs['accumulate_grad_batches'] = {acc}"])
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+class OptimizerImplementation(Intervention):
+    """The multi-tensor (``foreach``) or single-kernel (``fused``) implementation of the optimizer step, set in
+    every param group of every optimizer (torch.optim reads the flags at each step)."""
+
+    kind = "exact"
+    knobs = ("optimizer",)
+    flag: ClassVar[str] = ""
+
+    def unavailable(self, run: Run) -> str | None:
+        if not run.trainer.optimizers:
+            return "no optimizer"
+        for opt in run.trainer.optimizers:
+            if self.flag not in opt.defaults:
+                return f"{type(opt).__name__} has no `{self.flag}` implementation"
+            if all(g.get(self.flag) is True for g in opt.param_groups):
+                return f"{type(opt).__name__} already runs with {self.flag}=True"
+        if self.flag == "fused":
+            devices = {p.device.type for opt in run.trainer.optimizers for g in opt.param_groups for p in g["params"]}
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+            unsupported = devices - set(_get_fused_kernels_supported_devices())
+            if unsupported:
+                return f"no fused optimizer kernels on {sorted(unsupported)}"
+        return None
+
+    def apply(self, run: Run) -> None:
+        self._before = [[(g.get("foreach"), g.get("fused")) for g in opt.param_groups]
+                        for opt in run.trainer.optimizers]
+        for opt in run.trainer.optimizers:
+            for group in opt.param_groups:
+                if self.flag == "fused":
+                    group["fused"] = True
+                    if "foreach" in group:
+                        group["foreach"] = False
+                else:
+                    group["foreach"] = True
+                    if "fused" in group:
+                        group["fused"] = False if group["fused"] else group["fused"]
+            opt.defaults[self.flag] = True
+
+    def revert(self, run: Run) -> None:
+        for opt, saved in zip(run.trainer.optimizers, self._before):
+            for group, (foreach, fused) in zip(opt.param_groups, saved):
+                if "foreach" in group:
+                    group["foreach"] = foreach
+                if "fused" in group:
+                    group["fused"] = fused
+            opt.defaults[self.flag] = saved[0][0 if self.flag == "foreach" else 1] if saved else None
+
+    def describe(self, run: Run) -> str:
+        names = sorted({type(o).__name__ for o in run.trainer.optimizers})
+        return f"{'/'.join(names)}({self.flag}=True)"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        names = sorted({type(o).__name__ for o in run.trainer.optimizers})
+        line = f"# in configure_optimizers: torch.optim.{names[0]}(..., {self.flag}=True)"
+        return [], [line]
+
+
+class FusedOptimizer(OptimizerImplementation):
+    __doc__ = OptimizerImplementation.__doc__
+    name = "optimizer_fused"
+    kind = "reorder"
+    flag = "fused"
+
+
+class ForeachOptimizer(OptimizerImplementation):
+    __doc__ = OptimizerImplementation.__doc__
+    name = "optimizer_foreach"
+    kind = "exact"
+    flag = "foreach"
+
+
+# ------------------------------------------------------------------------------------------------ compute
+class Precision(Intervention):
+    """Another autocast dtype for ``AutoMixedPrecision`` (only where the plugin is in use): fp32 → bf16/fp16 when
+    the device supports them, and back to fp32 when the plugin's micro-probe chose a half dtype — the whole step
+    decides, not a matmul probe."""
+
+    name = "precision"
+    kind = "low_precision"
+    knobs = ("precision",)
+
+    def _plugin(self, run: Run) -> Any:
+        from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
+
+        plugin = run.trainer.precision_plugin
+        return plugin if isinstance(plugin, AutoMixedPrecision) else None
+
+    def _target(self, run: Run) -> str | None:
+        from lightning_accel.core.precision import supported_autocast_dtypes
+
+        plugin = self._plugin(run)
+        current = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(plugin.compute_dtype, "fp32")
+        if "dtype" in self.params:
+            return self.params["dtype"] if self.params["dtype"] != current else None
+        if current != "fp32":
+            return "fp32"
+        supported = supported_autocast_dtypes(run.device)
+        return "bf16" if "bf16" in supported else ("fp16" if "fp16" in supported else None)
+
+    def unavailable(self, run: Run) -> str | None:
+        if self._plugin(run) is None:
+            return ("the run's precision is not AutoMixedPrecision (add plugins=[la.AutoMixedPrecision()] to let "
+                    "the Autopilot choose the dtype)")
+        if self._target(run) is None:
+            return "no other autocast dtype on this device"
+        return None
+
+    def apply(self, run: Run) -> None:
+        from lightning_accel.core.precision import DtypeChoice, choose_autocast_dtype
+
+        plugin = self._plugin(run)
+        target = self._target(run)
+        assert target is not None
+        self.params = {"dtype": target}
+        self._before = (plugin.choice, plugin.precision, plugin.scaler)
+        choice = choose_autocast_dtype(run.device, target)
+        plugin.choice = DtypeChoice(choice.dtype, f"{target}: measured faster end to end by the Autopilot")
+        plugin.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(choice.dtype, "32-true")
+        plugin.scaler = torch.amp.GradScaler(run.device.type, **plugin.scaler_kwargs) if choice.needs_scaler \
+            else None
+
+    def revert(self, run: Run) -> None:
+        plugin = self._plugin(run)
+        plugin.choice, plugin.precision, plugin.scaler = self._before
+
+    def describe(self, run: Run) -> str:
+        return f"AutoMixedPrecision(dtype={self.params.get('dtype', '?')!r})"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        dtype = self.params["dtype"]
+        return ([("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision",
+                                       "init_args": {"dtype": dtype}}])],
+                [f"plugins = [la.AutoMixedPrecision(dtype={dtype!r})]"])
+
+
+class Compile(Intervention):
+    """``TorchCompile``: the model's children compiled in place. Kept only if the time it saves over the steps left
+    in the fit exceeds the compile time measured in the trial's warm-up."""
+
+    name = "compile"
+    kind = "reorder"
+    knobs = ("compile",)
+    warmup_steps = 3
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning_accel.callbacks.torch_compile import TorchCompile
+
+        if any(isinstance(cb, TorchCompile) for cb in run.trainer.callbacks):
+            return "TorchCompile is already in use"
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in run.module.modules()):
+            return "the model is already compiled"
+        return None
+
+    def apply(self, run: Run) -> None:
+        from lightning_accel.callbacks.torch_compile import TorchCompile
+
+        self._callback = TorchCompile(**self.params)
+        self._callback.setup(run.trainer, run.module, "fit")
+        if self._callback.fallback_reason:
+            raise RuntimeError(self._callback.fallback_reason)
+
+    def revert(self, run: Run) -> None:
+        self._callback.uncompile()
+
+    def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
+        from lightning_accel.core.autopilot import compile_pays_back
+
+        if self._callback.fallback_reason:
+            return False, self._callback.fallback_reason
+        compile_seconds = max(0.0, after.warmup_seconds - run.extras.get("warmup_steps", 0) * after.step_seconds)
+        self.params_measured = {"compile_seconds": compile_seconds}
+        return compile_pays_back(compile_seconds, before.step_seconds, after.step_seconds, run.steps_left)
+
+    def describe(self, run: Run) -> str:
+        return "TorchCompile()" if not self.params else f"TorchCompile({self.params})"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        entry: dict[str, Any] = {"class_path": "lightning_accel.TorchCompile"}
+        if self.params:
+            entry["init_args"] = dict(self.params)
+        return [("trainer.callbacks", [entry])], ["callbacks.append(la.TorchCompile())"]
+
+
+def _attention_blocks(model: nn.Module) -> list[str]:
+    """Innermost modules that look like hand-written attention (class name contains "Attention", or the name ends
+    in attn/attention), excluding ``nn.MultiheadAttention`` (switched only with a probe of its weights' use)."""
+    names = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, nn.MultiheadAttention):
+            continue
+        last = name.rsplit(".", 1)[-1].lower()
+        if "attention" in type(module).__name__.lower() or last in ("attn", "attention", "self_attn", "self_attention"):
+            names.append(name)
+    return [n for n in names if not any(o != n and o.startswith(n + ".") for o in names)]
+
+
+class FusedAttention(Intervention):
+    """``use_fused_attention``: the hand-written ``softmax(q @ k.T) @ v`` of the model's attention blocks runs as
+    one ``F.scaled_dot_product_attention`` call. Rejected when no block matched the pattern."""
+
+    name = "fused_attention"
+    kind = "reorder"
+    knobs = ("attention",)
+
+    def unavailable(self, run: Run) -> str | None:
+        blocks = self.params.get("blocks") or _attention_blocks(run.module)
+        if not blocks:
+            return "no hand-written attention block found (modules named *attn / *Attention*)"
+        return None
+
+    def apply(self, run: Run) -> None:
+        from lightning_accel.attention import use_fused_attention
+
+        blocks = self.params.get("blocks") or _attention_blocks(run.module)
+        self.params = {"blocks": list(blocks)}
+        self._result = use_fused_attention(run.module, blocks=blocks)
+
+    def revert(self, run: Run) -> None:
+        self._result.restore()
+
+    def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
+        fused = sum(self._result.fused_calls.values())
+        if fused == 0:
+            return False, "no attention call matched the fused pattern (nothing changed)"
+        return None
+
+    def describe(self, run: Run) -> str:
+        blocks = self.params.get("blocks") or []
+        shown = ", ".join(blocks[:2]) + (f" +{len(blocks) - 2}" if len(blocks) > 2 else "")
+        return f"use_fused_attention({shown or 'attention blocks'})"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return [], [f"la.use_fused_attention(model, blocks={self.params['blocks']!r})"]
+
+
+class ActivationCheckpointingWithLargerBatch(Intervention):
+    """Activation checkpointing of the repeated blocks *and* a micro-batch ×f with accumulation ÷f: only when the
+    doctor says memory is the limit (peak ≥ 90 % with a small batch) and accumulation leaves room for a larger
+    micro-batch — recomputing costs ~20 % more compute, so it only pays through the larger batch."""
+
+    name = "activation_checkpointing"
+    kind = "reorder"
+    knobs = ("activation_checkpointing", "batch_size", "accumulate_grad_batches")
+
+    def _block_type(self, run: Run) -> type | None:
+        counts: collections.Counter[type] = collections.Counter()
+        for module in run.module.modules():
+            if isinstance(module, nn.ModuleList):
+                for child in module:
+                    if any(True for _ in child.parameters()):
+                        counts[type(child)] += 1
+        common = counts.most_common(1)
+        return common[0][0] if common and common[0][1] >= 2 else None
+
+    def unavailable(self, run: Run) -> str | None:
+        reason = MicroBatch().unavailable(run)
+        if reason:
+            return reason
+        if self._block_type(run) is None:
+            return "no repeated block (an nn.ModuleList of 2+ modules of one class) to checkpoint"
+        return None
+
+    def apply(self, run: Run) -> None:
+        from lightning_accel.core.checkpointing import apply_activation_checkpointing
+
+        block = self._block_type(run)
+        self._micro = MicroBatch(**{k: v for k, v in self.params.items() if k != "block"})
+        self._micro.apply(run)
+        self.params = {**self._micro.params, "block": f"{block.__module__}.{block.__qualname__}"}
+        self._names = apply_activation_checkpointing(run.module, [block])
+
+    def revert(self, run: Run) -> None:
+        from lightning_accel.core.checkpointing import remove_activation_checkpointing
+
+        remove_activation_checkpointing(run.module, self._names)
+        self._micro.revert(run)
+
+    def describe(self, run: Run) -> str:
+        block = self.params.get("block", "blocks").rsplit(".", 1)[-1]
+        return f"ActivationCheckpointing({block}) + " + (self._micro.describe(run) if hasattr(self, "_micro")
+                                                         else "larger micro-batch")
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        yaml, python = self._micro.config(run)
+        block = self.params["block"]
+        return ([*yaml, ("trainer.callbacks", [{"class_path": "lightning_accel.ActivationCheckpointing",
+                                                "init_args": {"modules": [block]}}])],
+                [*python, f"callbacks.append(la.ActivationCheckpointing(modules=[{block.rsplit('.', 1)[-1]}]))"])
+
+
+#: Built-in interventions by name, in the order the table lists them.
+INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
+    cls.name: cls for cls in (DataLoaderSettings, PinMemory, Prefetch, MicroBatch, FusedOptimizer, ForeachOptimizer,
+                              Precision, Compile, FusedAttention, ActivationCheckpointingWithLargerBatch)
+}
+
+
+def knob_names() -> list[str]:
+    """Every knob a built-in intervention touches (the valid entries of ``Autopilot(freeze=...)``)."""
+    return sorted({k for cls in INTERVENTIONS.values() for k in cls.knobs})  # type: ignore[attr-defined]
+
+
+def check_params(name: str, params: Mapping[str, Any]) -> None:
+    if name not in INTERVENTIONS:
+        raise ValueError(f"unknown Autopilot change {name!r}; known: {sorted(INTERVENTIONS)}")

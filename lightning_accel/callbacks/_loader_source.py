@@ -1,0 +1,231 @@
+"""Where the train DataLoader of a fit comes from, and how to get it rebuilt with other settings.
+
+Two ways, whichever the script allows:
+
+* **attributes**: the DataLoader comes from ``train_dataloader()`` of the LightningModule or datamodule, and that
+  method reads an attribute (``self.num_workers``, ``self.batch_size``, ... looked up like Lightning's
+  ``batch_size``: module, hparams, datamodule). Setting the attribute and calling ``train_dataloader()`` again
+  builds the new loader; the fit loop calls it itself when it sets up its data.
+* **rebuild**: the DataLoader was passed straight to ``trainer.fit(model, loader)`` (the commonest script shape,
+  which Lightning's tuner cannot handle, Lightning #11604), or ``train_dataloader()`` reads no such attribute. The
+  loader is re-created from its own constructor arguments with the new values, the way Lightning re-creates a
+  loader when it injects a ``DistributedSampler`` (``lightning.pytorch.utilities.data``), and the new loader
+  replaces the fit's data source.
+
+Private Lightning names used here (checked against Lightning 2.6): ``fit_loop._data_source`` (where the fit records
+what feeds it; ``.instance`` is the module or the loader), and ``_get_dataloader_init_args_and_kwargs`` /
+``_reinstantiate_wrapped_cls`` (the re-instantiation Lightning uses for sampler injection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["LOADER_KEYS", "TrainLoaderSource"]
+
+#: DataLoader arguments the Autopilot may change, and the attribute names it looks for.
+LOADER_KEYS: tuple[str, ...] = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")
+
+
+def _sanitise(values: Mapping[str, Any]) -> dict[str, Any]:
+    """DataLoader refuses ``prefetch_factor`` and ``persistent_workers=True`` with ``num_workers=0``."""
+    out = dict(values)
+    if out.get("num_workers") == 0:
+        out["prefetch_factor"] = None
+        out["persistent_workers"] = False
+    return out
+
+
+class TrainLoaderSource:
+    """The fit's train DataLoader: read its settings, build it with others, make the fit use them.
+
+    Raises ``ValueError`` from :meth:`from_trainer` when the train data is not a single ``DataLoader`` (a DALI
+    pipeline, a collection of loaders) or cannot be rebuilt; the message says why.
+    """
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.utilities.parsing import lightning_hasattr
+
+        self.trainer, self.module = trainer, pl_module
+        source = trainer.fit_loop._data_source  # private, Lightning 2.6 (see the module docstring)
+        self._source = source
+        self._original_instance = source.instance
+        self.holder = source.instance if source.is_module() else None
+        if self.holder is not None and isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
+            raise ValueError(f"the train data comes from {type(self.holder).__name__} (a DALI pipeline), not a "
+                             "DataLoader")
+        self._original = self._fresh()
+        if not isinstance(self._original, DataLoader):
+            raise ValueError(f"the train data is a {type(self._original).__name__}, not one torch DataLoader")
+        self.attributes = {k: lightning_hasattr(pl_module, k) for k in LOADER_KEYS} if self.holder is not None \
+            else dict.fromkeys(LOADER_KEYS, False)
+        self.initial = self.settings_of(self._original)
+        self._overrides: dict[str, Any] = {}
+
+    @classmethod
+    def from_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
+        return cls(trainer, pl_module)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def mode(self) -> str:
+        """``"attributes"`` when every setting changed so far went through attributes, else ``"rebuild"``."""
+        return "rebuild" if any(not self.attributes[k] for k in self._overrides) else "attributes"
+
+    @staticmethod
+    def settings_of(loader: Any) -> dict[str, Any]:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        return {
+            "num_workers": int(getattr(loader, "num_workers", 0) or 0),
+            "prefetch_factor": getattr(loader, "prefetch_factor", None) if getattr(loader, "num_workers", 0) else None,
+            "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+            "pin_memory": bool(getattr(loader, "pin_memory", False)),
+            "batch_size": getattr(loader, "batch_size", None) or getattr(batch_sampler, "batch_size", None),
+        }
+
+    def current(self) -> dict[str, Any]:
+        return {**self.initial, **self._overrides}
+
+    def can_set(self, key: str) -> str | None:
+        """``None`` when ``key`` can be changed, else the reason it cannot."""
+        if key == "batch_size" and not self.attributes["batch_size"]:
+            sampler = getattr(self._original, "batch_sampler", None)
+            from torch.utils.data import BatchSampler
+
+            if self._original.batch_size is None and type(sampler) is not BatchSampler:
+                return (f"the loader batches with a custom {type(sampler).__name__}, whose batch size cannot be "
+                        "changed from outside")
+        if self.holder is not None and not self.attributes[key] and self.trainer.reload_dataloaders_every_n_epochs:
+            return (f"`train_dataloader()` reads no `{key}` attribute and is re-called every "
+                    f"{self.trainer.reload_dataloaders_every_n_epochs} epoch(s) (reload_dataloaders_every_n_epochs): "
+                    f"add `self.{key}` and build the DataLoader from it")
+        return None
+
+    # ------------------------------------------------------------------ building
+    def _fresh(self) -> Any:
+        """The loader as the user's code builds it now (``train_dataloader()``, or the object given to fit)."""
+        if self.holder is not None:
+            return self.holder.train_dataloader()
+        return self._original_instance
+
+    def build(self, overrides: Mapping[str, Any] | None = None) -> DataLoader:
+        """A new DataLoader with the current settings plus ``overrides`` (the fit's own loader is not touched)."""
+        values = _sanitise({**self._overrides, **(overrides or {})})
+        previous = self._set_attributes(values)
+        try:
+            base = self._fresh()
+            rebuild = {k: v for k, v in values.items() if not self.attributes[k]}
+            if self.holder is not None and not rebuild:
+                return base
+            return rebuild_dataloader(base, rebuild)
+        finally:
+            self._restore_attributes(previous)
+
+    def _set_attributes(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+
+        previous = {}
+        for key, value in values.items():
+            if self.attributes[key]:
+                previous[key] = lightning_getattr(self.module, key)
+                lightning_setattr(self.module, key, value)
+        return previous
+
+    def _restore_attributes(self, previous: Mapping[str, Any]) -> None:
+        from lightning.pytorch.utilities.parsing import lightning_setattr
+
+        for key, value in previous.items():
+            lightning_setattr(self.module, key, value)
+
+    # ------------------------------------------------------------------ what the fit uses
+    def set(self, overrides: Mapping[str, Any]) -> None:
+        """Make ``overrides`` part of the current settings (for later builds and for :meth:`install`)."""
+        for key in overrides:
+            if key not in LOADER_KEYS:
+                raise ValueError(f"unknown DataLoader setting {key!r}; known: {list(LOADER_KEYS)}")
+        self._overrides = _sanitise({**self._overrides, **overrides})
+        # a value equal to the user's own is no change at all
+        self._overrides = {k: v for k, v in self._overrides.items() if self.initial.get(k) != v}
+
+    def unset(self, keys: Mapping[str, Any] | list[str]) -> None:
+        for key in keys:
+            self._overrides.pop(key, None)
+
+    def install(self) -> None:
+        """Make the fit loop build its train loader with the current settings: attributes are set on the
+        module/datamodule (the fit loop calls ``train_dataloader()`` after ``on_fit_start``); otherwise the rebuilt
+        loader replaces the fit's data source."""
+        values = _sanitise(self._overrides)
+        self._source.instance = self._original_instance
+        self._set_attributes(values)
+        rebuild = {k: v for k, v in values.items() if not self.attributes[k]}
+        if rebuild:
+            self._source.instance = rebuild_dataloader(self._fresh(), rebuild)
+
+    def uninstall(self) -> None:
+        """Back to the user's own loader and attribute values."""
+        self._source.instance = self._original_instance
+        self._restore_attributes({k: self.initial[k] for k in self._overrides if self.attributes[k]})
+
+    # ------------------------------------------------------------------ telling the user
+    def config_entries(self) -> tuple[list[tuple[str, Any]], list[str]]:
+        """The current overrides as LightningCLI keys (attributes) and Python lines."""
+        yaml: list[tuple[str, Any]] = []
+        python: list[str] = []
+        values = self._overrides
+        if not values:
+            return yaml, python
+        owner = "data" if self.holder is not None and self.holder is not self.module else "model"
+        attr = {k: v for k, v in values.items() if self.attributes[k]}
+        rebuilt = {k: v for k, v in values.items() if not self.attributes[k]}
+        for key, value in attr.items():
+            yaml.append((f"{owner}.{key}", value))
+            python.append(f"{'datamodule' if owner == 'data' else 'model'}.{key} = {value!r}")
+        if rebuilt:
+            args = ", ".join(f"{k}={v!r}" for k, v in rebuilt.items())
+            python.append(f"train_loader = DataLoader(..., {args})  # the DataLoader given to trainer.fit")
+        return yaml, python
+
+
+def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> DataLoader:
+    """``loader`` re-created from its constructor arguments with ``overrides`` (same dataset, sampler, collate_fn,
+    generator, ...), through Lightning's sampler-injection machinery. A custom batch sampler keeps its batch size.
+
+    Raises:
+        ValueError: the loader cannot be re-created (Lightning's reason included).
+    """
+    if not overrides:
+        return loader
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+
+    try:
+        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler, RunningStage.TRAINING)
+    except Exception as err:  # MisconfigurationException / TypeError with Lightning's explanation
+        raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
+                         f"{dict(overrides)}: {err}") from err
+    names = getattr(loader, "__pl_saved_arg_names", ())
+    if args and names:  # positional arguments saved by Lightning's hook wrapper: name them so overrides win
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        args = args[len(names):]
+    kwargs = dict(kwargs)
+    values = _sanitise({**TrainLoaderSource.settings_of(loader), **overrides})
+    for key, value in values.items():
+        if key == "batch_size" and kwargs.get("batch_sampler") is not None:
+            continue  # a custom batch sampler owns the batch size (TrainLoaderSource.can_set refuses it)
+        if key == "prefetch_factor" and value is None and not values.get("num_workers"):
+            kwargs.pop(key, None)
+            continue
+        kwargs[key] = value
+    try:
+        return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+    except Exception as err:
+        raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
+                         f"{dict(overrides)}: {type(err).__name__}: {err}") from err

@@ -1,0 +1,677 @@
+"""Autopilot: the playbook's loop run automatically on the user's own run — measure, apply the fix for the slowest
+stage, measure again, keep only proven gains (with a numerics check), hand back the configuration."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
+from lightning_accel.callbacks._interventions import INTERVENTIONS, Intervention, Run, knob_names
+from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print
+from lightning_accel.core.autopilot import (
+    DEFAULT_TOLERANCES,
+    NUMERICS_KINDS,
+    AutopilotPlan,
+    SearchBudget,
+    Tolerance,
+    TrialRecord,
+    compare_probes,
+    decide,
+    propose,
+    render_python,
+    render_yaml,
+)
+from lightning_accel.core.breakdown import MEASURED_STAGES
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["Autopilot"]
+
+#: when the fit's length is unknown (no max_steps, no max_epochs), the search gets this many seconds
+UNKNOWN_LENGTH_BUDGET_SECONDS = 60.0
+
+
+class Autopilot(Callback):
+    """Runs the playbook's loop before training: measure a baseline, diagnose the slowest stage with the doctor's
+    rules, trial the fix for it, keep it only if it is measurably faster and computes the same numbers, diagnose
+    again, until no finding or candidate is left or the time budget is spent; then train with the result.
+
+    ``Trainer(callbacks=[la.Autopilot()])`` needs nothing else. At ``on_fit_start`` (before the fit loop builds its
+    dataloader):
+
+    1. **Baseline**: two measuring windows of the run as configured (``warmup_steps`` untimed optimizer steps —
+       worker start-up, allocator, compilation — then ``measure_steps`` timed), each step split into the doctor's
+       stages (data wait, transfer, forward, backward, optimizer) with its :class:`StageTimer`. The two windows'
+       spread is the run's own noise floor (A/A).
+    2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`); the
+       findings, then the stage holding the run back, name the fixes to try
+       (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
+       ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
+       global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another
+       ``AutoMixedPrecision`` dtype (when the plugin is in use), ``TorchCompile`` (kept only if it pays back its
+       compile time within the fit), fused attention (``use_fused_attention``), activation checkpointing with a
+       larger micro-batch (only when memory is the limit).
+    3. **Trial**: each candidate is applied, checked by the **numerics guard** — on fixed probe batches at the same
+       weights, its loss, gradient direction and optimizer update against the current configuration's, within
+       the tolerance of its kind (bit-identical batches for data-loading changes; ``DEFAULT_TOLERANCES``) — then
+       measured with the same protocol. It is kept only when its samples/s beat the current configuration's by
+       more than ``max(threshold, noise)`` in a first window and again in a confirmation window measured after
+       re-measuring the current configuration (A B A B). Otherwise it is reverted. After a kept change the run is
+       diagnosed again (the bottleneck moves).
+    4. **Result**: the kept changes stay applied for the real training; a table (trial, change, samples/s,
+       × baseline, kept, reason) is printed, ``autopilot/*`` keys are logged, and the plan is written as JSON
+       (``save_plan``) with the configuration as a LightningCLI YAML fragment (next to it, ``.yaml``) and a Python
+       snippet (:attr:`yaml`, :attr:`python`). ``Autopilot(plan="autopilot_plan.json")`` replays a plan without
+       searching.
+
+    **Trial steps are undone.** Every trial runs real training steps (the module's ``training_step``, backward and
+    optimizer step, as the fit loop runs them) outside the fit loop, and the parameters, gradients, buffers,
+    optimizer and scheduler state, precision-plugin state and every RNG are restored bit for bit afterwards, as the
+    tuners do. So the training that follows is exactly the run the user would have had with the chosen settings
+    from the start — same initial weights, same sample order — and ``global_step``, loop progress and logged
+    metrics do not count the trials. Callback hooks do not fire during trials (the doctor and MFUMonitor see only
+    real training). Under DDP every rank runs the same trials in lockstep through the DDP wrapper (the gradient
+    all-reduce is part of each measured step); decisions come from measurements aggregated over ranks (global
+    samples ÷ the slowest rank's time; mean stage seconds), so every rank applies the identical decision.
+
+    **Faults.** A change that raises while being applied or trialled (a compile error, a loader that cannot be
+    rebuilt, a missing attribute) is reverted, reported in the table and skipped; the search goes on from the last
+    good configuration. Ctrl-C during a trial reverts that trial's change and restores the training state before
+    the interrupt propagates. A budget too small for one trial after the baseline changes nothing and says so.
+    ``freeze`` pins settings the search must never touch.
+
+    Logged once through every logger (``logger.log_metrics``):
+
+    =====================================  ==========  ===========================================================
+    key                                    unit        meaning
+    =====================================  ==========  ===========================================================
+    ``autopilot/baseline_samples_per_sec``  samples/s  global, the run as configured (median of its windows)
+    ``autopilot/final_samples_per_sec``    samples/s   global, with the kept changes (median of its windows)
+    ``autopilot/speedup``                  ratio       final ÷ baseline
+    ``autopilot/trials``                   count       candidates trialled
+    ``autopilot/kept``                     count       changes kept
+    ``autopilot/noise``                    fraction    (max - min) / median of the baseline's repeated windows
+    ``autopilot/search_seconds``           s           wall time of the search (this rank)
+    =====================================  ==========  ===========================================================
+
+    Args:
+        budget: the search's share of the fit's expected wall time (steps × the baseline's step time), e.g. 0.05;
+            the baseline itself is always measured.
+        budget_seconds: an absolute budget in seconds instead (overrides ``budget``).
+        threshold: smallest relative gain worth keeping (0.05 = 5 %, DeepSpeed Autotuning's plateau); the
+            measured noise raises it.
+        warmup_steps / measure_steps: untimed and timed optimizer steps per window.
+        probe_steps: optimizer steps' worth of batches in the numerics probe.
+        patience: stop after this many candidates in a row that were not kept.
+        freeze: settings never to touch: intervention names (``"dataloader"``, ``"precision"``, ...) or knobs
+            (``"num_workers"``, ``"batch_size"``, ``"accumulate_grad_batches"``, ``"optimizer"``, ...).
+        interventions: extra :class:`Intervention` objects to trial (fixes of your own), tried after the built-in
+            fixes the diagnosis names.
+        only: trial only these built-in fixes (names), e.g. ``["dataloader", "micro_batch"]``.
+        tolerances: per numerics kind (``data``, ``exact``, ``reorder``, ``low_precision``) a
+            :class:`~lightning_accel.core.autopilot.Tolerance` replacing the default.
+        plan: path of a plan to replay instead of searching.
+        save_plan: where to write the plan (default ``<default_root_dir>/autopilot_plan.json``; ``False``: nowhere).
+        print_summary: print the table and the configuration on rank 0.
+
+    After ``on_fit_start``: :attr:`records` (the table's rows), :attr:`plan` (:class:`AutopilotPlan`),
+    :attr:`yaml` and :attr:`python` (the configuration), :attr:`kept` (the kept interventions).
+    """
+
+    def __init__(
+        self,
+        *,
+        budget: float = 0.05,
+        budget_seconds: float | None = None,
+        threshold: float = 0.05,
+        warmup_steps: int = 5,
+        measure_steps: int = 20,
+        probe_steps: int = 2,
+        patience: int = 4,
+        freeze: Sequence[str] = (),
+        interventions: Sequence[Intervention] = (),
+        only: Sequence[str] | None = None,
+        tolerances: Mapping[str, Tolerance] | None = None,
+        plan: str | os.PathLike[str] | None = None,
+        save_plan: str | os.PathLike[str] | bool | None = None,
+        print_summary: bool = True,
+    ) -> None:
+        if not (isinstance(budget, (int, float)) and 0 < budget <= 1):
+            raise ValueError(f"Autopilot(budget={budget!r}): give the search's share of the fit in (0, 1], e.g. 0.05")
+        if budget_seconds is not None and not (isinstance(budget_seconds, (int, float)) and budget_seconds >= 0):
+            raise ValueError(f"Autopilot(budget_seconds={budget_seconds!r}): give seconds >= 0, e.g. 60")
+        if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
+            raise ValueError(f"Autopilot(threshold={threshold!r}): give a relative gain in [0, 1), e.g. 0.05")
+        for name, value, low in (("warmup_steps", warmup_steps, 1), ("measure_steps", measure_steps, 2),
+                                 ("probe_steps", probe_steps, 1), ("patience", patience, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Autopilot({name}={value!r}): give an int >= {low}")
+        valid = set(INTERVENTIONS) | set(knob_names())
+        freeze = [freeze] if isinstance(freeze, str) else list(freeze)
+        unknown = sorted(set(freeze) - valid)
+        if unknown:
+            raise ValueError(f"Autopilot(freeze={freeze!r}): {unknown} unknown; freeze fix names {sorted(INTERVENTIONS)} "
+                             f"or settings {knob_names()}")
+        if only is not None:
+            only = [only] if isinstance(only, str) else list(only)
+            bad = sorted(set(only) - set(INTERVENTIONS))
+            if bad:
+                raise ValueError(f"Autopilot(only={only!r}): {bad} unknown; fixes are {sorted(INTERVENTIONS)}")
+        for extra in interventions:
+            if not isinstance(extra, Intervention) or not extra.name:
+                raise ValueError(f"Autopilot(interventions=...): {extra!r} is not an Intervention with a `name`")
+            if extra.kind not in NUMERICS_KINDS:
+                raise ValueError(f"Autopilot(interventions=...): {type(extra).__name__}.kind={extra.kind!r}; kinds "
+                                 f"are {list(NUMERICS_KINDS)}")
+        self.tolerances = dict(DEFAULT_TOLERANCES)
+        for kind, tol in (tolerances or {}).items():
+            if kind not in NUMERICS_KINDS or not isinstance(tol, Tolerance):
+                raise ValueError(f"Autopilot(tolerances={{{kind!r}: {tol!r}}}): keys are {list(NUMERICS_KINDS)}, "
+                                 "values Tolerance(max_loss_rel, min_grad_cosine, min_update_cosine)")
+            self.tolerances[kind] = tol
+        self.plan_path = Path(plan) if plan is not None else None
+        if self.plan_path is not None:
+            AutopilotPlan.load(self.plan_path)  # a bad plan fails here, before any training
+        self.budget, self.budget_seconds, self.threshold = float(budget), budget_seconds, float(threshold)
+        self.warmup_steps, self.measure_steps, self.probe_steps = warmup_steps, measure_steps, probe_steps
+        self.patience = patience
+        self.freeze = freeze
+        self.only = only
+        self.extra = list(interventions)
+        self.save_plan = save_plan
+        self.print_summary = print_summary
+        self.records: list[TrialRecord] = []
+        self.kept: list[Intervention] = []
+        self.plan: AutopilotPlan | None = None
+        self.yaml = ""
+        self.python = ""
+        self.notes: list[str] = []
+        self._done = False
+        self._restored_plan: dict[str, Any] | None = None
+        self._prefetcher: Any = None
+
+    # ------------------------------------------------------------------ checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict()} if self.plan is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # a resumed fit replays the plan it trained with instead of searching again
+        self._restored_plan = state_dict.get("plan")
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._done:
+            return
+        self._done = True
+        reason = self._unsupported(trainer)
+        if reason is not None:
+            rank_zero_warn(f"Autopilot: {reason}; training as configured")
+            self.notes.append(reason)
+            return
+        from lightning_accel.callbacks._loader_source import TrainLoaderSource
+
+        try:
+            source = TrainLoaderSource(trainer, pl_module)
+        except ValueError as err:
+            rank_zero_warn(f"Autopilot: {err}; it needs one torch DataLoader to measure with; training as configured")
+            self.notes.append(str(err))
+            return
+        self._source = source
+        run = self._make_run(trainer, pl_module, source)
+        if self.plan_path is not None or self._restored_plan is not None:
+            plan = AutopilotPlan(**self._restored_plan) if self._restored_plan is not None and self.plan_path is None \
+                else AutopilotPlan.load(self.plan_path)  # type: ignore[arg-type]
+            self._replay(run, plan)
+        else:
+            self._search(run)
+        self._install(run)
+        self._finish(run)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.teardown(trainer, pl_module, stage)
+            self._prefetcher = None
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _unsupported(trainer: pl.Trainer) -> str | None:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            return ("under DeepSpeed the engine owns backward and the optimizer step, which the Autopilot's trial "
+                    "steps cannot run and undo")
+        if len(trainer.optimizers) == 0:
+            return "the LightningModule has no optimizer"
+        return None
+
+    def _make_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: Any) -> Run:
+        from lightning_accel.callbacks._probe_step import TrainingState
+
+        state = TrainingState(trainer, pl_module)
+        config = RunConfig(accumulate=int(trainer.accumulate_grad_batches))
+        runner = TrialRunner(trainer, pl_module, source, config, state)
+        run = Run(trainer, pl_module, source, config, runner)
+        run.steps_left = self._fit_steps(trainer, source)
+        run.extras["warmup_steps"] = self.warmup_steps
+        return run
+
+    @staticmethod
+    def _fit_steps(trainer: pl.Trainer, source: Any) -> int | None:
+        """Optimizer steps the fit will run (``max_steps``, else epochs × batches ÷ accumulation), ``None`` if
+        unbounded or unknown."""
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        epochs = trainer.max_epochs
+        if epochs is None or epochs < 0:
+            return None
+        try:
+            batches = len(source.build())
+        except TypeError:
+            return None
+        limit = trainer.limit_train_batches
+        if isinstance(limit, float) and limit <= 1.0:
+            batches = int(batches * limit)
+        elif isinstance(limit, int):
+            batches = min(batches, limit)
+        return max(1, epochs * math.ceil(batches / max(1, trainer.accumulate_grad_batches)))
+
+    def _candidates(self, run: Run) -> dict[str, Intervention]:
+        names = self.only if self.only is not None else list(INTERVENTIONS)
+        out = {name: INTERVENTIONS[name]() for name in names}
+        for extra in self.extra:
+            out[extra.name] = extra
+        return out
+
+    def _frozen(self, candidate: Intervention) -> bool:
+        return candidate.name in self.freeze or any(k in self.freeze for k in candidate.knobs)
+
+    # ------------------------------------------------------------------ measuring (aggregated over ranks)
+    def _measure(self, run: Run, extra_warmup: int = 0) -> Window:
+        local = run.runner.measure(self.warmup_steps + extra_warmup, self.measure_steps)
+        stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
+        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
+                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
+        if rows.shape[0] == 1:
+            return local
+        # global samples over the slowest rank's time; stage seconds averaged over ranks
+        seconds = float(rows[:, 1].max())
+        return Window(samples=int(rows[:, 0].sum()), seconds=seconds, steps=int(rows[:, 2].min()),
+                      stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
+                      warmup_seconds=float(rows[:, 3].max()))
+
+    def _agree(self, run: Run, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
+        """Every rank's verdict: all must be ok and none may have failed."""
+        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
+                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0])
+        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+        if failed:
+            return False, (f"{type(error).__name__}: {_short(error)}" if error is not None
+                           else f"failed on rank(s) {failed}")
+        return bool(rows[:, 0].min() > 0), None
+
+    def _context(self, run: Run) -> Any:
+        from lightning_accel.core.rules import RunContext
+        from lightning_accel.core.utilisation import usable_cpu_count
+
+        trainer, device = run.trainer, run.device
+        settings = run.source.current()
+        ctx = RunContext(device_type=device.type, device_name=str(device), world_size=trainer.world_size,
+                         cpu_count=usable_cpu_count(), accumulate_grad_batches=run.config.accumulate,
+                         num_workers=settings["num_workers"], pin_memory=settings["pin_memory"],
+                         prefetch_factor=settings["prefetch_factor"], persistent_workers=settings["persistent_workers"],
+                         loader="DataLoader", batch_size=settings["batch_size"])
+        if device.type == "cuda":
+            ctx.device_name = torch.cuda.get_device_name(device)
+            ctx.device_capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+        try:
+            ctx.compute_dtype = compute_dtype(trainer)
+        except Exception:  # noqa: BLE001 - an exotic precision plugin: the dtype rules are skipped
+            ctx.compute_dtype = None
+        opt = trainer.optimizers[0]
+        ctx.optimizer = type(opt).__name__
+        group = opt.param_groups[0]
+        if "fused" in group:
+            ctx.optimizer_fused = bool(group["fused"])
+        if "foreach" in group:
+            ctx.optimizer_foreach = None if group["foreach"] is None else bool(group["foreach"])
+        return ctx
+
+    # ------------------------------------------------------------------ the search
+    def _search(self, run: Run) -> None:
+        from lightning_accel.core.rules import diagnose, holding_back
+
+        started = time.perf_counter()
+        plan = AutopilotPlan(world_size=run.trainer.world_size, model=type(run.module).__name__)
+        self.plan = plan
+        try:
+            first = self._measure(run)
+            second = self._measure(run)
+            baseline_rates = [first.samples_per_sec, second.samples_per_sec]
+            baseline = second if second.samples_per_sec >= first.samples_per_sec else first
+            run.baseline = run.current = baseline
+            current_rates = list(baseline_rates)
+            plan.baseline_samples_per_sec = statistics.median(baseline_rates)
+            plan.noise = _noise(baseline_rates)
+            window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
+            budget = self._budget(run, baseline, started)
+            self.records.append(TrialRecord(0, "baseline", "as configured", plan.baseline_samples_per_sec, 1.0, True,
+                                            f"A/A noise {plan.noise:.1%}", seconds=time.perf_counter() - started,
+                                            shares=baseline.shares()))
+            probe_steps = run.runner.probe_batches(self.probe_steps)
+            reference = run.runner.probe(probe_steps)
+            candidates = self._candidates(run)
+            tried: set[str] = set()
+            misses = 0
+            stopped = "no candidate left"
+            while True:
+                shares = run.current.shares()
+                diagnosis = diagnose(shares, self._context(run))
+                bottleneck = holding_back(shares, diagnosis.findings)
+                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried)
+                names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
+                candidate = None
+                for name in names:
+                    tried.add(name)
+                    c = candidates[name]
+                    why = "frozen by Autopilot(freeze=...)" if self._frozen(c) else c.unavailable(run)
+                    if why is None:
+                        candidate = c
+                        break
+                    self.records.append(TrialRecord(len(self.records), name, c.describe(run), None, None, False,
+                                                    f"not applicable: {why}"))
+                if candidate is None:
+                    stopped = ("no finding and no fix left for the bottleneck"
+                               if not diagnosis.findings else "no fix left for the findings")
+                    break
+                cost = 2.2 * window_seconds + candidate.warmup_steps * baseline.step_seconds * 10
+                if not budget.affords(cost):
+                    stopped = (f"time budget spent ({budget.spent():.1f} of {budget.seconds:.1f} s; the next trial "
+                               f"needs ~{cost:.1f} s)")
+                    if len(self.records) == 1:
+                        self.notes.append(f"the budget ({budget.seconds:.1f} s) is too small for one trial "
+                                          f"(~{cost:.1f} s): nothing was changed")
+                    break
+                kept, window, rates, probe = self._trial(run, candidate, current_rates, reference, probe_steps,
+                                                         plan.baseline_samples_per_sec)
+                if kept:
+                    misses = 0
+                    self.kept.append(candidate)
+                    run.current, current_rates, reference = window, rates, probe
+                else:
+                    misses += 1
+                    if misses >= self.patience:
+                        stopped = f"{misses} candidates in a row without a gain"
+                        break
+            plan.stopped = stopped
+            plan.final_samples_per_sec = statistics.median(current_rates)
+        finally:
+            run.runner.state.restore()
+            plan.search_seconds = time.perf_counter() - started
+
+    def _budget(self, run: Run, baseline: Window, started: float) -> SearchBudget:
+        if self.budget_seconds is not None:
+            seconds = float(self.budget_seconds)
+        elif run.steps_left is None:
+            seconds = UNKNOWN_LENGTH_BUDGET_SECONDS
+            self.notes.append(f"the fit's length is unknown (no max_steps / max_epochs): searching for at most "
+                              f"{seconds:.0f} s")
+        else:
+            seconds = self.budget * run.steps_left * baseline.step_seconds
+        return SearchBudget(seconds, started=started)  # the baseline counts against the budget
+
+    def _trial(self, run: Run, candidate: Intervention, current_rates: list[float], reference: Any,
+               probe_steps: list[list[Any]], baseline_rate: float
+               ) -> tuple[bool, Window | None, list[float], Any]:
+        started = time.perf_counter()
+        record = TrialRecord(len(self.records), candidate.name, candidate.describe(run), None, None, False, "")
+        self.records.append(record)
+        applied = kept = False
+        window: Window | None = None
+        rates: list[float] = []
+        probe = None
+        try:
+            error: BaseException | None = None
+            try:
+                candidate.apply(run)
+                applied = True
+            except Exception as err:  # noqa: BLE001 - reported and skipped
+                error = err
+            record.change = candidate.describe(run)
+            ok, failure = self._agree(run, error is None, error)
+            if failure is not None or not ok:
+                record.reason = f"could not apply: {failure}"
+                return False, None, current_rates, reference
+            error = None
+            check = None
+            try:
+                probe = run.runner.probe(probe_steps)
+                check = compare_probes(reference, probe, candidate.kind, self.tolerances[candidate.kind])
+            except Exception as err:  # noqa: BLE001
+                error = err
+            ok, failure = self._agree(run, check is not None and check.ok, error)
+            if check is not None:
+                record.numerics = check.to_dict()
+            if failure is not None:
+                record.reason = f"failed in the numerics probe: {failure}"
+                return False, None, current_rates, reference
+            if not ok:
+                record.reason = (check.reason if check is not None and not check.ok
+                                 else "numerics guard failed on another rank")
+                return False, None, current_rates, reference
+            window = self._measure(run, candidate.warmup_steps)
+            rates = [window.samples_per_sec]
+            record.samples_per_sec = window.samples_per_sec
+            record.vs_baseline = window.samples_per_sec / baseline_rate if baseline_rate else None
+            record.shares = window.shares()
+            decision = decide(current_rates, rates, self.threshold)
+            if decision.keep:  # confirm A B: the current configuration again, then the candidate again
+                candidate.revert(run)
+                applied = False
+                current_rates = [*current_rates, self._measure(run).samples_per_sec]
+                candidate.apply(run)
+                applied = True
+                second = self._measure(run)
+                rates.append(second.samples_per_sec)
+                decision = decide(current_rates, rates, self.threshold)
+                record.samples_per_sec = statistics.median(rates)
+                record.vs_baseline = record.samples_per_sec / baseline_rate if baseline_rate else None
+            reason = decision.reason
+            keep = decision.keep
+            if keep:
+                verdict = candidate.judge(run, run.current, window)
+                if verdict is not None:
+                    keep, why = verdict
+                    reason = f"{reason}; {why}"
+            if check is not None and keep:
+                reason = f"{reason}; numerics ok ({check.reason})"
+            record.reason = reason
+            kept = keep
+            return kept, window, rates, probe
+        except Exception as err:  # noqa: BLE001 - a trial that raises is reverted and reported
+            record.reason = f"failed during the trial: {type(err).__name__}: {_short(err)}"
+            return False, None, current_rates, reference
+        finally:
+            record.kept = kept
+            record.seconds = time.perf_counter() - started
+            if applied and not kept:
+                try:
+                    candidate.revert(run)
+                except Exception as err:  # noqa: BLE001
+                    self.notes.append(f"reverting {candidate.name} raised {err!r}")
+            run.runner.state.restore()
+
+    # ------------------------------------------------------------------ replay
+    def _replay(self, run: Run, plan: AutopilotPlan) -> None:
+        self.plan = AutopilotPlan(world_size=run.trainer.world_size, model=type(run.module).__name__,
+                                  stopped=f"replayed {self.plan_path or 'the checkpoint'}",
+                                  baseline_samples_per_sec=plan.baseline_samples_per_sec,
+                                  final_samples_per_sec=plan.final_samples_per_sec, noise=plan.noise,
+                                  trials=plan.trials)
+        if plan.model and plan.model != type(run.module).__name__:
+            rank_zero_warn(f"Autopilot: the plan was made for {plan.model}, this run trains "
+                           f"{type(run.module).__name__}; replaying it anyway")
+        extras = {e.name: e for e in self.extra}
+        for entry in plan.kept:
+            name, params = entry["name"], dict(entry.get("params", {}))
+            if name in INTERVENTIONS:
+                candidate = INTERVENTIONS[name](**params)
+            elif name in extras:
+                candidate = extras[name]
+                candidate.params = params
+            else:
+                raise ValueError(f"Autopilot(plan={str(self.plan_path)!r}): unknown change {name!r}; built-in changes "
+                                 f"are {sorted(INTERVENTIONS)} (pass your own with interventions=[...])")
+            record = TrialRecord(len(self.records), name, candidate.describe(run), entry.get("samples_per_sec"),
+                                 None, False, "replayed from the plan")
+            self.records.append(record)
+            if self._frozen(candidate):
+                record.reason = "not replayed: frozen by Autopilot(freeze=...)"
+                continue
+            why = candidate.unavailable(run)
+            if why is not None:
+                record.reason = f"not replayed: {why}"
+                rank_zero_warn(f"Autopilot: plan entry {name} does not apply to this run ({why}); skipped")
+                continue
+            try:
+                candidate.apply(run)
+            except Exception as err:  # noqa: BLE001
+                record.reason = f"not replayed: {type(err).__name__}: {_short(err)}"
+                try:
+                    candidate.revert(run)
+                except Exception:  # noqa: BLE001
+                    pass
+                rank_zero_warn(f"Autopilot: replaying {name} failed ({err!r}); skipped")
+                continue
+            record.kept = True
+            record.change = candidate.describe(run)
+            self.kept.append(candidate)
+        run.runner.state.restore()
+
+    # ------------------------------------------------------------------ result
+    def _install(self, run: Run) -> None:
+        trainer = run.trainer
+        run.source.install()
+        trainer.accumulate_grad_batches = run.config.accumulate
+        if run.config.prefetch:
+            from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+            self._prefetcher = DevicePrefetcher(depth=run.config.prefetch_depth)
+            self._prefetcher.setup(trainer, run.module, "fit")
+
+    def _finish(self, run: Run) -> None:
+        plan = self.plan
+        assert plan is not None
+        yaml: list[tuple[str, Any]] = []
+        python: list[str] = []
+        for candidate in self.kept:
+            y, p = candidate.config(run)
+            yaml.extend(y)
+            python.extend(p)
+        self.yaml = render_yaml(yaml)
+        self.python = render_python(python)
+        plan.kept = [{"name": c.name, "params": _jsonable(c.params), "change": c.describe(run)} for c in self.kept]
+        if not plan.trials or not plan.stopped or not plan.stopped.startswith("replayed"):
+            plan.trials = [r.to_dict() for r in self.records]
+        plan.yaml, plan.python = self.yaml, self.python
+        trainer = run.trainer
+        if plan.baseline_samples_per_sec and plan.final_samples_per_sec:
+            metrics = {"autopilot/baseline_samples_per_sec": plan.baseline_samples_per_sec,
+                       "autopilot/final_samples_per_sec": plan.final_samples_per_sec,
+                       "autopilot/speedup": plan.final_samples_per_sec / plan.baseline_samples_per_sec,
+                       "autopilot/trials": float(sum(1 for r in self.records[1:] if r.samples_per_sec is not None
+                                                     or r.reason.startswith(("could not", "failed")))),
+                       "autopilot/kept": float(len(self.kept)),
+                       "autopilot/noise": float(plan.noise or 0.0),
+                       "autopilot/search_seconds": float(plan.search_seconds or 0.0)}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        path = self._plan_path(trainer)
+        if path is not None and trainer.is_global_zero:
+            plan.save(path)
+            if self.yaml:
+                path.with_suffix(".yaml").write_text(self.yaml)
+        summary = (f"Autopilot: kept {len(self.kept)} change(s)"
+                   + (f", {plan.final_samples_per_sec / plan.baseline_samples_per_sec:.2f}x baseline"
+                      if plan.baseline_samples_per_sec and plan.final_samples_per_sec else "")
+                   + (f" ({plan.stopped})" if plan.stopped else ""))
+        rank_zero_info(summary)
+        for note in self.notes:
+            rank_zero_info(f"Autopilot: {note}")
+        if self.print_summary and trainer.is_global_zero:
+            from rich.console import Console
+
+            console = Console()
+            console = Console(width=max(console.width, 130))
+            console.print(self.table())
+            if self.yaml:
+                console.print("[bold]Autopilot configuration[/bold] (LightningCLI YAML):", markup=True)
+                console.print(self.yaml, markup=False, highlight=False)
+            if self.python:
+                console.print("[bold]Autopilot configuration[/bold] (Python):", markup=True)
+                console.print(self.python, markup=False, highlight=False)
+            if path is not None:
+                console.print(f"Plan: {path}  (replay without searching: Autopilot(plan={str(path)!r}))",
+                              markup=False, highlight=False)
+
+    def _plan_path(self, trainer: pl.Trainer) -> Path | None:
+        if self.save_plan is False:
+            return None
+        if self.save_plan is None or self.save_plan is True:
+            return Path(trainer.default_root_dir) / "autopilot_plan.json"
+        return Path(self.save_plan)
+
+    def table(self) -> Any:
+        """The rich table of the trials (also printed after the search)."""
+        from rich.table import Table
+
+        plan = self.plan
+        title = "Autopilot (rank 0): global samples/s, each change trialled against the configuration before it"
+        if plan is not None and plan.stopped:
+            title += f"; stopped: {plan.stopped}"
+        table = Table(title=title, header_style="bold")
+        for col, justify in (("trial", "right"), ("change", "left"), ("samples/s", "right"), ("× baseline", "right"),
+                             ("kept", "center"), ("reason", "left")):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for r in self.records:
+            table.add_row(str(r.index), r.change if r.index else "baseline (as configured)",
+                          f"{r.samples_per_sec:,.1f}" if r.samples_per_sec else "—",
+                          f"{r.vs_baseline:.2f}" if r.vs_baseline else "—",
+                          "✓" if r.kept and r.index else ("" if r.index else "·"), r.reason)
+        return table
+
+
+def _noise(rates: Sequence[float]) -> float:
+    from lightning_accel.core.autopilot import relative_noise
+
+    return relative_noise(rates)
+
+
+def _short(err: BaseException | None, chars: int = 240) -> str:
+    text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
+    return text if len(text) <= chars else text[:chars] + "…"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
