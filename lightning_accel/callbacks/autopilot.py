@@ -452,6 +452,10 @@ class Autopilot(Callback):
                 applied = True
             except Exception as err:  # noqa: BLE001 - reported and skipped
                 error = err
+                try:  # undo what the failed apply may have changed before it raised
+                    candidate.revert(run)
+                except Exception:  # noqa: BLE001 - it may have raised before changing anything
+                    pass
             record.change = candidate.describe(run)
             ok, failure = self._agree(run, error is None, error)
             if failure is not None or not ok:

@@ -1,0 +1,325 @@
+"""Autopilot on CPU, planted scenarios: a data-bound run gets workers (also from a DataLoader passed straight to
+fit), a compute-bound run keeps its configuration, a small micro-batch grows with the global batch held fixed, the
+numerics guard rejects a change of the numbers, a change that raises is reverted, a plan replays, frozen settings
+stay, a budget too small changes nothing, Ctrl-C leaves the model as it was; the training after the search is the
+run the chosen settings give from the start.
+
+Slow data is a sleeping ``__getitem__`` (needs no CPU, so the gain survives a loaded 2-core machine); slow compute
+per call is a sleeping ``training_step`` (a cost per call that a larger micro-batch amortises)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_accel.callbacks._interventions import Intervention
+from lightning_accel.callbacks.autopilot import Autopilot
+
+FAST = {"warmup_steps": 2, "measure_steps": 8, "budget_seconds": 120.0, "freeze": ["compile"]}
+
+
+class Sleepy(Dataset):
+    def __init__(self, n: int = 192, sleep_s: float = 0.004) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), torch.tensor(float(i))
+
+
+class Model(pl.LightningModule):
+    def __init__(self, step_sleep_s: float = 0.0, batch_size: int = 4, sleep_s: float = 0.004, n: int = 192) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 1)
+        self.step_sleep_s, self.batch_size, self.sleep_s, self.n = step_sleep_s, batch_size, sleep_s, n
+        self.num_workers = 0
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+        x, y = batch
+        return (self.layer(x).squeeze(-1) - y / 100).square().mean()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.extend(int(v) for v in batch[1].tolist())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class AttrModel(Model):
+    """Builds its loader in ``train_dataloader()`` from attributes (the tuners' contract)."""
+
+    def train_dataloader(self):
+        workers = self.num_workers
+        return DataLoader(Sleepy(self.n, self.sleep_s), batch_size=self.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(7), num_workers=workers,
+                          persistent_workers=workers > 0)
+
+
+def _trainer(callbacks, **kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=kwargs.pop("max_steps", 12), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=callbacks, **kwargs)
+
+
+def _loader(sleep_s: float = 0.004, batch_size: int = 4, num_workers: int = 0) -> DataLoader:
+    return DataLoader(Sleepy(192, sleep_s), batch_size=batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(7), num_workers=num_workers,
+                      persistent_workers=num_workers > 0)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_data_bound_loader_passed_to_fit_gets_workers_and_trains_as_if_set_from_the_start(tmp_path) -> None:
+    model = Model()
+    autopilot = Autopilot(**FAST, save_plan=tmp_path / "plan.json")
+    trainer = _trainer([autopilot])
+    trainer.fit(model, _loader())  # the DataLoader straight to fit(): Lightning's own tuner cannot do this
+    assert [r.name for r in autopilot.kept][:1] == ["dataloader"], autopilot.records
+    workers = autopilot.kept[0].params["num_workers"]
+    assert workers >= 1 and trainer.train_dataloader.num_workers == workers
+    dl = autopilot.records[1]
+    assert dl.kept and dl.vs_baseline > 1.05 and dl.numerics["ok"]
+    assert "num_workers=" in autopilot.python and "DataLoader(" in autopilot.python
+    # the same fit with the chosen settings from the start: same batches, same final weights
+    reference = Model()
+    _trainer([]).fit(reference, _loader(num_workers=workers))
+    assert model.seen == reference.seen
+    for key, value in _weights(reference).items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["kept"][0]["name"] == "dataloader" and plan["kept"][0]["params"]["num_workers"] == workers
+    assert plan["baseline_samples_per_sec"] > 0 and plan["trials"][0]["name"] == "baseline"
+
+
+def test_replay_applies_the_plan_without_measuring(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "kept": [
+        {"name": "dataloader", "params": {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": True}},
+        {"name": "prefetch", "params": {}}]}))
+    autopilot = Autopilot(plan=plan, save_plan=False)
+    trainer = _trainer([autopilot], max_steps=3)
+    trainer.fit(Model(), _loader())
+    assert [r.reason for r in autopilot.records] == ["replayed from the plan"] * 2
+    assert all(r.samples_per_sec is None for r in autopilot.records)
+    assert trainer.train_dataloader.loader.num_workers == 2  # PrefetchingLoader around the rebuilt DataLoader
+    assert "la.DevicePrefetcher()" in autopilot.python
+
+
+def test_bad_plan_fails_before_training(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no such file"):
+        Autopilot(plan=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "kept": [{"name": "warp_drive", "params": {}}]}))
+    autopilot = Autopilot(plan=bad)
+    model = Model()
+    before = _weights(model)
+    with pytest.raises(ValueError, match="unknown change 'warp_drive'"):
+        _trainer([autopilot]).fit(model, _loader(sleep_s=0.0))
+    for key, value in before.items():
+        assert torch.equal(value, model.state_dict()[key])
+
+
+def test_attribute_loader_module_gets_its_attribute_set() -> None:
+    model = AttrModel()
+    autopilot = Autopilot(**FAST, save_plan=False)
+    _trainer([autopilot], max_steps=2).fit(model)
+    assert autopilot.kept and autopilot.kept[0].name == "dataloader"
+    assert model.num_workers == autopilot.kept[0].params["num_workers"] >= 1
+    assert f"model.num_workers = {model.num_workers}" in autopilot.python
+    assert f"model:\n  num_workers: {model.num_workers}" in autopilot.yaml
+
+
+class Noop(Intervention):
+    """Changes nothing: measures the same as the current configuration."""
+
+    name, kind = "noop", "exact"
+
+    def apply(self, run) -> None:
+        self.applied = True
+
+    def revert(self, run) -> None:
+        self.reverted = True
+
+
+def test_compute_bound_run_keeps_its_configuration() -> None:
+    model = Model(sleep_s=0.0)
+    noop = Noop()
+    autopilot = Autopilot(**FAST, interventions=[noop], save_plan=False)
+    trainer = _trainer([autopilot])
+    data = DataLoader(TensorDataset(torch.randn(96, 8), torch.arange(96.0)), batch_size=4, shuffle=True,
+                      generator=torch.Generator().manual_seed(7))
+    trainer.fit(model, data)
+    assert autopilot.kept == []
+    trial = next(r for r in autopilot.records if r.name == "noop")
+    assert trial.samples_per_sec is not None and not trial.kept and "gate" in trial.reason and noop.reverted
+    assert trainer.train_dataloader is not None and trainer.train_dataloader.num_workers == 0
+    assert autopilot.plan.final_samples_per_sec == autopilot.plan.baseline_samples_per_sec
+
+
+def test_small_micro_batch_grows_with_the_global_batch_fixed() -> None:
+    # a per-call cost (4 ms sleep in training_step): a larger micro-batch amortises it
+    model = AttrModel(step_sleep_s=0.004, sleep_s=0.0, batch_size=2)
+    autopilot = Autopilot(**FAST, only=["micro_batch"], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=3, accumulate_grad_batches=8)
+    trainer.fit(model)
+    kept = [c.params for c in autopilot.kept]
+    assert kept and kept[0] == {"batch_size": 4, "accumulate_grad_batches": 4}, autopilot.records
+    assert model.batch_size * trainer.accumulate_grad_batches == 16  # the global batch per device is unchanged
+    assert trainer.train_dataloader.batch_size == model.batch_size
+    record = next(r for r in autopilot.records if r.name == "micro_batch")
+    assert record.numerics["ok"] and record.numerics["grad_cosine"] > 0.999
+    assert "trainer:\n  accumulate_grad_batches: 4" in autopilot.yaml
+
+
+class ScaleOutput(Intervention):
+    """Multiplies the model's output by 1.5: different numbers, which the guard must catch."""
+
+    name, kind = "scale_output", "reorder"
+
+    def apply(self, run) -> None:
+        self.handle = run.module.layer.register_forward_hook(lambda m, a, out: out * 1.5)
+
+    def revert(self, run) -> None:
+        self.handle.remove()
+
+
+def test_numerics_guard_rejects_a_change_of_the_numbers() -> None:
+    model = Model(sleep_s=0.0)
+    change = ScaleOutput()
+    autopilot = Autopilot(**FAST, only=[], interventions=[change], save_plan=False)
+    _trainer([autopilot], max_steps=2).fit(model, _loader(sleep_s=0.0))
+    record = next(r for r in autopilot.records if r.name == "scale_output")
+    assert not record.kept and record.reason.startswith("numerics guard: loss differs")
+    assert record.numerics["loss_rel_diff"] > 0.1 and record.samples_per_sec is None  # rejected before measuring
+    assert not model.layer._forward_hooks  # reverted
+
+
+class BreaksHalfway(Intervention):
+    name, kind = "breaks_halfway", "exact"
+
+    def apply(self, run) -> None:
+        run.module.layer.weight.data.mul_(0.0)  # half-applied ...
+        raise RuntimeError("backend exploded")
+
+    def revert(self, run) -> None:
+        self.reverted = True
+
+
+class FailsInTheStep(Intervention):
+    name, kind = "fails_in_step", "exact"
+
+    def apply(self, run) -> None:
+        def boom(module, args):
+            if module.training and torch.is_grad_enabled() and getattr(self, "armed", False):
+                raise RuntimeError("kernel not found")
+
+        self.handle = run.module.layer.register_forward_pre_hook(boom)
+        self.armed = True
+
+    def revert(self, run) -> None:
+        self.handle.remove()
+
+
+def test_a_change_that_raises_is_reverted_and_reported() -> None:
+    model = Model(sleep_s=0.0)
+    breaks, fails = BreaksHalfway(), FailsInTheStep()
+    initial = _weights(model)
+    autopilot = Autopilot(**FAST, only=[], interventions=[breaks, fails], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=1)
+    trainer.fit(model, _loader(sleep_s=0.0))
+    rows = {r.name: r for r in autopilot.records}
+    assert rows["breaks_halfway"].reason == "could not apply: RuntimeError: backend exploded" and breaks.reverted
+    assert "kernel not found" in rows["fails_in_step"].reason and not model.layer._forward_pre_hooks
+    assert autopilot.kept == []
+    # the half-applied change did not survive: training started from the original weights
+    reference = Model(sleep_s=0.0)
+    _trainer([], max_steps=1).fit(reference, _loader(sleep_s=0.0))
+    for key, value in _weights(reference).items():
+        assert torch.equal(value, model.state_dict()[key])
+    assert not torch.equal(initial["layer.weight"], model.state_dict()["layer.weight"])  # it did train
+
+
+def test_frozen_settings_are_never_touched() -> None:
+    model = Model()
+    autopilot = Autopilot(**{**FAST, "freeze": ["compile", "num_workers"]}, save_plan=False)
+    trainer = _trainer([autopilot], max_steps=2)
+    trainer.fit(model, _loader())
+    row = next(r for r in autopilot.records if r.name == "dataloader")
+    assert not row.kept and "frozen" in row.reason
+    assert trainer.train_dataloader.num_workers == 0
+    with pytest.raises(ValueError, match=r"freeze=\['num_wrokers'\]"):
+        Autopilot(freeze=["num_wrokers"])
+
+
+def test_budget_too_small_changes_nothing() -> None:
+    model = Model()
+    autopilot = Autopilot(**{**FAST, "budget_seconds": 0.0}, save_plan=False)
+    trainer = _trainer([autopilot], max_steps=2)
+    trainer.fit(model, _loader())
+    assert autopilot.kept == [] and any("too small for one trial" in n for n in autopilot.notes)
+    assert trainer.train_dataloader.num_workers == 0
+
+
+class Interrupts(Intervention):
+    name, kind = "interrupts", "exact"
+
+    def apply(self, run) -> None:
+        run.module.layer.bias.data.add_(100.0)
+
+        def interrupt(module, args):
+            if module.training and torch.is_grad_enabled():
+                raise KeyboardInterrupt
+
+        self.handle = run.module.layer.register_forward_pre_hook(interrupt)
+
+    def revert(self, run) -> None:
+        self.handle.remove()
+        run.module.layer.bias.data.sub_(100.0)
+
+
+def test_ctrl_c_during_a_trial_leaves_the_model_as_it_was() -> None:
+    model = Model(sleep_s=0.0)
+    before = _weights(model)
+    autopilot = Autopilot(**FAST, only=[], interventions=[Interrupts()], save_plan=False)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises((KeyboardInterrupt, SystemExit)):
+            _trainer([autopilot], max_steps=2).fit(model, _loader(sleep_s=0.0))
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
+    assert not model.layer._forward_pre_hooks
+    for key, value in before.items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
+def test_arguments_are_validated() -> None:
+    with pytest.raises(ValueError, match="budget=2"):
+        Autopilot(budget=2)
+    with pytest.raises(ValueError, match="threshold"):
+        Autopilot(threshold=-0.1)
+    with pytest.raises(ValueError, match="measure_steps"):
+        Autopilot(measure_steps=1)
+    with pytest.raises(ValueError, match=r"only=\['turbo'\]"):
+        Autopilot(only=["turbo"])
+    with pytest.raises(ValueError, match="not an Intervention"):
+        Autopilot(interventions=[object()])
+    with pytest.raises(ValueError, match="tolerances"):
+        Autopilot(tolerances={"data": 0.1})

@@ -1,0 +1,66 @@
+"""2-process Lightning DDP on CPU (gloo): every rank runs the same trials in lockstep, the decisions come from the
+measurements aggregated over ranks, and both ranks apply the identical configuration."""
+
+import pytest
+
+from tests.conftest import read_rank_json
+
+SCRIPT = """
+import json, os, time
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+from lightning_accel.callbacks.autopilot import Autopilot
+
+torch.set_num_threads(1)
+
+
+class Data(Dataset):
+    # slow reads on both ranks, slower on rank 1 (the ranks measure different rates; the decision must not differ)
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        time.sleep(0.003 if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 0.004)
+        return torch.randn(16, generator=torch.Generator().manual_seed(i))
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(16, 16)
+
+    def training_step(self, x, i):
+        time.sleep(0.012)  # device-like compute that one loader worker can overlap (1 core per rank here)
+        return (self.net(x) - x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+autopilot = Autopilot(warmup_steps=2, measure_steps=6, budget_seconds=120, freeze=["compile"], save_plan="plan.json",
+                      print_summary=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[autopilot])
+model = Model()
+trainer.fit(model, DataLoader(Data(), batch_size=4, shuffle=True))
+out = {"kept": [[c.name, c.params] for c in autopilot.kept],
+       "records": [[r.name, r.kept, r.samples_per_sec] for r in autopilot.records],
+       "workers": trainer.train_dataloader.num_workers,
+       "weight": model.net.weight.detach().flatten().tolist()}
+with open(f"autopilot_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_take_identical_decisions(ddp_script, tmp_path):
+    ddp_script(SCRIPT, timeout=300)
+    rank0, rank1 = read_rank_json(tmp_path, "autopilot")
+    assert rank0["kept"] == rank1["kept"] and rank0["kept"][0][0] == "dataloader"
+    assert rank0["records"] == rank1["records"]  # the same trials, with the same aggregated rates
+    assert rank0["workers"] == rank1["workers"] >= 1
+    assert rank0["weight"] == rank1["weight"]  # DDP trained in step after the search
+    assert (tmp_path / "plan.json").exists()
