@@ -434,6 +434,13 @@ class Precision(Intervention):
                 [f"plugins = [la.AutoMixedPrecision(dtype={dtype!r})]"])
 
 
+#: the playbook's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
+MAX_COMPILE_GAIN = 0.30
+#: seconds a first inductor compile of a small model typically takes (CPU: C++ codegen on few cores; CUDA: triton);
+#: used only to skip a trial that could not pay back even at MAX_COMPILE_GAIN — a real trial measures its own
+TYPICAL_COMPILE_SECONDS = {False: 30.0, True: 20.0}
+
+
 class Compile(Intervention):
     """``TorchCompile``: the model's children compiled in place. Kept only if the time it saves over the steps left
     in the fit exceeds the compile time measured in the trial's warm-up."""
@@ -450,6 +457,14 @@ class Compile(Intervention):
             return "TorchCompile is already in use"
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in run.module.modules()):
             return "the model is already compiled"
+        window = run.current or run.baseline
+        if run.steps_left is not None and window is not None and "backend" not in self.params:
+            # even the playbook's best case (30 % faster steps) cannot repay a typical first compile in this fit
+            saved = MAX_COMPILE_GAIN * window.step_seconds * run.steps_left
+            if saved < TYPICAL_COMPILE_SECONDS[run.device.type == "cuda"]:
+                return (f"cannot pay back: the {run.steps_left} steps left take ~{window.step_seconds * run.steps_left:.0f} s, "
+                        f"so even {MAX_COMPILE_GAIN:.0%} faster steps save ~{saved:.0f} s, less than a typical "
+                        f"first compile (~{TYPICAL_COMPILE_SECONDS[run.device.type == 'cuda']:.0f} s)")
         return None
 
     def apply(self, run: Run) -> None:

@@ -220,7 +220,8 @@ def decide(current: Sequence[float], candidate: Sequence[float], threshold: floa
     if ratio >= 1.0 + gate:
         return Decision(True, ratio, gate, f"{ratio:.2f}x beats the {1 + gate:.2f}x gate")
     why = "threshold" if gate == threshold else "measured noise"
-    return Decision(False, ratio, gate, f"{ratio:.2f}x is inside the {1 + gate:.2f}x gate ({why})")
+    verb = "is inside" if ratio >= 1.0 else "does not beat"
+    return Decision(False, ratio, gate, f"{ratio:.2f}x {verb} the {1 + gate:.2f}x gate ({why})")
 
 
 def compile_pays_back(compile_seconds: float, step_seconds_before: float, step_seconds_after: float,

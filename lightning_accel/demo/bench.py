@@ -38,6 +38,8 @@ class BenchResult:
     shares: dict[str, float]
     peak_memory_bytes: float | None
     rounds: list[float]
+    search_seconds: float | None = None
+    kept: list[str] = dataclasses.field(default_factory=list)
 
 
 def _peak_meter(accelerator: str) -> Any:
@@ -54,13 +56,19 @@ def _one_run(cfg: DemoConfig) -> dict[str, Any]:
     meter.reset()
     result = run_demo(cfg)
     summary, report = result["mfu_monitor"], result["doctor"]
+    plan = result.get("autopilot")
     return {"samples_per_sec": summary.get("samples_per_sec") or 0.0, "mfu": summary.get("mfu"),
-            "shares": dict(report.shares) if report is not None else {}, "peak": float(meter.peak_bytes())}
+            "shares": dict(report.shares) if report is not None else {}, "peak": float(meter.peak_bytes()),
+            "search_seconds": plan.search_seconds if plan is not None else None,
+            "kept": [k["change"] for k in plan.kept] if plan is not None else []}
 
 
 def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", batch_size: int = 32,
-              compile_backend: str = "inductor", seed: int = 0) -> list[BenchResult]:
-    """Run vanilla and the recommended stack ``rounds`` times each, alternating (A B, B A, ...); medians.
+              compile_backend: str = "inductor", seed: int = 0, autopilot: bool = True,
+              autopilot_budget: float = 30.0) -> list[BenchResult]:
+    """Run vanilla, the recommended stack and (with ``autopilot``) the Autopilot ``rounds`` times each,
+    alternating (A B C, C B A, ...); medians. The Autopilot's search runs before training and is not in its
+    samples/s (``MFUMonitor`` measures the training); its seconds are reported beside it.
 
     Args:
         steps: optimizer steps per run (warm-up and compilation are excluded by ``MFUMonitor``).
@@ -69,6 +77,8 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
         batch_size: per-device batch size for both variants.
         compile_backend: ``torch.compile`` backend of the stack (``"inductor"``; ``"aot_eager"`` for a quick check).
         seed: seed of data, weights and order.
+        autopilot: add the Autopilot variant (``Autopilot(budget_seconds=autopilot_budget)`` on the vanilla run).
+        autopilot_budget: seconds the Autopilot may search per run.
     """
     for name, value in (("steps", steps), ("rounds", rounds), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
@@ -77,6 +87,8 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
                       val_every=steps, progress_bar=False, quiet=True, compile_backend=compile_backend)
     variants = {"vanilla Lightning": base,
                 "recommended stack": dataclasses.replace(base, **recommended_stack(accelerator))}
+    if autopilot:
+        variants["Autopilot"] = dataclasses.replace(base, autopilot=True, autopilot_budget=autopilot_budget)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
@@ -92,7 +104,10 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
             mfu=statistics.median(mfus) if mfus else None,
             shares={s: statistics.median(x["shares"].get(s, 0.0) for x in rs) for s in stages},
             peak_memory_bytes=statistics.median(x["peak"] for x in rs),
-            rounds=[x["samples_per_sec"] for x in rs]))
+            rounds=[x["samples_per_sec"] for x in rs],
+            search_seconds=(statistics.median(x["search_seconds"] for x in rs)
+                            if all(x["search_seconds"] is not None for x in rs) else None),
+            kept=rs[-1]["kept"]))
     return results
 
 

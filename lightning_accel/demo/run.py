@@ -44,6 +44,9 @@ class DemoConfig:
     prefetch: bool = False
     profile_at_step: int | None = None
     compile_backend: str = "inductor"
+    autopilot: bool = False
+    autopilot_budget: float = 30.0
+    autopilot_plan: str | None = None
     quiet: bool = False
     extra_callbacks: list[Any] = field(default_factory=list)
 
@@ -69,6 +72,8 @@ class DemoConfig:
             raise ValueError("demo: --slow-data plants its delay in the token pipeline; use it with --data tokens")
         if self.checkpointing and self.data != "tokens":
             raise ValueError("demo: --checkpointing wraps the GPT's transformer blocks; use it with --data tokens")
+        if not isinstance(self.autopilot_budget, (int, float)) or self.autopilot_budget < 0:
+            raise ValueError(f"demo: --autopilot-budget must be seconds >= 0, got {self.autopilot_budget!r}")
         if self.profile_at_step is not None and (not isinstance(self.profile_at_step, int) or self.profile_at_step < 0):
             raise ValueError(f"demo: --profile-at-step must be a step number >= 0, got {self.profile_at_step!r}")
 
@@ -112,6 +117,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-at-step", type=int, default=None,
                         help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or "
                              "cwd>/profile)")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="Autopilot: before training, trial the fixes for the slowest stage on this run and keep "
+                             "the measured gains (table, plan and config printed)")
+    parser.add_argument("--autopilot-budget", type=float, default=d.autopilot_budget, metavar="SECONDS",
+                        help="seconds the Autopilot may search (default %(default)s; the demo's fit is too short "
+                             "for the default 5 %% share)")
+    parser.add_argument("--autopilot-plan", default=None, metavar="PATH",
+                        help="replay an Autopilot plan (JSON) instead of searching; with --autopilot the plan is "
+                             "written to OUTPUT_DIR/autopilot_plan.json")
     parser.add_argument("--doctor", action=argparse.BooleanOptionalAction, default=d.doctor,
                         help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)")
     parser.add_argument("--slow-data", action="store_true",
@@ -132,6 +146,12 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
     callbacks: list[Any] = []
+    if cfg.autopilot or cfg.autopilot_plan:  # first: everything after it measures the tuned run
+        from lightning_accel.callbacks.autopilot import Autopilot
+
+        plan_out: Any = str(Path(cfg.output_dir) / "autopilot_plan.json") if cfg.output_dir else False
+        callbacks.append(Autopilot(budget_seconds=cfg.autopilot_budget, plan=cfg.autopilot_plan, save_plan=plan_out,
+                                   print_summary=not cfg.quiet))
     if cfg.tune_batch_size is not None:  # before DataLoaderTuner: the loader is tuned for the new batch size
         from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 
@@ -160,8 +180,6 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
         callbacks.append(ProfileWindow(at_step=cfg.profile_at_step,
                                        dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None))
     if cfg.doctor:  # last: its report prints after MFUMonitor's summary
-        from pathlib import Path
-
         from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 
         report: Any = cfg.doctor_report or (str(Path(cfg.output_dir) / "bottleneck_report.json")
@@ -222,11 +240,13 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     trainer.fit(task, datamodule=data)
     monitor = next(cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss", "val_acc")}
+    from lightning_accel.callbacks.autopilot import Autopilot
     from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 
     doctor = next((cb for cb in trainer.callbacks if isinstance(cb, BottleneckDoctor)), None)
+    autopilot = next((cb for cb in trainer.callbacks if isinstance(cb, Autopilot)), None)
     return {"mfu_monitor": monitor.summary, "doctor": doctor.report if doctor is not None else None, **metrics,
-            "trainer": trainer}
+            "autopilot": autopilot.plan if autopilot is not None else None, "trainer": trainer}
 
 
 def _data_dir(cfg: DemoConfig, name: str) -> Path | None:

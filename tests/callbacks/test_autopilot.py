@@ -323,3 +323,116 @@ def test_arguments_are_validated() -> None:
         Autopilot(interventions=[object()])
     with pytest.raises(ValueError, match="tolerances"):
         Autopilot(tolerances={"data": 0.1})
+
+
+# ------------------------------------------------------------------------------------------------ compute fixes
+class Attention(nn.Module):
+    """nanoGPT-style hand-written causal attention (the pattern use_fused_attention rewrites)."""
+
+    def __init__(self, d: int = 64, heads: int = 4, seq: int = 64) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class AttentionModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = Attention()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.attn(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _sequences() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(64, 64, 64)), batch_size=8, shuffle=True,
+                      generator=torch.Generator().manual_seed(7))
+
+
+def test_hand_written_attention_is_fused_and_checked() -> None:
+    model = AttentionModel()
+    autopilot = Autopilot(**FAST, only=["fused_attention"], save_plan=False)
+    _trainer([autopilot], max_steps=2).fit(model, _sequences())
+    record = next(r for r in autopilot.records if r.name == "fused_attention")
+    assert record.numerics is not None and record.numerics["ok"], record
+    assert record.numerics["grad_cosine"] > 0.999 and record.samples_per_sec is not None
+    if record.kept:  # on this CPU the fused kernel is ~2x faster (BENCHMARKS.md); the hook stays installed
+        assert model.attn._forward_pre_hooks or model.attn._forward_hooks
+        assert "la.use_fused_attention(model, blocks=['attn'])" in autopilot.python
+    else:
+        assert not model.attn._forward_pre_hooks and not model.attn._forward_hooks
+
+
+def test_compile_is_judged_against_its_compile_time() -> None:
+    from lightning_accel.callbacks._interventions import Compile
+
+    model = Model(sleep_s=0.0)
+    compile_ = Compile(backend="eager")  # dynamo only: fast enough for a unit test; the protocol is the same
+    autopilot = Autopilot(**{**FAST, "freeze": []}, only=[], interventions=[compile_], save_plan=False)
+    _trainer([autopilot], max_steps=2).fit(model, _loader(sleep_s=0.0))
+    record = next(r for r in autopilot.records if r.name == "compile")
+    assert record.numerics["ok"] and record.samples_per_sec is not None
+    if not record.kept:
+        assert model.layer._compiled_call_impl is None  # reverted to eager
+    else:
+        assert "saves" in record.reason and "TorchCompile" in autopilot.yaml
+
+
+def test_precision_dtype_is_trialled_end_to_end_and_reverted_when_not_kept() -> None:
+    from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
+
+    model = AttentionModel()
+    plugin = AutoMixedPrecision(dtype="fp32")
+    autopilot = Autopilot(**FAST, only=["precision"], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=2, plugins=[plugin])
+    trainer.fit(model, _sequences())
+    record = next(r for r in autopilot.records if r.name == "precision")
+    assert "bf16" in record.change
+    assert record.numerics is not None and record.numerics["kind"] == "low_precision"
+    if record.kept:
+        assert plugin.compute_dtype == torch.bfloat16 and "dtype: bf16" in autopilot.yaml
+    else:
+        assert plugin.compute_dtype == torch.float32  # the plugin is back where it was
+
+
+def test_optimizer_bound_run_tries_the_fused_and_foreach_steps() -> None:
+    class ManyParams(Model):
+        def __init__(self) -> None:
+            super().__init__(sleep_s=0.0)
+            self.extra = nn.ParameterList([nn.Parameter(torch.randn(4)) for _ in range(400)])
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + 1e-3 * sum(p.sum() for p in self.extra[:4])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=False)
+
+    model = ManyParams()
+    autopilot = Autopilot(**FAST, only=["optimizer_fused", "optimizer_foreach"], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=2)
+    trainer.fit(model, _loader(sleep_s=0.0))
+    rows = [r for r in autopilot.records if r.name.startswith("optimizer_")]
+    assert rows and all(r.numerics is None or r.numerics["ok"] for r in rows), rows
+    group = trainer.optimizers[0].param_groups[0]
+    kept = {c.name for c in autopilot.kept}
+    if "optimizer_foreach" in kept:
+        assert group["foreach"] is True and not group["fused"]
+    elif "optimizer_fused" in kept:
+        assert group["fused"] is True and group["foreach"] is False
+    else:  # reverted: the user's own flags
+        assert group["foreach"] is False and not group["fused"]
