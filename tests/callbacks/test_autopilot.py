@@ -160,7 +160,7 @@ class Noop(Intervention):
 
 
 def test_compute_bound_run_keeps_its_configuration() -> None:
-    model = Model(sleep_s=0.0)
+    model = Model(sleep_s=0.0, step_sleep_s=0.002)  # a steady 2 ms "device" step: windows robust to a busy CPU
     noop = Noop()
     autopilot = Autopilot(**FAST, interventions=[noop], save_plan=False)
     trainer = _trainer([autopilot])
