@@ -15,6 +15,10 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # callbacks
+    "Autopilot": "lightning_accel.callbacks.autopilot",
+    "Intervention": "lightning_accel.callbacks.interventions",
+    "AutopilotPlan": "lightning_accel.core.autopilot",
+    "Tolerance": "lightning_accel.core.autopilot",
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
     "BottleneckDoctor": "lightning_accel.callbacks.bottleneck_doctor",
     "NonFiniteGuard": "lightning_accel.callbacks.non_finite_guard",

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
-from lightning_accel.callbacks._interventions import INTERVENTIONS, Intervention, Run, knob_names
+from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
