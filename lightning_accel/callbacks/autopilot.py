@@ -383,7 +383,7 @@ class Autopilot(Callback):
                 shares = run.current.shares()
                 diagnosis = diagnose(shares, self._context(run))
                 bottleneck = holding_back(shares, diagnosis.findings)
-                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried)
+                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried, shares)
                 names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
                 candidate = None
                 for name in names:
@@ -413,6 +413,9 @@ class Autopilot(Callback):
                     misses = 0
                     self.kept.append(candidate)
                     run.current, current_rates, reference = window, rates, probe
+                    if candidate.repeatable and candidate.name in INTERVENTIONS:  # e.g. the micro-batch once more
+                        tried.discard(candidate.name)
+                        candidates[candidate.name] = INTERVENTIONS[candidate.name]()
                 else:
                     misses += 1
                     if misses >= self.patience:

@@ -71,6 +71,8 @@ class Intervention:
     knobs: ClassVar[tuple[str, ...]] = ()
     #: estimated extra warm-up steps the change needs (compilation)
     warmup_steps: ClassVar[int] = 0
+    #: after being kept, a fresh instance may be trialled again (a micro-batch doubled once more)
+    repeatable: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
@@ -246,6 +248,7 @@ class MicroBatch(Intervention):
     name = "micro_batch"
     kind = "reorder"
     knobs = ("batch_size", "accumulate_grad_batches")
+    repeatable = True
 
     def unavailable(self, run: Run) -> str | None:
         accumulate = run.config.accumulate
@@ -425,7 +428,9 @@ class Precision(Intervention):
         plugin.choice, plugin.precision, plugin.scaler = self._before
 
     def describe(self, run: Run) -> str:
-        return f"AutoMixedPrecision(dtype={self.params.get('dtype', '?')!r})"
+        if "dtype" not in self.params:
+            return "another AutoMixedPrecision dtype"
+        return f"AutoMixedPrecision(dtype={self.params['dtype']!r})"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
         dtype = self.params["dtype"]

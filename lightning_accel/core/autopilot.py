@@ -265,7 +265,8 @@ class SearchBudget:
 # ------------------------------------------------------------------------------------------------ what to try
 #: Fixes to trial for each finding of the doctor's rules (``lightning_accel.core.rules``), in order.
 RULE_FIXES: dict[str, tuple[str, ...]] = {
-    "data_wait": ("dataloader", "prefetch"),
+    # a larger micro-batch (global batch fixed) also amortises the loader's per-batch cost (sampler, collate, IPC)
+    "data_wait": ("dataloader", "prefetch", "micro_batch"),
     "gpu_utilisation": ("dataloader", "prefetch"),
     "num_workers_zero": ("dataloader",),
     "transfer": ("pin_memory", "prefetch"),
@@ -283,7 +284,7 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
 #: Fixes for the stage holding the run back when no rule names one (e.g. a compute-bound step: the playbook's
 #: compute fixes), in order of how often they pay off.
 STAGE_FIXES: dict[str, tuple[str, ...]] = {
-    "data": ("dataloader", "prefetch"),
+    "data": ("dataloader", "prefetch", "micro_batch"),
     "transfer": ("pin_memory", "prefetch"),
     "forward": ("precision", "fused_attention", "compile", "micro_batch"),
     "backward": ("precision", "fused_attention", "compile", "micro_batch"),
@@ -294,9 +295,10 @@ STAGE_FIXES: dict[str, tuple[str, ...]] = {
 
 
 def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable[str],
-            tried: Iterable[str]) -> list[str]:
+            tried: Iterable[str], shares: Mapping[str, float] | None = None) -> list[str]:
     """Names of the fixes to try next, in order: those for the findings' rules (in the doctor's order), then those
-    for the bottleneck stage; only ``available`` ones never ``tried`` before."""
+    for the bottleneck stage, then those for the other stages by decreasing share (when no fix for the largest
+    stage helps, the next one is where time goes); only ``available`` ones never ``tried`` before."""
     available = list(available)
     done = set(tried)
     order: list[str] = []
@@ -304,6 +306,8 @@ def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable
         order.extend(RULE_FIXES.get(rule, ()))
     if bottleneck is not None:
         order.extend(STAGE_FIXES.get(bottleneck, ()))
+    for stage in sorted(shares or {}, key=lambda s: -(shares or {})[s]):
+        order.extend(STAGE_FIXES.get(stage, ()))
     out: list[str] = []
     for name in order:
         if name in available and name not in done and name not in out:

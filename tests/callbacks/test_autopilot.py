@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_accel.callbacks._interventions import Intervention
+from lightning_accel.callbacks.interventions import Intervention
 from lightning_accel.callbacks.autopilot import Autopilot
 
 FAST = {"warmup_steps": 2, "measure_steps": 8, "budget_seconds": 120.0, "freeze": ["compile"]}
@@ -378,7 +378,7 @@ def test_hand_written_attention_is_fused_and_checked() -> None:
 
 
 def test_compile_is_judged_against_its_compile_time() -> None:
-    from lightning_accel.callbacks._interventions import Compile
+    from lightning_accel.callbacks.interventions import Compile
 
     model = Model(sleep_s=0.0)
     compile_ = Compile(backend="eager")  # dynamo only: fast enough for a unit test; the protocol is the same

@@ -112,13 +112,17 @@ def test_tolerance_validation() -> None:
 
 def test_propose_orders_findings_then_the_bottleneck_stage() -> None:
     available = ["dataloader", "prefetch", "compile", "precision", "micro_batch", "optimizer_foreach"]
-    assert propose(["data_wait"], "data", available, ()) == ["dataloader", "prefetch"]
-    assert propose(["data_wait"], "data", available, {"dataloader"}) == ["prefetch"]
+    assert propose(["data_wait"], "data", available, ()) == ["dataloader", "prefetch", "micro_batch"]
+    assert propose(["data_wait"], "data", available, {"dataloader"}) == ["prefetch", "micro_batch"]
     # compute-bound, no finding: the compute fixes, in order
     assert propose([], "backward", available, ()) == ["precision", "compile", "micro_batch"]
     assert propose(["optimizer", "data_wait"], "optimizer", available, ()) == \
-        ["optimizer_foreach", "dataloader", "prefetch"]
+        ["optimizer_foreach", "dataloader", "prefetch", "micro_batch"]
     assert propose(["unknown_rule"], None, available, ()) == []
+    # the fixes of the largest stage exhausted: the next stages' fixes, by share
+    shares = {"data": 0.5, "optimizer": 0.3, "forward": 0.2}
+    assert propose(["data_wait"], "data", available, {"dataloader", "prefetch", "micro_batch"}, shares) == \
+        ["optimizer_foreach", "precision", "compile"]
 
 
 def test_budget_counts_from_its_start() -> None:
