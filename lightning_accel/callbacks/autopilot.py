@@ -383,7 +383,8 @@ class Autopilot(Callback):
                 shares = run.current.shares()
                 diagnosis = diagnose(shares, self._context(run))
                 bottleneck = holding_back(shares, diagnosis.findings)
-                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried, shares)
+                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried, shares,
+                                 self.threshold)
                 names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
                 candidate = None
                 for name in names:

@@ -294,7 +294,7 @@ class MicroBatch(Intervention):
         yaml, python = run.source.config_entries()
         yaml = [e for e in yaml if e[0].endswith(".batch_size")]
         python = [line for line in python if "batch_size" in line]
-        acc = self.params["accumulate_grad_batches"]
+        acc = run.config.accumulate  # the final value (a repeated micro-batch change supersedes this one's)
         return ([*yaml, ("trainer.accumulate_grad_batches", acc)],
                 [*python, f"trainer_kwargs['accumulate_grad_batches'] = {acc}"])
 

@@ -295,10 +295,13 @@ STAGE_FIXES: dict[str, tuple[str, ...]] = {
 
 
 def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable[str],
-            tried: Iterable[str], shares: Mapping[str, float] | None = None) -> list[str]:
+            tried: Iterable[str], shares: Mapping[str, float] | None = None, threshold: float = 0.05) -> list[str]:
     """Names of the fixes to try next, in order: those for the findings' rules (in the doctor's order), then those
     for the bottleneck stage, then those for the other stages by decreasing share (when no fix for the largest
-    stage helps, the next one is where time goes); only ``available`` ones never ``tried`` before."""
+    stage helps, the next one is where time goes); only ``available`` ones never ``tried`` before.
+
+    A stage whose share is below ``threshold / (1 + threshold)`` is left out of that last group: removing it
+    entirely could not make the step ``threshold`` faster."""
     available = list(available)
     done = set(tried)
     order: list[str] = []
@@ -306,8 +309,10 @@ def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable
         order.extend(RULE_FIXES.get(rule, ()))
     if bottleneck is not None:
         order.extend(STAGE_FIXES.get(bottleneck, ()))
+    floor = threshold / (1.0 + threshold)
     for stage in sorted(shares or {}, key=lambda s: -(shares or {})[s]):
-        order.extend(STAGE_FIXES.get(stage, ()))
+        if (shares or {})[stage] >= floor:
+            order.extend(STAGE_FIXES.get(stage, ()))
     out: list[str] = []
     for name in order:
         if name in available and name not in done and name not in out:
