@@ -232,12 +232,14 @@ class TrialRunner:
             self.state.restore()
         return out
 
-    def probe(self, probe_steps: list[list[Any]], with_update: bool = True) -> ProbeResult:
+    def probe(self, probe_steps: list[list[Any]], with_update: bool = True,
+              through_strategy: bool = False) -> ProbeResult:
         """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and the
         digests of the batches the current loader delivers in their place; the state is restored afterwards.
 
         The probe steps call the LightningModule directly (no DDP wrapper: no collective), so a rank that fails here
-        cannot leave the others waiting."""
+        cannot leave the others waiting — except with ``through_strategy`` (a change of the communication itself),
+        where the forward goes through ``strategy.training_step`` and the gradients are all-reduced."""
         result = ProbeResult()
         micro = self.source.current().get("batch_size")
         original = probe_steps[0][0]
@@ -258,8 +260,11 @@ class TrialRunner:
                     scaler = self._scaler()
                     for batch in grouped:
                         batch = self.trainer.strategy.batch_to_device(batch)
-                        with self.trainer.precision_plugin.train_step_context():
-                            out = self.module.training_step(batch, 0)
+                        if through_strategy:
+                            out = self.trainer.strategy.training_step(batch, 0)
+                        else:
+                            with self.trainer.precision_plugin.train_step_context():
+                                out = self.module.training_step(batch, 0)
                         loss = _loss_of(out)
                         if loss is None or not self.module.automatic_optimization:
                             continue

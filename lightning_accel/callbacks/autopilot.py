@@ -468,8 +468,13 @@ class Autopilot(Callback):
             error = None
             check = None
             try:
-                probe = run.runner.probe(probe_steps)
-                check = compare_probes(reference, probe, candidate.kind, self.tolerances[candidate.kind])
+                probe = run.runner.probe(probe_steps, through_strategy=candidate.probe_through_strategy)
+                ref = reference
+                if candidate.probe_through_strategy:  # the reference through the same path, without the change
+                    candidate.revert(run)
+                    ref = run.runner.probe(probe_steps, through_strategy=True)
+                    candidate.apply(run)
+                check = compare_probes(ref, probe, candidate.kind, self.tolerances[candidate.kind])
             except Exception as err:  # noqa: BLE001
                 error = err
             ok, failure = self._agree(run, check is not None and check.ok, error)

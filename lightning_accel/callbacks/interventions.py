@@ -21,6 +21,7 @@ name                        change                                       built o
 ``compile``                 torch.compile in place (pays back or not)    ``TorchCompile``                reorder
 ``fused_attention``         hand-written attention → SDPA                ``use_fused_attention``         reorder
 ``activation_checkpointing``  recompute blocks + larger micro-batch      ``core.checkpointing``          reorder
+``compression``             16-bit gradient all-reduce (DDP)             ``ddp_bf16_compress``'s hook    low_precision
 ==========================  ===========================================  ==============================  =============
 """
 
@@ -73,6 +74,8 @@ class Intervention:
     warmup_steps: ClassVar[int] = 0
     #: after being kept, a fresh instance may be trialled again (a micro-batch doubled once more)
     repeatable: ClassVar[bool] = False
+    #: the numerics probe runs through the strategy's wrapper (DDP), with collectives (communication changes)
+    probe_through_strategy: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
@@ -609,10 +612,84 @@ class ActivationCheckpointingWithLargerBatch(Intervention):
                 [*python, f"callbacks.append(la.ActivationCheckpointing(modules=[{block.rsplit('.', 1)[-1]}]))"])
 
 
+# ------------------------------------------------------------------------------------------------ communication
+class SwitchableCompression:
+    """A DDP comm hook whose compression can change between steps: torch's ``allreduce_hook`` (the plain averaged
+    all-reduce), ``bf16_compress_hook`` or ``fp16_compress_hook``. DDP accepts one comm hook per model and cannot
+    remove it, so the Autopilot registers this one the first time it trials compression and switches it."""
+
+    def __init__(self) -> None:
+        self.mode = "allreduce"
+
+    def hook(self) -> Callable[..., Any]:
+        """The function to register (DDP checks its signature: no annotations other than torch's own)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {"allreduce": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook,
+                 "fp16": default_hooks.fp16_compress_hook}
+
+        def switchable(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects other annotations
+            return hooks[self.mode](state, bucket)
+
+        return switchable
+
+
+class Compression(Intervention):
+    """Gradient all-reduce in 16 bits (``ddp_bf16_compress``'s hook) under plain Lightning DDP, trialled when the
+    backward (which includes the exposed all-reduce in the Autopilot's trial steps) holds the run back. The numerics
+    probe runs through the DDP wrapper here, so the compressed all-reduce is what it checks. If the trial is not
+    kept, the registered hook stays as torch's plain averaged all-reduce for the fit (the same sums, reduced in
+    Python instead of DDP's built-in reducer): DDP cannot unregister a hook."""
+
+    name = "compression"
+    kind = "low_precision"
+    knobs = ("strategy",)
+    probe_through_strategy = True
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning.pytorch.strategies import DDPStrategy
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lightning_accel.strategies.ddp_compression import DDPCompressionStrategy
+
+        if run.trainer.world_size <= 1:
+            return "single process: no gradient all-reduce"
+        strategy = run.trainer.strategy
+        if isinstance(strategy, DDPCompressionStrategy):
+            return f"the strategy already compresses ({strategy.compression})"
+        if not isinstance(strategy, DDPStrategy) or not isinstance(strategy.model, DistributedDataParallel):
+            return f"{type(strategy).__name__} is not plain DDP"
+        return None
+
+    def apply(self, run: Run) -> None:
+        switch = run.extras.get("comm_switch")
+        if switch is None:
+            switch = SwitchableCompression()
+            try:
+                run.trainer.strategy.model.register_comm_hook(None, switch.hook())
+            except RuntimeError as err:
+                raise ValueError(f"the DDP model has a comm hook already ({err}); use "
+                                 "strategy='ddp_bf16_compress' to compress") from err
+            run.extras["comm_switch"] = switch
+        self.params = {"compression": self.params.get("compression", "bf16")}
+        switch.mode = self.params["compression"]
+
+    def revert(self, run: Run) -> None:
+        run.extras["comm_switch"].mode = "allreduce"
+
+    def describe(self, run: Run) -> str:
+        return f"strategy='ddp_{self.params.get('compression', 'bf16')}_compress'"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        name = f"ddp_{self.params['compression']}_compress"
+        return [("trainer.strategy", name)], [f"trainer_kwargs['strategy'] = {name!r}  # after import lightning_accel"]
+
+
 #: Built-in interventions by name, in the order the table lists them.
 INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
     cls.name: cls for cls in (DataLoaderSettings, PinMemory, Prefetch, MicroBatch, FusedOptimizer, ForeachOptimizer,
-                              Precision, Compile, FusedAttention, ActivationCheckpointingWithLargerBatch)
+                              Precision, Compile, FusedAttention, ActivationCheckpointingWithLargerBatch,
+                              Compression)
 }
 
 

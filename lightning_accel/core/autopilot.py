@@ -287,7 +287,8 @@ STAGE_FIXES: dict[str, tuple[str, ...]] = {
     "data": ("dataloader", "prefetch", "micro_batch"),
     "transfer": ("pin_memory", "prefetch"),
     "forward": ("precision", "fused_attention", "compile", "micro_batch"),
-    "backward": ("precision", "fused_attention", "compile", "micro_batch"),
+    # under DDP the trial steps' backward includes the all-reduce not hidden behind it
+    "backward": ("precision", "fused_attention", "compile", "micro_batch", "compression"),
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
     "other": ("micro_batch",),

@@ -64,3 +64,56 @@ def test_ddp_ranks_take_identical_decisions(ddp_script, tmp_path):
     assert rank0["workers"] == rank1["workers"] >= 1
     assert rank0["weight"] == rank1["weight"]  # DDP trained in step after the search
     assert (tmp_path / "plan.json").exists()
+
+
+COMPRESSION = """
+import json
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks.autopilot import Autopilot
+
+torch.set_num_threads(1)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+
+    def training_step(self, batch, i):
+        (x,) = batch
+        return (self.net(x) - x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+autopilot = Autopilot(warmup_steps=2, measure_steps=6, budget_seconds=120, only=["compression"], print_summary=False,
+                      save_plan=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[autopilot])
+model = Model()
+g = torch.Generator().manual_seed(0)
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(256, 512, generator=g)), batch_size=8))
+row = next(r for r in autopilot.records if r.name == "compression")
+out = {"kept": row.kept, "numerics": row.numerics, "reason": row.reason, "yaml": autopilot.yaml,
+       "weight": model.net[0].weight.detach().flatten()[:64].tolist()}
+with open(f"compression_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(ddp_script, tmp_path):
+    ddp_script(COMPRESSION, timeout=300)
+    rank0, rank1 = read_rank_json(tmp_path, "compression")
+    assert rank0["kept"] == rank1["kept"] and rank0["reason"] == rank1["reason"]
+    numerics = rank0["numerics"]
+    assert numerics["kind"] == "low_precision" and numerics["ok"], rank0
+    # bf16 all-reduce: close to, but not exactly, the fp32 gradients
+    assert 0.99 < numerics["grad_cosine"] < 1.0 or numerics["loss_rel_diff"] > 0
+    assert ("ddp_bf16_compress" in rank0["yaml"]) == rank0["kept"]
+    assert rank0["weight"] == rank1["weight"]
