@@ -439,3 +439,21 @@ def test_optimizer_bound_run_tries_the_fused_and_foreach_steps() -> None:
         assert group["fused"] is True and group["foreach"] is False
     else:  # reverted: the user's own flags
         assert group["foreach"] is False and not group["fused"]
+
+
+def test_a_resumed_fit_replays_the_plan_from_the_checkpoint(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    autopilot = Autopilot(**FAST, save_plan=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[autopilot, checkpoint])
+    trainer.fit(Model(), _loader())
+    assert autopilot.kept and autopilot.kept[0].name == "dataloader"
+    workers = autopilot.kept[0].params["num_workers"]
+    resumed = Autopilot(**FAST, save_plan=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[resumed])
+    trainer.fit(Model(), _loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert [r.reason for r in resumed.records] == ["replayed from the plan"]
+    assert trainer.train_dataloader.num_workers == workers and trainer.global_step == 6
