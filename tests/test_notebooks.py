@@ -9,8 +9,8 @@ from tests.conftest import REPO
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
-def test_the_five_walkthroughs_exist():
-    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+def test_the_six_walkthroughs_exist():
+    assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
 @pytest.mark.notebooks

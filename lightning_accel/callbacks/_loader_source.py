@@ -189,7 +189,10 @@ class TrainLoaderSource:
             python.append(f"{'datamodule' if owner == 'data' else 'model'}.{key} = {value!r}")
         if rebuilt:
             args = ", ".join(f"{k}={v!r}" for k, v in rebuilt.items())
-            python.append(f"train_loader = DataLoader(..., {args})  # the DataLoader given to trainer.fit")
+            if self.holder is None:
+                python.append(f"train_loader = DataLoader(..., {args})  # the DataLoader given to trainer.fit")
+            else:  # no attribute to set: the DataLoader that train_dataloader() builds
+                python.append(f"# in {type(self.holder).__name__}.train_dataloader(): DataLoader(..., {args})")
         return yaml, python
 
 
