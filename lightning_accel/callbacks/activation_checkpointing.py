@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
@@ -18,6 +19,8 @@ from lightning_accel.core.checkpointing import (
     saved_activation_bytes,
 )
 from lightning_accel.core.flops import FlopCounter
+
+_compat.require_versions("ActivationCheckpointing")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -187,4 +190,4 @@ class ActivationCheckpointing(Callback):
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass in this thread (where checkpointed modules recompute)."""
-    return torch._C._current_graph_task_id() != -1  # private, present in torch 2.0-2.13
+    return _compat.in_backward()

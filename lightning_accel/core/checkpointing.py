@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel import _compat
+
 __all__ = [
     "CHECKPOINT_PREFIX",
     "apply_activation_checkpointing",
@@ -52,7 +54,6 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
     Raises:
         ValueError: a target matches nothing; the message lists the module types (and some names) present.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     named = [(clean_module_name(n), n, m) for n, m in model.named_modules() if n]
     hits: dict[int, int] = {i: 0 for i in range(len(targets))}
@@ -82,7 +83,7 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
         parent = model.get_submodule(parent_name) if parent_name else model
         current = getattr(parent, child)
         if not _is_wrapper(current):
-            setattr(parent, child, checkpoint_wrapper(current, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            setattr(parent, child, _compat.checkpoint_wrapper_non_reentrant(current))
     return [c for c, _ in outermost]
 
 
