@@ -696,6 +696,21 @@ class _AttentionRewrite(TorchFunctionMode):
         self.on_fused = on_fused
         self.fused = 0
         self.broken: str | None = None  # the first op that ended a pattern, in words
+        # 0-dim tensors made by torch.full([], value) in this forward (Hugging Face's scale and mask value): their
+        # value is known without reading a GPU tensor back (no device sync)
+        self._scalars: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def _scalar(self, value: Any) -> float | None:
+        """A Python number, a 0-dim tensor made here by torch.full, or a 0-dim CPU tensor, as a float."""
+        if _is_number(value):
+            return float(value)
+        if _plain(value) and value.ndim == 0 and value.is_floating_point():
+            known = self._scalars.get(id(value))
+            if known is not None and known[0] is value:
+                return known[1]
+            if value.device.type == "cpu":
+                return float(value.item())
+        return None
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
@@ -709,6 +724,10 @@ class _AttentionRewrite(TorchFunctionMode):
                 lazy = self._scores(func, args)
                 if lazy is not None:
                     return lazy
+            elif func is torch.full and len(args) == 2 and len(args[0]) == 0 and _is_number(args[1]):
+                out = func(*args, **kwargs)
+                self._scalars[id(out)] = (out, float(args[1]))
+                return out
             elif func in _SOFTMAX and args and _plain(args[0]) and self.broken is None:
                 self._break(f"softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
                             f"(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)")
@@ -742,14 +761,18 @@ class _AttentionRewrite(TorchFunctionMode):
         stage = lazy._stage
         if stage == "scores" and len(args) == 2 and not kwargs:
             a, b = args
-            if func in _MUL and _is_number(b if a is lazy else a):
+            factor = self._scalar(b if a is lazy else a)
+            if func in _MUL and factor is not None:
                 child = lazy.derive("scores", func, args, kwargs)
-                child._scale = lazy._scale * float(b if a is lazy else a)
+                child._scale = lazy._scale * factor
                 return child
-            if func in _DIV and a is lazy and _is_number(b) and b != 0:
+            if func in _DIV and a is lazy and factor is not None and factor != 0:
                 child = lazy.derive("scores", func, args, kwargs)
-                child._scale = lazy._scale / float(b)
+                child._scale = lazy._scale / factor
                 return child
+        target = _cast_target(func, args, kwargs)
+        if target is not None and args[0] is lazy and target == lazy.dtype:
+            return lazy  # .to(its own dtype): nothing to do
         if stage in ("scores", "masked") and func in _ADD and len(args) == 2 and not kwargs:
             mask = args[1] if args[0] is lazy else args[0]
             if _plain(mask) and mask.is_floating_point() and mask.device == lazy.device and \
@@ -759,22 +782,15 @@ class _AttentionRewrite(TorchFunctionMode):
                 return child
         if stage in ("scores", "masked") and func is torch.Tensor.masked_fill and args[0] is lazy \
                 and len(args) == 3 and not kwargs:
-            bool_mask, value = args[1], args[2]
-            if _plain(value) and value.ndim == 0 and value.device.type == "cpu":  # no device sync for a GPU one
-                value = value.item()
-            if _plain(bool_mask) and bool_mask.dtype == torch.bool and _is_number(value) \
-                    and torch.broadcast_shapes(bool_mask.shape, lazy.shape) == lazy.shape:
-                if value == -math.inf:
-                    child = lazy.derive("masked", func, args, kwargs)
-                    child._masks = (*lazy._masks, ~bool_mask)  # SDPA's boolean mask: True takes part
-                    return child
-                if value == torch.finfo(lazy.dtype).min:
-                    # the lowest finite value (Hugging Face's mask value): as an additive mask, s + min rounds to
-                    # min for any score |s| << |min|, so the result is the same, fully masked rows included
-                    child = lazy.derive("masked", func, args, kwargs)
-                    additive = torch.zeros(bool_mask.shape, dtype=lazy.dtype, device=lazy.device)
-                    child._masks = (*lazy._masks, additive.masked_fill(bool_mask, value))
-                    return child
+            child = self._masked(lazy, func, args, kwargs, masked=args[1], value=args[2])
+            if child is not None:
+                return child
+        if stage in ("scores", "masked") and func is torch.where and len(args) == 3 and args[1] is lazy \
+                and not kwargs and _plain(args[0]) and args[0].dtype == torch.bool:
+            # torch.where(keep, scores, value) == scores.masked_fill(~keep, value) (GPT-2's causal mask)
+            child = self._masked(lazy, func, args, kwargs, masked=~args[0], value=args[2])
+            if child is not None:
+                return child
         if stage in ("scores", "masked") and func in _SOFTMAX and args[0] is lazy:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             extra = {k: v for k, v in kwargs.items() if k not in ("dim", "_stacklevel", "dtype")}
@@ -794,6 +810,26 @@ class _AttentionRewrite(TorchFunctionMode):
                 return lazy  # identity
         if stage == "probs" and func in _MATMUL and len(args) == 2 and args[0] is lazy and not kwargs:
             return self._fuse(lazy, args[1])
+        return None
+
+    def _masked(self, lazy: _Lazy, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], masked: Any,
+                value: Any) -> _Lazy | None:
+        """Scores with ``masked`` positions set to ``value``, when that is a mask SDPA can take."""
+        fill = self._scalar(value)
+        if not (_plain(masked) and masked.dtype == torch.bool and fill is not None
+                and torch.broadcast_shapes(masked.shape, lazy.shape) == lazy.shape):
+            return None
+        if fill == -math.inf:
+            child = lazy.derive("masked", func, args, kwargs)
+            child._masks = (*lazy._masks, ~masked)  # SDPA's boolean mask: True takes part
+            return child
+        if fill == torch.finfo(lazy.dtype).min:
+            # the lowest finite value (Hugging Face's mask value): as an additive mask, s + min rounds to min for
+            # any score |s| << |min|, so the result is the same, fully masked rows included
+            child = lazy.derive("masked", func, args, kwargs)
+            additive = torch.zeros(masked.shape, dtype=lazy.dtype, device=lazy.device)
+            child._masks = (*lazy._masks, additive.masked_fill(masked, fill))
+            return child
         return None
 
     def _fuse(self, lazy: _Lazy, v: Any) -> torch.Tensor | None:

@@ -356,6 +356,14 @@ class LibraryStyle(nn.Module):
             w = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
             w = F.softmax(w, dim=-1).type(v.dtype)
             w = F.dropout(w, p=0.0, training=self.training)
+        elif self.variant == "hf_gpt2_5_0":  # transformers 5.0: / a 0-dim tensor, torch.where(causal, w, min)
+            w = torch.matmul(q, k.transpose(-1, -2))
+            w = w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+            causal = self.bias[:, :, :t, :t].bool()
+            low = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+            w = torch.where(causal, w.to(w.dtype), low) + mask
+            w = F.softmax(w, dim=-1).type(v.dtype)
+            w = self.drop(w)
         elif self.variant == "timm":  # query pre-scaled before the matmul, Tensor.softmax, dropout module
             q = q * scale
             w = (q @ k.transpose(-2, -1)).softmax(dim=-1)
@@ -380,7 +388,8 @@ def padding_mask(dtype=torch.float32):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("variant", ["hf_llama", "hf_gpt2", "timm", "nanogpt", "finfo_min_and_padding"])
+@pytest.mark.parametrize("variant", ["hf_llama", "hf_gpt2", "hf_gpt2_5_0", "timm", "nanogpt",
+                                     "finfo_min_and_padding"])
 def test_library_patterns_fused_same_results(variant, mode):
     torch.manual_seed(0)
     block = LibraryStyle(variant).train(mode == "train")

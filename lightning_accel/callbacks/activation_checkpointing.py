@@ -15,6 +15,7 @@ from lightning_accel import _compat
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
+    disable_kv_cache,
     remove_activation_checkpointing,
     saved_activation_bytes,
 )
@@ -93,6 +94,7 @@ class ActivationCheckpointing(Callback):
         self._model: nn.Module | None = None
         self._hooks: list[Any] = []
         self._batches = 0
+        self._cache_configs: list[Any] = []  # Hugging Face configs whose use_cache is off during fit
         self._measuring = False
         self._step_counter = FlopCounter()
         self._recompute_counter = FlopCounter()
@@ -107,8 +109,11 @@ class ActivationCheckpointing(Callback):
         self.wrapped_names = apply_activation_checkpointing(pl_module, self.modules)
         self._model = pl_module
         self._batches = 0
+        self._cache_configs = disable_kv_cache(pl_module)
         rank_zero_info(f"ActivationCheckpointing: recomputing {len(self.wrapped_names)} modules in backward "
-                       f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})")
+                       f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})"
+                       + ("; use_cache=False on the Hugging Face model during fit (a recomputed forward would "
+                          "append to the key/value cache again)" if self._cache_configs else ""))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -185,6 +190,9 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._model is not None:
             remove_activation_checkpointing(self._model, self.wrapped_names)
+            for config in self._cache_configs:
+                config.use_cache = True
+            self._cache_configs = []
             self._model = None
 
 

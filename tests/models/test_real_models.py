@@ -70,8 +70,10 @@ def test_measure_guard_checkpoint_and_mixed_precision_together(name):
     assert guard.bad_steps == 0 and guard.skipped_steps == 0
     assert amp.compute_dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert len(task.losses) == 7 and all(math.isfinite(x) for x in task.losses)
-    # the wrappers are gone after fit: the model is the user's again
+    # the wrappers are gone after fit: the model is the user's again (with its key/value cache back on)
     assert not any("_checkpoint_wrapped_module" in n for n, _ in task.model.named_modules())
+    config = getattr(task.model, "config", None)
+    assert getattr(config, "use_cache", None) in (None, True) and ckpt._cache_configs == []
 
 
 @pytest.mark.parametrize("name", NAMES)
