@@ -5,10 +5,11 @@
   device has, a backend the device lacks.
 * :class:`SDPABackendRecorder` — counts which backend each ``scaled_dot_product_attention`` call actually ran, so a
   silent fall-back to the (slow, memory-hungry) math path can be named.
-* :func:`use_fused_attention` — makes ``nn.MultiheadAttention`` modules whose attention weights are never used run
-  with ``need_weights=False`` (which lets them use the fused SDPA kernels), and rewrites the hand-written pattern
-  ``softmax(q @ k^T * scale + mask) @ v`` inside modules the user names into one
-  ``F.scaled_dot_product_attention`` call.
+* :func:`use_fused_attention` — switches Hugging Face models to the library's own SDPA attention, makes
+  ``nn.MultiheadAttention`` modules whose attention weights are never used run with ``need_weights=False`` (which
+  lets them use the fused SDPA kernels), and rewrites the hand-written pattern ``softmax(q @ k^T * scale + mask) @
+  v`` (as Hugging Face eager, nanoGPT and timm write it) inside modules the user names into one
+  ``F.scaled_dot_product_attention`` call; a rewrite that never fires says which op broke the pattern.
 
 Why it matters: ``need_weights=True`` (``nn.MultiheadAttention``'s default!) and hand-written attention both
 materialise the ``L x S`` score matrix in memory and run softmax as separate kernels; FlashAttention-style kernels
@@ -35,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_accel import _compat
 from lightning_accel._compat import TorchDispatchMode
 
-__all__ = ["FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
+__all__ = ["ATTENTION_FIX", "FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
            "use_fused_attention"]
 
 BACKENDS: dict[str, SDPBackend] = {
