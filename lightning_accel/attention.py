@@ -19,6 +19,7 @@ tile it in on-chip memory (Dao et al., 2022, "FlashAttention", arXiv:2205.14135)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import math
@@ -606,15 +607,21 @@ class _Lazy(torch.Tensor):
 
 
 def _materialize_all(obj: Any, keep_fused: bool = False) -> Any:
+    """``obj`` with its placeholders computed (containers rebuilt only where one was found)."""
     if isinstance(obj, _Lazy):
         if keep_fused and obj._fused and obj._value is None:
             return obj  # e.g. attention weights returned next to the fused output: computed only if used
         return obj.materialize()
+    if not any(isinstance(item, _Lazy) for item in _flatten(obj)):
+        return obj  # the common case, and a ModelOutput or namedtuple keeps its type untouched
     if isinstance(obj, (list, tuple)):
         items = [_materialize_all(item, keep_fused) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        return type(obj)({key: _materialize_all(value, keep_fused) for key, value in obj.items()})
+        out = copy.copy(obj)  # dict subclasses (Hugging Face's ModelOutput) keep their type and attributes
+        for key, value in obj.items():
+            out[key] = _materialize_all(value, keep_fused)
+        return out
     return obj
 
 

@@ -462,3 +462,28 @@ def test_rewrite_that_never_fires_warns_once_naming_the_op():
     with _warnings.catch_warnings():
         _warnings.simplefilter("error")  # once per block, not every forward
         model(q, k, v)
+
+
+def test_outputs_keep_their_container_types():
+    class Output(dict):
+        pass
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = LibraryStyle("timm")
+
+        def forward(self, x):
+            out, weights = self.inner(x)
+            return Output(out=out, weights=weights)
+
+    torch.manual_seed(0)
+    model = Returns()
+    x = torch.randn(B, T, D)
+    ref = model(x)
+    result = use_fused_attention(model, blocks=[""])
+    got = model(x)
+    assert type(got) is Output and result.fused_calls[""] == 1
+    torch.testing.assert_close(got["out"], ref["out"], rtol=1e-5, atol=1e-5)
+    assert type(got["weights"]) is not torch.Tensor  # still a placeholder: nothing used it
+    torch.testing.assert_close(got["weights"] * 1, ref["weights"], rtol=1e-5, atol=1e-6)
