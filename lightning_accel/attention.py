@@ -37,6 +37,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_accel import _compat
 from lightning_accel._compat import TorchDispatchMode
 
+_compat.require_versions("the attention helpers", lightning=False)  # sdpa_kernel(set_priority=): torch 2.6
+
 __all__ = ["ATTENTION_FIX", "FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
            "use_fused_attention"]
 
