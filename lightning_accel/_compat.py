@@ -173,8 +173,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_init_deepspeed_distributed", _L,
                 ("strategies/deepspeed_presets.py:setup_distributed",)),
     # --- transformers (optional: checked only when installed)
-    PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 4.48-5.24",
+    PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
                 ("attention.py:use_fused_attention",), instance=_hf_config),
+    PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
+                ("attention.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
 )
 
 
@@ -334,7 +336,9 @@ def init_deepspeed_distributed(strategy: Any) -> None:
 def hf_attn_implementation(module: nn.Module) -> str | None:
     """A ``transformers`` model's attention implementation (``"eager"``, ``"sdpa"``, ...); None for other modules.
 
-    ``config._attn_implementation`` is what the library's attention dispatch reads (4.48-5.x).
+    ``config._attn_implementation`` is what the library's attention dispatch reads; ``_supports_sdpa`` (a class
+    flag of every ``PreTrainedModel``) tells a model from its layers, which hold the same config. Checked against
+    transformers 5.0-5.24.
     """
     config = getattr(module, "config", None)
     # a PreTrainedModel (not one of its layers, which also hold the config): it has the SDPA support flag

@@ -40,7 +40,9 @@ class ActivationCheckpointing(Callback):
     identical to the plain model, RNG state (dropout) is replayed, it composes with autocast
     (``AutoMixedPrecision``), DDP and ``TorchCompile``. ``state_dict`` and checkpoint keys are unchanged; parameter
     *names* gain a ``._checkpoint_wrapped_module`` segment during ``fit`` (the collection's callbacks and
-    ``fp32_modules`` patterns match names without it). The wrappers are removed again when ``fit`` ends.
+    ``fp32_modules`` patterns match names without it). The wrappers are removed again when ``fit`` ends. A
+    Hugging Face model inside gets ``config.use_cache = False`` for the fit (restored after): a recomputed decoder
+    forward would append to the key/value cache a second time, as Hugging Face's own gradient checkpointing knows.
 
     Targets: module types (``Block``) and/or ``fnmatch`` patterns over qualified names (``"model.blocks.*"``). A
     target that matches nothing raises ``ValueError`` listing the module types present.
