@@ -870,14 +870,17 @@ def _combine_masks(masks: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch
     """One SDPA mask from the bool (True takes part) and additive float masks met on the way, in ``dtype``."""
     if not masks:
         return None
-    if len(masks) == 1:
-        mask = masks[0]
-        return mask if mask.dtype == torch.bool or mask.dtype == dtype else mask.to(dtype)
+    if len(masks) == 1 and (masks[0].dtype == torch.bool or masks[0].dtype == dtype):
+        return masks[0]
     total: torch.Tensor | None = None
     for mask in masks:
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
-        total = mask.to(dtype) if total is None else total + mask.to(dtype)
+        elif mask.dtype != dtype:
+            # float32's lowest value (Hugging Face's padding mask) overflows to -inf in bf16/fp16, and a fully
+            # masked row (a padded query) would turn NaN where the original gave a finite uniform row
+            mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+        total = mask if total is None else total + mask
     return total
 
 

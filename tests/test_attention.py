@@ -431,6 +431,16 @@ def test_library_pattern_under_cpu_autocast_fused_in_the_autocast_dtype():
     assert result.fused_calls[""] == 1 and rec.calls == 1
     assert out.dtype == ref.dtype == torch.bfloat16 and weights.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    # sample 0 fully masked (every key padded): the fp32 mask's lowest value must not become -inf (NaN) in bf16
+    mask = torch.zeros(B, 1, 1, T).index_fill(0, torch.tensor([0]), torch.finfo(torch.float32).min)
+    result.restore()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = block(x, mask)
+    use_fused_attention(block, blocks=[""])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = block(x, mask)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_rewrite_that_never_fires_warns_once_naming_the_op():
