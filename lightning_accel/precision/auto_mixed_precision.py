@@ -244,7 +244,7 @@ class AutoMixedPrecision(MixedPrecision):
 
     def _count_skip(self, optimizer: Any) -> None:
         # GradScaler keeps the per-device found-inf flags of this step until update(); reading them is the only way
-        # to know whether step() skipped without a host sync. Private API, checked against torch 2.4-2.13.
+        # to know whether step() skipped without a host sync (a private GradScaler field: see _compat).
         flags = _compat.grad_scaler_found_inf(self.scaler, optimizer)
         if not flags:
             return
