@@ -1,5 +1,7 @@
 """use_fused_attention on CPU: forward + backward time of hand-written attention and of nn.MultiheadAttention
-(need_weights=True, its default) against the same modules routed to F.scaled_dot_product_attention.
+(need_weights=True, its default) against the same modules routed to F.scaled_dot_product_attention; with
+transformers installed, also a one-layer Hugging Face Llama built with ``attn_implementation="eager"`` against its
+eager attention rewritten (``library_switch=False``) and against the library's own switch to ``"sdpa"``.
 
 Variants alternate A B A B ... (``--rounds`` rounds of ``--iters`` timed iterations each, after warm-up); the table
 shows the median time per iteration and the ratio fused ÷ original. The backend that actually ran is read with
@@ -51,6 +53,22 @@ class MHABlock(nn.Module):
         return out
 
 
+class HFLlamaLayer(nn.Module):
+    """A one-layer Hugging Face ``LlamaModel`` (eager attention, causal mask) fed embeddings directly."""
+
+    def __init__(self, dim: int, heads: int, seq: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        self.model = LlamaModel(LlamaConfig(hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=1,
+                                            num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32,
+                                            max_position_embeddings=seq, attn_implementation="eager",
+                                            use_cache=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=x).last_hidden_state
+
+
 def time_iters(model: nn.Module, x: torch.Tensor, iters: int) -> list[float]:
     times = []
     for _ in range(iters):
@@ -92,11 +110,21 @@ def main() -> None:
     mha_fused = copy.deepcopy(mha)
     use_fused_attention(mha_fused, example_inputs=x[:1])
     pairs["nn.MultiheadAttention"] = (mha, mha_fused)
+    try:
+        llama = HFLlamaLayer(args.dim, args.heads, args.seq).to(args.device, dtype)
+    except ImportError:
+        llama = None
+    if llama is not None:
+        rewritten, switched = copy.deepcopy(llama), copy.deepcopy(llama)
+        use_fused_attention(rewritten, blocks=["model.layers.0.self_attn"], library_switch=False)
+        use_fused_attention(switched)  # set_attn_implementation("sdpa")
+        pairs["HF Llama eager: rewrite"] = (llama, rewritten)
+        pairs["HF Llama eager: sdpa"] = (llama, switched)
 
     where = torch.cuda.get_device_name() if x.is_cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"{where}, torch {torch.__version__}, {args.dtype}; batch {args.batch}, seq {args.seq}, "
           f"dim {args.dim}, heads {args.heads}; forward + backward; {args.rounds} rounds x {args.iters} iters")
-    print(f"{'module':24s} {'original':>10s} {'fused':>10s} {'ratio':>7s}  backends (original | fused)")
+    print(f"{'module':26s} {'original':>10s} {'fused':>10s} {'ratio':>7s}  backends (original | fused)")
     for name, (original, fused) in pairs.items():
         for model in (original, fused):  # warm-up
             time_iters(model, x, 1)
@@ -105,7 +133,7 @@ def main() -> None:
             samples["original"] += time_iters(original, x, args.iters)
             samples["fused"] += time_iters(fused, x, args.iters)
         a, b = statistics.median(samples["original"]), statistics.median(samples["fused"])
-        print(f"{name:24s} {1e3 * a:8.1f}ms {1e3 * b:8.1f}ms {b / a:7.3f}  {backend(original, x)} | "
+        print(f"{name:26s} {1e3 * a:8.1f}ms {1e3 * b:8.1f}ms {b / a:7.3f}  {backend(original, x)} | "
               f"{backend(fused, x)}")
 
 

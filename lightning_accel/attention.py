@@ -5,10 +5,11 @@
   device has, a backend the device lacks.
 * :class:`SDPABackendRecorder` — counts which backend each ``scaled_dot_product_attention`` call actually ran, so a
   silent fall-back to the (slow, memory-hungry) math path can be named.
-* :func:`use_fused_attention` — makes ``nn.MultiheadAttention`` modules whose attention weights are never used run
-  with ``need_weights=False`` (which lets them use the fused SDPA kernels), and rewrites the hand-written pattern
-  ``softmax(q @ k^T * scale + mask) @ v`` inside modules the user names into one
-  ``F.scaled_dot_product_attention`` call.
+* :func:`use_fused_attention` — switches Hugging Face models to the library's own SDPA attention, makes
+  ``nn.MultiheadAttention`` modules whose attention weights are never used run with ``need_weights=False`` (which
+  lets them use the fused SDPA kernels), and rewrites the hand-written pattern ``softmax(q @ k^T * scale + mask) @
+  v`` (as Hugging Face eager, nanoGPT and timm write it) inside modules the user names into one
+  ``F.scaled_dot_product_attention`` call; a rewrite that never fires says which op broke the pattern.
 
 Why it matters: ``need_weights=True`` (``nn.MultiheadAttention``'s default!) and hand-written attention both
 materialise the ``L x S`` score matrix in memory and run softmax as separate kernels; FlashAttention-style kernels
@@ -18,6 +19,7 @@ tile it in on-chip memory (Dao et al., 2022, "FlashAttention", arXiv:2205.14135)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import math
@@ -31,9 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
+from lightning_accel import _compat
+from lightning_accel._compat import TorchDispatchMode
+
+_compat.require_versions("the attention helpers", lightning=False)  # sdpa_kernel(set_priority=): torch 2.6
+
+__all__ = ["ATTENTION_FIX", "FusedAttention", "SDPABackendRecorder", "available_sdpa_backends", "sdpa_backends",
            "use_fused_attention"]
 
 BACKENDS: dict[str, SDPBackend] = {
@@ -161,7 +167,7 @@ class _FusedOpCounter(TorchDispatchMode):
         self.fused_seen = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        backend = _FUSED_OPS.get(func._overloadpacket.__name__)  # forward ops only: backward ops have other names
+        backend = _FUSED_OPS.get(_compat.op_packet_name(func))  # forward ops only: backward ops have other names
         if backend is not None:
             self.counts[backend] += 1
             self.fused_seen += 1
@@ -262,19 +268,85 @@ class FusedAttention:
         blocks: names of hand-written blocks whose attention pattern is now rewritten.
         fused_calls: per block, how many times the pattern was replaced by one SDPA call so far (0 means the
             block's code did not match the pattern: it still runs, unchanged).
+        not_fired: per block whose first forward fused nothing, the first op that broke the pattern (also warned).
+        library: Hugging Face models (by module name) switched to the library's own SDPA attention, with the
+            implementation they ran before (``"eager"``).
+        unswitchable: Hugging Face models whose attention could not be switched, with the reason (also warned);
+            their attention modules are rewritten instead.
     """
 
     mha: list[str] = dataclasses.field(default_factory=list)
     kept: list[str] = dataclasses.field(default_factory=list)
     blocks: list[str] = dataclasses.field(default_factory=list)
     fused_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    not_fired: dict[str, str] = dataclasses.field(default_factory=dict)
+    library: dict[str, str] = dataclasses.field(default_factory=dict)
+    unswitchable: dict[str, str] = dataclasses.field(default_factory=dict)
     _handles: list[Any] = dataclasses.field(default_factory=list, repr=False)
 
     def restore(self) -> None:
-        """Undo every change (remove the hooks)."""
+        """Undo every change (remove the hooks, switch Hugging Face models back)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _SwitchBack:
+    """A handle that puts a Hugging Face model back on the attention implementation it had."""
+
+    def __init__(self, model: nn.Module, implementation: str) -> None:
+        self.model, self.implementation = model, implementation
+
+    def remove(self) -> None:
+        self.model.set_attn_implementation(self.implementation)  # type: ignore[operator]
+
+
+# --- Hugging Face models: the library's own switch -----------------------------------------------------------------
+
+_FUSED_HF = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def _hf_models(model: nn.Module) -> dict[str, nn.Module]:
+    """The outermost ``transformers`` models inside ``model`` (by module name)."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if any(name == outer or name.startswith(outer + ".") or outer == "" for outer in found):
+            continue
+        if _compat.hf_attn_implementation(module) is not None:
+            found[name] = module
+    return found
+
+
+def _switch_hf(name: str, model: nn.Module) -> str | None:
+    """Switch one Hugging Face model to ``attn_implementation="sdpa"``; the reason when it cannot be done."""
+    before = _compat.hf_attn_implementation(model)
+    if before in _FUSED_HF or (isinstance(before, str) and before.startswith("kernels-")):
+        return None  # already fused
+    label = f"{type(model).__name__}{f' ({name})' if name else ''}"
+    if not hasattr(model, "set_attn_implementation"):
+        import transformers
+
+        return (f"{label}: transformers {transformers.__version__} has no set_attn_implementation (added in "
+                "4.5x); build the model with attn_implementation='sdpa' (from_pretrained / from_config) instead")
+    try:
+        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+    except (ValueError, ImportError, NotImplementedError) as err:  # e.g. the class has _supports_sdpa = False
+        return f"{label}: set_attn_implementation('sdpa') refused: {err}"
+    now = _compat.hf_attn_implementation(model)
+    if now != "sdpa":
+        return (f"{label}: set_attn_implementation('sdpa') left it on {now!r} (the class does not dispatch through "
+                "transformers' AttentionInterface)")
+    return None
+
+
+def _hf_attention_modules(model: nn.Module, prefix: str) -> list[str]:
+    """Names of a Hugging Face model's attention modules (class name ending in Attention), outermost only."""
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if name and type(module).__name__.endswith("Attention") and \
+                not any(name.startswith(outer + ".") for outer in chosen):
+            chosen.append(name)
+    return [f"{prefix}.{name}" if prefix else name for name in chosen]
 
 
 def _no_weights_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -297,7 +369,7 @@ class _WeightsProbe(torch.Tensor):
         for arg in _flatten((args, kwargs or {})):
             if isinstance(arg, _WeightsProbe):
                 arg._probe_flag[0] = True
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.disable_torch_function_subclass():
             return func(*args, **(kwargs or {}))
 
 
@@ -360,29 +432,46 @@ def _mha_weights_used(model: nn.Module, mhas: dict[str, nn.MultiheadAttention], 
     return used
 
 
-def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: Iterable[str] = ()) -> FusedAttention:
+def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: Iterable[str] = (), *,
+                        library_switch: bool = True) -> FusedAttention:
     """Route attention in ``model`` to ``F.scaled_dot_product_attention`` where results stay the same.
 
-    1. ``nn.MultiheadAttention`` modules. With ``example_inputs``, one forward (no grad, RNG and buffers restored)
+    1. Hugging Face ``transformers`` models inside ``model`` (found by their config's attention implementation)
+       running ``attn_implementation="eager"`` are switched with the library's own
+       ``set_attn_implementation("sdpa")``, which keeps masks, dropout and caching as the library means them.
+       A model that cannot be switched (no ``set_attn_implementation`` in the installed version, a class without
+       SDPA support) is named with the reason in a warning and :attr:`FusedAttention.unswitchable`, and its
+       attention modules (class names ending in ``Attention``) are rewritten as in 3. ``library_switch=False``
+       skips the switch: named blocks inside such models are then rewritten.
+    2. ``nn.MultiheadAttention`` modules. With ``example_inputs``, one forward (no grad, RNG and buffers restored)
        finds the modules called with ``need_weights=True`` whose returned weights are never used — no torch
        operation touches them and nothing keeps them after the forward; those then run with
        ``need_weights=False`` (the fused path) and return ``(output, None)``. Without ``example_inputs``, only
        MHA modules named in ``blocks`` are switched.
-    2. Hand-written attention in the modules named in ``blocks``: while such a module runs, the pattern
-       ``matmul(q, kt) [* c | / c] [+ mask | .masked_fill(bool_mask, -inf)] -> softmax(dim=-1)
-       [-> dropout with p=0 or in eval] -> matmul(p, v)`` becomes ``F.scaled_dot_product_attention(q,
-       kt.transpose(-2, -1), v, attn_mask=..., scale=c)``. Intermediate results are lazy placeholders; any other
-       use of one (reading the scores, training-mode dropout with p > 0, a finite ``masked_fill``, ...) computes
-       the original operations exactly as written, so the block never changes its results beyond floating-point
-       rounding. Rows masked entirely with ``-inf`` give 0 in the fused kernel and NaN in the original.
-       Meant for eager mode: under ``torch.compile``, Inductor's own pattern matcher (``fuse_attention``) rewrites
-       many such patterns, and the hooks and ``TorchFunctionMode`` used here are best left out of compiled code.
+    3. Hand-written attention in the modules named in ``blocks``: while such a module runs, the pattern
+       ``matmul(q, kt) [* c | / c]* [+ float_mask | .masked_fill(bool_mask, -inf or dtype min)]* ->
+       softmax(dim=-1[, dtype=...]) [-> .to(dtype) | .type(dtype) | .float() ...] [-> dropout with p=0 or in
+       eval] -> matmul(p, v)`` becomes ``F.scaled_dot_product_attention(q, kt.transpose(-2, -1), v,
+       attn_mask=..., scale=c)``. This covers Hugging Face eager attention (Llama, GPT-2, BERT, ViT), nanoGPT's
+       manual path and timm-style blocks (a query pre-scaled before the matmul is a scale of 1). Intermediate
+       results are lazy placeholders; any other use of one (reading the scores, training-mode dropout with
+       p > 0, another ``masked_fill`` value, ...) computes the original operations exactly as written, so the
+       block never changes its results beyond floating-point rounding. Attention weights returned next to the
+       output (Hugging Face's ``attn_weights``) stay placeholders that compute only if something uses them.
+       Under autocast, q, k, v are cast to the autocast dtype as the original matmuls would. Rows masked
+       entirely with ``-inf`` give 0 in the fused kernel and NaN in the original. A block whose first forward
+       fused nothing warns once, naming the first op that broke the pattern (:attr:`FusedAttention.not_fired`).
+       Meant for eager mode: under ``torch.compile``, Inductor's own pattern matcher (``fuse_attention``)
+       rewrites many such patterns, and the hooks and ``TorchFunctionMode`` used here are best left out of
+       compiled code.
 
     Args:
         model: the model; changed in place through forward hooks (undo with :meth:`FusedAttention.restore`).
         example_inputs: one input for ``model(...)``: a tensor, a tuple of positional args or a dict of kwargs.
         blocks: names (as in ``model.named_modules()``) of hand-written attention modules, or of MHA modules to
             switch without a probe.
+        library_switch: switch Hugging Face models with the library's own setting (default) instead of
+            rewriting their eager attention.
 
     Returns:
         A :class:`FusedAttention` listing what changed.
@@ -397,6 +486,27 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
         raise ValueError(f"use_fused_attention(blocks={blocks!r}): {unknown} not found in the model; names are as in "
                          f"model.named_modules(), e.g. {list(modules)[1:6]}")
     result = FusedAttention()
+    switched: list[str] = []
+    already: list[str] = []
+    if library_switch:
+        for name, hf in _hf_models(model).items():
+            before = _compat.hf_attn_implementation(hf)
+            if before in _FUSED_HF:
+                already.append(name)
+            reason = _switch_hf(name, hf)
+            if reason is not None:
+                result.unswitchable[name] = reason
+                inside = [b for b in blocks if b == name or b.startswith(name + ".") or name == ""]
+                auto = [] if inside else _hf_attention_modules(hf, name)
+                warnings.warn(f"use_fused_attention: {reason}. Rewriting its hand-written attention instead"
+                              f"{f' ({len(auto)} modules)' if auto else ''}.", UserWarning, stacklevel=2)
+                blocks += [b for b in auto if b not in blocks]
+            elif before not in _FUSED_HF:
+                result.library[name] = str(before)
+                result._handles.append(_SwitchBack(hf, str(before)))
+                switched.append(name)
+    in_switched = [b for b in blocks if any(b == n or b.startswith(n + ".") or n == "" for n in switched)]
+    blocks = [b for b in blocks if b not in in_switched]  # the library's SDPA path runs there now
     mhas = {name: m for name, m in modules.items() if isinstance(m, nn.MultiheadAttention)}
     switch = [name for name in blocks if name in mhas]
     if example_inputs is not None and mhas:
@@ -411,7 +521,7 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
             continue
         _install_block_rewrite(name, modules[name], result)
         result.blocks.append(name)
-    if not result.mha and not result.blocks:
+    if not result.mha and not result.blocks and not result.library and not already:
         warnings.warn(
             "use_fused_attention: nothing to change: " + (
                 f"the MultiheadAttention modules {result.kept} use their attention weights" if result.kept else
@@ -431,12 +541,19 @@ _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _DROPOUT = {F.dropout, torch.dropout}
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+          torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
     torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,  # type: ignore
     torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore
     torch.Tensor.is_floating_point, torch.Tensor.__len__,
 }
+_STAGE_NAMES = {"scores": "the scores q @ k^T", "masked": "the masked scores", "probs": "the probabilities"}
+
+#: The fix named when a rewrite cannot fire (also what ``BottleneckDoctor``'s attention finding should say).
+ATTENTION_FIX = ("call F.scaled_dot_product_attention in the block itself (Hugging Face: "
+                 "attn_implementation='sdpa'), or keep the pattern softmax(q @ k^T * c + mask) @ v in one block")
 
 
 class _Lazy(torch.Tensor):
@@ -445,25 +562,29 @@ class _Lazy(torch.Tensor):
     _stage: str  # "scores" (q @ kt, maybe scaled), "masked", "probs"
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, like: torch.Tensor, requires_grad: bool) -> _Lazy:
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
-                                                   requires_grad=requires_grad)
+    def __new__(cls, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
+                ) -> _Lazy:
+        return _compat.make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device,
+                                             requires_grad=requires_grad)
 
-    def __init__(self, shape: torch.Size, like: torch.Tensor, requires_grad: bool) -> None:
+    def __init__(self, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
+                 ) -> None:
         self._parent: _Lazy | None = None
         self._op: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # replays this step; _SELF = parent
         self._value: torch.Tensor | None = None
         self._q: torch.Tensor | None = None
         self._kt: torch.Tensor | None = None
         self._scale = 1.0
-        self._mask: torch.Tensor | None = None
+        self._masks: tuple[torch.Tensor, ...] = ()  # bool (True takes part) or additive float, combined at the end
         self._stage = "scores"
+        self._fused = False  # consumed by a fused SDPA call: may leave the block lazy (e.g. returned attn weights)
 
-    def derive(self, stage: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size | None
-               = None) -> _Lazy:
-        child = _Lazy(shape or self.shape, self, self.requires_grad)
+    def derive(self, stage: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               dtype: torch.dtype | None = None) -> _Lazy:
+        child = _Lazy(self.shape, self, self.requires_grad, dtype or self.dtype)
         child._parent, child._op = self, (func, args, kwargs)
-        child._q, child._kt, child._scale, child._mask, child._stage = self._q, self._kt, self._scale, self._mask, stage
+        child._q, child._kt, child._scale, child._masks, child._stage = (self._q, self._kt, self._scale,
+                                                                         self._masks, stage)
         return child
 
     def materialize(self) -> torch.Tensor:
@@ -476,7 +597,7 @@ class _Lazy(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with _compat.disable_torch_function_subclass():
                 return func(*args, **kwargs)
         # outside the rewriting mode (a placeholder that escaped) or an unmatched use: compute the original
         return func(*_materialize_all(args), **_materialize_all(kwargs))
@@ -487,13 +608,22 @@ class _Lazy(torch.Tensor):
                            "computed; remove this module from blocks=[...] and report the pattern")
 
 
-def _materialize_all(obj: Any) -> Any:
+def _materialize_all(obj: Any, keep_fused: bool = False) -> Any:
+    """``obj`` with its placeholders computed (containers rebuilt only where one was found)."""
     if isinstance(obj, _Lazy):
+        if keep_fused and obj._fused and obj._value is None:
+            return obj  # e.g. attention weights returned next to the fused output: computed only if used
         return obj.materialize()
+    if not any(isinstance(item, _Lazy) for item in _flatten(obj)):
+        return obj  # the common case, and a ModelOutput or namedtuple keeps its type untouched
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_materialize_all(item) for item in obj)
+        items = [_materialize_all(item, keep_fused) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        return {key: _materialize_all(value) for key, value in obj.items()}
+        out = copy.copy(obj)  # dict subclasses (Hugging Face's ModelOutput) keep their type and attributes
+        for key, value in obj.items():
+            out[key] = _materialize_all(value, keep_fused)
+        return out
     return obj
 
 
@@ -505,12 +635,96 @@ def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, _Lazy)
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on ``device`` right now, ``None`` outside autocast."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+_SOFTMAX_DTYPE: dict[tuple[str, torch.dtype, torch.dtype], torch.dtype] = {}
+
+
+def _softmax_out_dtype(lazy: _Lazy) -> torch.dtype:
+    """softmax's output dtype under the current autocast (CUDA runs softmax in fp32, CPU in the input dtype)."""
+    autocast = _autocast_dtype(lazy.device)
+    if autocast is None:
+        return lazy.dtype
+    key = (lazy.device.type, lazy.dtype, autocast)
+    if key not in _SOFTMAX_DTYPE:
+        with _compat.disable_torch_function_subclass():
+            _SOFTMAX_DTYPE[key] = torch.softmax(torch.zeros(1, dtype=lazy.dtype, device=lazy.device), -1).dtype
+    return _SOFTMAX_DTYPE[key]
+
+
+def _cast_target(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype of ``t.to(dtype)`` / ``t.to(dtype=...)`` / ``t.type(dtype)`` / ``t.float()`` & co., else None."""
+    if func in _CASTS and len(args) == 1 and not kwargs:
+        return _CASTS[func]
+    if func is torch.Tensor.type and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+        return args[1]
+    if func is torch.Tensor.to:
+        if set(kwargs) - {"dtype", "non_blocking", "copy"} or kwargs.get("copy"):
+            return None
+        if len(args) == 2 and isinstance(args[1], torch.dtype) and "dtype" not in kwargs:
+            return args[1]
+        if len(args) == 1 and isinstance(kwargs.get("dtype"), torch.dtype):
+            return kwargs["dtype"]
+    return None
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    return {"__matmul__": "@", "__mul__": "*", "__rmul__": "*", "__truediv__": "/", "__add__": "+",
+            "__radd__": "+", "__getitem__": "indexing"}.get(name, name)
+
+
+def _describe_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lazy: _Lazy) -> str:
+    """Why this use of a placeholder ends the pattern, in words (for the warning)."""
+    name = _op_name(func)
+    what = _STAGE_NAMES[lazy._stage]
+    if func in _DROPOUT:
+        params = dict(zip(("p", "training", "inplace") if func is F.dropout else ("p", "train"), args[1:]))
+        params.update(kwargs)
+        return (f"dropout(p={params.get('p', 0.5)}) in training mode on {what} (the original ops keep their random "
+                "draws; eval mode or p=0 fuses)")
+    if func in _SOFTMAX:
+        return f"softmax over a dimension other than the last, or with extra arguments, on {what}"
+    if func is torch.Tensor.masked_fill:
+        return f"masked_fill with a value other than -inf or the dtype's lowest value on {what}"
+    if func in _MATMUL and lazy._stage == "probs":
+        return f"{name} of {what} with a value tensor of another shape, dtype or device"
+    return f"{name} on {what} (only * / by a number, + mask, masked_fill, softmax, casts and dropout follow)"
+
+
 class _AttentionRewrite(TorchFunctionMode):
     """Active while a listed block runs: turns the attention pattern into one SDPA call (see use_fused_attention)."""
 
     def __init__(self, on_fused: Callable[[], None]) -> None:
         super().__init__()
         self.on_fused = on_fused
+        self.fused = 0
+        self.broken: str | None = None  # the first op that ended a pattern, in words
+        # 0-dim tensors made by torch.full([], value) in this forward (Hugging Face's scale and mask value): their
+        # value is known without reading a GPU tensor back (no device sync)
+        self._scalars: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def _scalar(self, value: Any) -> float | None:
+        """A Python number, a 0-dim tensor made here by torch.full, or a 0-dim CPU tensor, as a float."""
+        if _is_number(value):
+            return float(value)
+        if _plain(value) and value.ndim == 0 and value.is_floating_point():
+            known = self._scalars.get(id(value))
+            if known is not None and known[0] is value:
+                return known[1]
+            if value.device.type == "cpu":
+                return float(value.item())
+        return None
+
+    def _break(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -520,6 +734,13 @@ class _AttentionRewrite(TorchFunctionMode):
                 lazy = self._scores(func, args)
                 if lazy is not None:
                     return lazy
+            elif func is torch.full and len(args) == 2 and len(args[0]) == 0 and _is_number(args[1]):
+                out = func(*args, **kwargs)
+                self._scalars[id(out)] = (out, float(args[1]))
+                return out
+            elif func in _SOFTMAX and args and _plain(args[0]) and self.broken is None:
+                self._break(f"softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
+                            f"(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)")
             return func(*args, **kwargs)
         if func in _METADATA:
             return func(*args, **kwargs)
@@ -527,6 +748,8 @@ class _AttentionRewrite(TorchFunctionMode):
             out = self._step(func, args, kwargs, lazies[0])
             if out is not None:
                 return out
+        if any(lazy._value is None for lazy in lazies):
+            self._break(_describe_use(func, args, kwargs, lazies[0]))
         return func(*_materialize_all(args), **_materialize_all(kwargs))
 
     @staticmethod
@@ -537,7 +760,8 @@ class _AttentionRewrite(TorchFunctionMode):
                 and q.shape[:-2] == kt.shape[:-2] and q.shape[-1] == kt.shape[-2]):
             return None
         shape = torch.Size((*q.shape[:-1], kt.shape[-1]))
-        lazy = _Lazy(shape, q, torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad))
+        dtype = _autocast_dtype(q.device) or q.dtype  # autocast runs matmul in its dtype whatever the inputs
+        lazy = _Lazy(shape, q, torch.is_grad_enabled() and (q.requires_grad or kt.requires_grad), dtype)
         lazy._op, lazy._q, lazy._kt = (func, args, {}), q, kt
         return lazy
 
@@ -547,34 +771,46 @@ class _AttentionRewrite(TorchFunctionMode):
         stage = lazy._stage
         if stage == "scores" and len(args) == 2 and not kwargs:
             a, b = args
-            if func in _MUL and _is_number(b if a is lazy else a):
+            factor = self._scalar(b if a is lazy else a)
+            if func in _MUL and factor is not None:
                 child = lazy.derive("scores", func, args, kwargs)
-                child._scale = lazy._scale * float(b if a is lazy else a)
+                child._scale = lazy._scale * factor
                 return child
-            if func in _DIV and a is lazy and _is_number(b) and b != 0:
+            if func in _DIV and a is lazy and factor is not None and factor != 0:
                 child = lazy.derive("scores", func, args, kwargs)
-                child._scale = lazy._scale / float(b)
+                child._scale = lazy._scale / factor
                 return child
-        if stage == "scores" and func in _ADD and len(args) == 2 and not kwargs:
+        target = _cast_target(func, args, kwargs)
+        if target is not None and args[0] is lazy and target == lazy.dtype:
+            return lazy  # .to(its own dtype): nothing to do
+        if stage in ("scores", "masked") and func in _ADD and len(args) == 2 and not kwargs:
             mask = args[1] if args[0] is lazy else args[0]
-            if _plain(mask) and mask.dtype == lazy.dtype and mask.device == lazy.device and \
+            if _plain(mask) and mask.is_floating_point() and mask.device == lazy.device and \
                     torch.broadcast_shapes(mask.shape, lazy.shape) == lazy.shape:
-                child = lazy.derive("masked", func, args, kwargs)
-                child._mask = mask
+                child = lazy.derive("masked", func, args, kwargs, torch.promote_types(lazy.dtype, mask.dtype))
+                child._masks = (*lazy._masks, mask)
                 return child
-        if stage == "scores" and func is torch.Tensor.masked_fill and args[0] is lazy and len(args) == 3 \
-                and not kwargs:
-            bool_mask, value = args[1], args[2]
-            if _plain(bool_mask) and bool_mask.dtype == torch.bool and _is_number(value) and value == -math.inf \
-                    and torch.broadcast_shapes(bool_mask.shape, lazy.shape) == lazy.shape:
-                child = lazy.derive("masked", func, args, kwargs)
-                child._mask = ~bool_mask  # SDPA's boolean mask: True takes part
+        if stage in ("scores", "masked") and func is torch.Tensor.masked_fill and args[0] is lazy \
+                and len(args) == 3 and not kwargs:
+            child = self._masked(lazy, func, args, kwargs, masked=args[1], value=args[2])
+            if child is not None:
+                return child
+        if stage in ("scores", "masked") and func is torch.where and len(args) == 3 and args[1] is lazy \
+                and not kwargs and _plain(args[0]) and args[0].dtype == torch.bool:
+            # torch.where(keep, scores, value) == scores.masked_fill(~keep, value) (GPT-2's causal mask)
+            child = self._masked(lazy, func, args, kwargs, masked=~args[0], value=args[2])
+            if child is not None:
                 return child
         if stage in ("scores", "masked") and func in _SOFTMAX and args[0] is lazy:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            extra = {k: v for k, v in kwargs.items() if k not in ("dim", "_stacklevel")}
-            if dim in (-1, lazy.ndim - 1) and not extra.get("dtype") and len(args) <= 2:
-                return lazy.derive("probs", func, args, kwargs)
+            extra = {k: v for k, v in kwargs.items() if k not in ("dim", "_stacklevel", "dtype")}
+            dtype = kwargs.get("dtype", args[3] if func is F.softmax and len(args) > 3 else None)
+            if dim in (-1, lazy.ndim - 1) and not extra and len(args) <= 2:
+                return lazy.derive("probs", func, args, kwargs, dtype or _softmax_out_dtype(lazy))
+        if stage == "probs":
+            target = _cast_target(func, args, kwargs)
+            if target is not None and args[0] is lazy and target.is_floating_point:
+                return lazy.derive("probs", func, args, kwargs, target)  # .to(v.dtype) after an fp32 softmax
         if stage == "probs" and func in _DROPOUT and args[0] is lazy:
             params = dict(zip(("p", "training", "inplace") if func is F.dropout else ("p", "train"), args[1:]))
             params.update(kwargs)
@@ -583,26 +819,75 @@ class _AttentionRewrite(TorchFunctionMode):
             if not params.get("inplace", False) and (p == 0 or not training):
                 return lazy  # identity
         if stage == "probs" and func in _MATMUL and len(args) == 2 and args[0] is lazy and not kwargs:
-            v = args[1]
-            q, kt = lazy._q, lazy._kt
-            assert q is not None and kt is not None
-            if _plain(v) and v.dtype == q.dtype and v.device == q.device and v.ndim == q.ndim \
-                    and v.shape[:-2] == q.shape[:-2] and v.shape[-2] == kt.shape[-1]:
-                self.on_fused()
-                k, mask = kt.transpose(-2, -1), lazy._mask
-                if q.ndim == 3:  # (batch*heads, L, E): the fused kernels want (batch, heads, L, E)
-                    if mask is not None and mask.ndim == 3:
-                        mask = mask.unsqueeze(1)
-                    return F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
-                                                          attn_mask=mask, dropout_p=0.0, scale=lazy._scale
-                                                          ).squeeze(1)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=lazy._scale)
+            return self._fuse(lazy, args[1])
         return None
+
+    def _masked(self, lazy: _Lazy, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], masked: Any,
+                value: Any) -> _Lazy | None:
+        """Scores with ``masked`` positions set to ``value``, when that is a mask SDPA can take."""
+        fill = self._scalar(value)
+        if not (_plain(masked) and masked.dtype == torch.bool and fill is not None
+                and torch.broadcast_shapes(masked.shape, lazy.shape) == lazy.shape):
+            return None
+        if fill == -math.inf:
+            child = lazy.derive("masked", func, args, kwargs)
+            child._masks = (*lazy._masks, ~masked)  # SDPA's boolean mask: True takes part
+            return child
+        if fill == torch.finfo(lazy.dtype).min:
+            # the lowest finite value (Hugging Face's mask value): as an additive mask, s + min rounds to min for
+            # any score |s| << |min|, so the result is the same, fully masked rows included
+            child = lazy.derive("masked", func, args, kwargs)
+            additive = torch.zeros(masked.shape, dtype=lazy.dtype, device=lazy.device)
+            child._masks = (*lazy._masks, additive.masked_fill(masked, fill))
+            return child
+        return None
+
+    def _fuse(self, lazy: _Lazy, v: Any) -> torch.Tensor | None:
+        q, kt = lazy._q, lazy._kt
+        assert q is not None and kt is not None
+        if not (_plain(v) and v.is_floating_point() and v.device == q.device and v.ndim == q.ndim
+                and v.shape[:-2] == q.shape[:-2] and v.shape[-2] == kt.shape[-1]):
+            return None
+        autocast = _autocast_dtype(q.device)
+        if autocast is None and not (lazy.dtype == v.dtype == q.dtype):
+            return None  # the original raises (or promotes in a way the kernel does not): let it run as written
+        dtype = autocast or q.dtype
+        k = kt.transpose(-2, -1)
+        q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
+        mask = _combine_masks(lazy._masks, dtype)
+        lazy._fused = True
+        self.fused += 1
+        self.on_fused()
+        if q.ndim == 3:  # (batch*heads, L, E): the fused kernels want (batch, heads, L, E)
+            if mask is not None and mask.ndim == 3:
+                mask = mask.unsqueeze(1)
+            return F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), attn_mask=mask,
+                                                  dropout_p=0.0, scale=lazy._scale).squeeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=lazy._scale)
+
+
+def _combine_masks(masks: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """One SDPA mask from the bool (True takes part) and additive float masks met on the way, in ``dtype``."""
+    if not masks:
+        return None
+    if len(masks) == 1 and (masks[0].dtype == torch.bool or masks[0].dtype == dtype):
+        return masks[0]
+    total: torch.Tensor | None = None
+    for mask in masks:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+        elif mask.dtype != dtype:
+            # float32's lowest value (Hugging Face's padding mask) overflows to -inf in bf16/fp16, and a fully
+            # masked row (a padded query) would turn NaN where the original gave a finite uniform row
+            mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+        total = mask if total is None else total + mask
+    return total
 
 
 def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention) -> None:
     result.fused_calls[name] = 0
     modes: list[_AttentionRewrite] = []
+    warned = [False]
 
     def on_fused() -> None:
         result.fused_calls[name] += 1
@@ -613,9 +898,19 @@ def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention)
         modes.append(mode)
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
-        if modes:
-            modes.pop().__exit__(None, None, None)
-        return _materialize_all(output)  # a placeholder never leaves the block
+        if not modes:
+            return output
+        mode = modes.pop()
+        mode.__exit__(None, None, None)
+        if mode.fused == 0 and result.fused_calls[name] == 0 and not warned[0]:
+            warned[0] = True
+            reason = mode.broken or "no matmul(q, k^T) -> softmax -> matmul(p, v) ran in the block"
+            result.not_fired[name] = reason
+            warnings.warn(f"use_fused_attention: the rewrite of {name or 'the model'!r} ({type(mod).__name__}) did "
+                          f"not fire in its forward: {reason}. The block runs unchanged; fix: {ATTENTION_FIX}.",
+                          UserWarning, stacklevel=2)
+        # a placeholder that the fused call did not consume is computed here: nothing half-done leaves the block
+        return _materialize_all(output, keep_fused=True)
 
     result._handles.append(module.register_forward_pre_hook(pre_hook))
     result._handles.append(module.register_forward_hook(post_hook, always_call=True))

@@ -245,8 +245,9 @@ def test_hand_written_eval_dropout_is_fused_training_dropout_is_not():
     ref_out, ref_grads = run(model, x)
     result = use_fused_attention(model, blocks=["attn"])
     torch.manual_seed(1)
-    out, grads = run(model, x)  # dropout p=0.5 in training: the original ops, same RNG draws, same numbers
-    assert result.fused_calls["attn"] == 0
+    with pytest.warns(UserWarning, match=r"'attn' \(HandWritten\) did not fire.*dropout\(p=0.5\) in training mode"):
+        out, grads = run(model, x)  # dropout p=0.5 in training: the original ops, same RNG draws, same numbers
+    assert result.fused_calls["attn"] == 0 and "dropout(p=0.5)" in result.not_fired["attn"]
     assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
@@ -282,7 +283,8 @@ def test_hand_written_scores_read_inside_block_materialise():
     x = torch.randn(B, T, D)
     ref_y, ref_scores = block(x)
     result = use_fused_attention(block, blocks=[""])
-    y, scores = block(x)
+    with pytest.warns(UserWarning, match="did not fire in its forward: max on the scores"):
+        y, scores = block(x)
     assert result.fused_calls[""] == 0
     assert type(scores) is torch.Tensor  # nothing lazy leaves the block
     assert torch.equal(y, ref_y) and torch.equal(scores, ref_scores)
@@ -327,3 +329,171 @@ def test_recorder_backend_names_the_kernel_that_ran():
     with SDPABackendRecorder() as rec:
         torch.nn.Linear(3, 3)(torch.randn(2, 3)).sum().backward()
     assert rec.backend is None
+
+
+# --- the hand-written patterns real libraries use -------------------------------------------------------------------
+
+class LibraryStyle(nn.Module):
+    """Attention written as Hugging Face eager (Llama, GPT-2), timm and nanoGPT write it; returns (out, weights)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.drop = nn.Dropout(0.0)
+        self.variant = variant
+        self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))  # nanoGPT's causal buffer
+
+    def forward(self, x, mask=None):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, H, d // H).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        scale = (d // H) ** -0.5
+        if self.variant == "hf_llama":  # softmax in fp32, cast back with .to(query.dtype), functional dropout
+            w = torch.matmul(q, k.transpose(2, 3)) * scale + mask
+            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            w = F.dropout(w, p=0.0, training=self.training)
+        elif self.variant == "hf_gpt2":  # .type(value.dtype) between softmax and dropout
+            w = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+            w = F.softmax(w, dim=-1).type(v.dtype)
+            w = F.dropout(w, p=0.0, training=self.training)
+        elif self.variant == "hf_gpt2_5_0":  # transformers 5.0: / a 0-dim tensor, torch.where(causal, w, min)
+            w = torch.matmul(q, k.transpose(-1, -2))
+            w = w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+            causal = self.bias[:, :, :t, :t].bool()
+            low = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+            w = torch.where(causal, w.to(w.dtype), low) + mask
+            w = F.softmax(w, dim=-1).type(v.dtype)
+            w = self.drop(w)
+        elif self.variant == "timm":  # query pre-scaled before the matmul, Tensor.softmax, dropout module
+            q = q * scale
+            w = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+            w = self.drop(w)
+        elif self.variant == "nanogpt":  # causal buffer == 0 through masked_fill(-inf)
+            w = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            w = w.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+            w = self.drop(F.softmax(w, dim=-1))
+        elif self.variant == "finfo_min_and_padding":  # lowest finite value, then an additive padding mask
+            w = (q @ k.transpose(-2, -1)) * scale
+            w = w.masked_fill(self.bias[:, :, :t, :t] == 0, torch.finfo(w.dtype).min) + mask
+            w = F.softmax(w, dim=-1)
+        y = (w @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y), w
+
+
+def padding_mask(dtype=torch.float32):
+    """Additive mask (B, 1, 1, T): the last two keys of sample 0 padded, as Hugging Face builds it."""
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, -2:] = False
+    return torch.zeros(B, 1, 1, T, dtype=dtype).masked_fill(~keep[:, None, None, :], torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("variant", ["hf_llama", "hf_gpt2", "hf_gpt2_5_0", "timm", "nanogpt",
+                                     "finfo_min_and_padding"])
+def test_library_patterns_fused_same_results(variant, mode):
+    torch.manual_seed(0)
+    block = LibraryStyle(variant).train(mode == "train")
+    x = torch.randn(B, T, D)
+    mask = padding_mask()
+
+    def step():
+        xx = x.detach().clone().requires_grad_(True)
+        block.zero_grad()
+        out, weights = block(xx, mask)
+        out.square().sum().backward()
+        return out.detach(), weights, [p.grad.clone() for p in block.parameters()] + [xx.grad.clone()]
+
+    ref_out, ref_weights, ref_grads = step()
+    result = use_fused_attention(block, blocks=[""])
+    with SDPABackendRecorder() as rec:
+        out, weights, grads = step()
+        out2, _, _ = step()
+    assert result.fused_calls == {"": 2} and rec.calls == 2 and result.not_fired == {}
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out2, ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # the returned weights stay a placeholder (nothing computed them); on use they are the original's
+    assert type(weights) is not torch.Tensor
+    torch.testing.assert_close(weights + 0, ref_weights.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_library_pattern_under_cpu_autocast_fused_in_the_autocast_dtype():
+    torch.manual_seed(0)
+    block = LibraryStyle("hf_llama")
+    x = torch.randn(B, T, D)
+    mask = padding_mask()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = block(x, mask)
+    result = use_fused_attention(block, blocks=[""])
+    with torch.autocast("cpu", dtype=torch.bfloat16), SDPABackendRecorder() as rec:
+        out, weights = block(x, mask)
+    assert result.fused_calls[""] == 1 and rec.calls == 1
+    assert out.dtype == ref.dtype == torch.bfloat16 and weights.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    # sample 0 fully masked (every key padded): the fp32 mask's lowest value must not become -inf (NaN) in bf16
+    mask = torch.zeros(B, 1, 1, T).index_fill(0, torch.tensor([0]), torch.finfo(torch.float32).min)
+    result.restore()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = block(x, mask)
+    use_fused_attention(block, blocks=[""])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = block(x, mask)
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rewrite_that_never_fires_warns_once_naming_the_op():
+    class Einsum(nn.Module):
+        def forward(self, q, k, v):
+            scores = torch.einsum("bhid,bhjd->bhij", q, k) * 0.5
+            return F.softmax(scores, dim=-1) @ v
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Einsum()
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v)
+
+    model = Wrapper()
+    q, k, v = qkv()
+    ref = model(q, k, v)
+    result = use_fused_attention(model, blocks=["attn"])
+    with pytest.warns(UserWarning, match=r"rewrite of 'attn' \(Einsum\) did not fire in its forward: softmax ran on "
+                                         r"a tensor that is not matmul\(q, k\^T\).*fix: call "
+                                         r"F.scaled_dot_product_attention"):
+        out = model(q, k, v)
+    assert torch.equal(out, ref) and result.fused_calls == {"attn": 0}
+    assert "einsum" in result.not_fired["attn"]
+    import warnings as _warnings
+
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")  # once per block, not every forward
+        model(q, k, v)
+
+
+def test_outputs_keep_their_container_types():
+    class Output(dict):
+        pass
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = LibraryStyle("timm")
+
+        def forward(self, x):
+            out, weights = self.inner(x)
+            return Output(out=out, weights=weights)
+
+    torch.manual_seed(0)
+    model = Returns()
+    x = torch.randn(B, T, D)
+    ref = model(x)
+    result = use_fused_attention(model, blocks=[""])
+    got = model(x)
+    assert type(got) is Output and result.fused_calls[""] == 1
+    torch.testing.assert_close(got["out"], ref["out"], rtol=1e-5, atol=1e-5)
+    assert type(got["weights"]) is not torch.Tensor  # still a placeholder: nothing used it
+    torch.testing.assert_close(got["weights"] * 1, ref["weights"], rtol=1e-5, atol=1e-6)

@@ -12,9 +12,9 @@ Two ways, whichever the script allows:
   loader when it injects a ``DistributedSampler`` (``lightning.pytorch.utilities.data``), and the new loader
   replaces the fit's data source.
 
-Private Lightning names used here (checked against Lightning 2.6): ``fit_loop._data_source`` (where the fit records
-what feeds it; ``.instance`` is the module or the loader), and ``_get_dataloader_init_args_and_kwargs`` /
-``_reinstantiate_wrapped_cls`` (the re-instantiation Lightning uses for sampler injection).
+Private Lightning names (through :mod:`lightning_accel._compat`): the fit loop's data source (where the fit records
+what feeds it; ``.instance`` is the module or the loader), and the re-instantiation Lightning uses for sampler
+injection.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class TrainLoaderSource:
         from lightning.pytorch.utilities.parsing import lightning_hasattr
 
         self.trainer, self.module = trainer, pl_module
-        source = trainer.fit_loop._data_source  # private, Lightning 2.6 (see the module docstring)
+        from lightning_accel._compat import fit_loop_data_source
+
+        source = fit_loop_data_source(trainer)
         self._source = source
         self._original_instance = source.instance
         self.holder = source.instance if source.is_module() else None
@@ -205,12 +207,10 @@ def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> Data
     """
     if not overrides:
         return loader
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning_accel._compat import dataloader_init_arguments, reinstantiate_dataloader
 
     try:
-        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler, RunningStage.TRAINING)
+        args, kwargs = dataloader_init_arguments(loader)
     except Exception as err:  # MisconfigurationException / TypeError with Lightning's explanation
         raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
                          f"{dict(overrides)}: {err}") from err
@@ -228,7 +228,7 @@ def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> Data
             continue
         kwargs[key] = value
     try:
-        return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+        return reinstantiate_dataloader(loader, *args, **kwargs)
     except Exception as err:
         raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
                          f"{dict(overrides)}: {type(err).__name__}: {err}") from err

@@ -148,9 +148,11 @@ def train_data_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any
     Raises ``ValueError`` when dataloaders were passed straight to ``fit(train_dataloaders=...)``: then no attribute
     of ours can change how they are built.
     """
-    # `fit_loop._data_source` is private (checked against Lightning 2.6): it is where the Trainer records whether the
-    # train dataloader comes from a datamodule, the LightningModule, or an object passed to fit().
-    source = trainer.fit_loop._data_source
+    from lightning_accel._compat import fit_loop_data_source
+
+    # where the Trainer records whether the train dataloader comes from a datamodule, the LightningModule, or an
+    # object passed to fit() (a private Lightning attribute: see _compat)
+    source = fit_loop_data_source(trainer)
     if not source.is_module():
         raise ValueError("the tuners rebuild the train dataloader with new settings, so it must come from "
                          "`train_dataloader()` of a LightningDataModule or the LightningModule, not from "
@@ -191,10 +193,11 @@ def request_train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule)
 def reload_train_dataloader(trainer: pl.Trainer) -> None:
     """Make the fit loop rebuild its train dataloader at the start of the next epoch.
 
-    Sets ``fit_loop._combined_loader = None`` (private; checked against Lightning 2.6: ``_FitLoop.setup_data``
-    returns early while it is set, and ``on_advance_start`` calls ``setup_data`` every epoch).
+    Through :func:`lightning_accel._compat.reset_fit_loop_loader` (a private Lightning attribute).
     """
-    trainer.fit_loop._combined_loader = None
+    from lightning_accel._compat import reset_fit_loop_loader
+
+    reset_fit_loop_loader(trainer)
 
 
 def iterate_batches(loader: Any) -> Iterator[Any]:

@@ -11,13 +11,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
+    disable_kv_cache,
     remove_activation_checkpointing,
     saved_activation_bytes,
 )
 from lightning_accel.core.flops import FlopCounter
+
+_compat.require_versions("ActivationCheckpointing")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -36,7 +40,9 @@ class ActivationCheckpointing(Callback):
     identical to the plain model, RNG state (dropout) is replayed, it composes with autocast
     (``AutoMixedPrecision``), DDP and ``TorchCompile``. ``state_dict`` and checkpoint keys are unchanged; parameter
     *names* gain a ``._checkpoint_wrapped_module`` segment during ``fit`` (the collection's callbacks and
-    ``fp32_modules`` patterns match names without it). The wrappers are removed again when ``fit`` ends.
+    ``fp32_modules`` patterns match names without it). The wrappers are removed again when ``fit`` ends. A
+    Hugging Face model inside gets ``config.use_cache = False`` for the fit (restored after): a recomputed decoder
+    forward would append to the key/value cache a second time, as Hugging Face's own gradient checkpointing knows.
 
     Targets: module types (``Block``) and/or ``fnmatch`` patterns over qualified names (``"model.blocks.*"``). A
     target that matches nothing raises ``ValueError`` listing the module types present.
@@ -90,6 +96,7 @@ class ActivationCheckpointing(Callback):
         self._model: nn.Module | None = None
         self._hooks: list[Any] = []
         self._batches = 0
+        self._cache_configs: list[Any] = []  # Hugging Face configs whose use_cache is off during fit
         self._measuring = False
         self._step_counter = FlopCounter()
         self._recompute_counter = FlopCounter()
@@ -104,8 +111,11 @@ class ActivationCheckpointing(Callback):
         self.wrapped_names = apply_activation_checkpointing(pl_module, self.modules)
         self._model = pl_module
         self._batches = 0
+        self._cache_configs = disable_kv_cache(pl_module)
         rank_zero_info(f"ActivationCheckpointing: recomputing {len(self.wrapped_names)} modules in backward "
-                       f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})")
+                       f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})"
+                       + ("; use_cache=False on the Hugging Face model during fit (a recomputed forward would "
+                          "append to the key/value cache again)" if self._cache_configs else ""))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -182,9 +192,12 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._model is not None:
             remove_activation_checkpointing(self._model, self.wrapped_names)
+            for config in self._cache_configs:
+                config.use_cache = True
+            self._cache_configs = []
             self._model = None
 
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass in this thread (where checkpointed modules recompute)."""
-    return torch._C._current_graph_task_id() != -1  # private, present in torch 2.0-2.13
+    return _compat.in_backward()

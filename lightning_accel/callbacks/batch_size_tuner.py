@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
@@ -28,6 +29,8 @@ from lightning_accel.callbacks._probe_step import (
 from lightning_accel.callbacks._trainer import rank_zero_print
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
 from lightning_accel.core.search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
+
+_compat.require_versions("BatchSizeTuner")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -366,8 +369,7 @@ class BatchSizeTuner(Callback):
             sched = cfg.scheduler
             if hasattr(sched, "base_lrs"):
                 sched.base_lrs = [lr * scale for lr in sched.base_lrs]
-            if hasattr(sched, "_last_lr"):
-                sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+            _compat.set_scheduler_last_lr(sched, [g["lr"] for g in sched.optimizer.param_groups])
         return scale
 
     def _table(self) -> Any:

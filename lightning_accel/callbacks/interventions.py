@@ -321,9 +321,9 @@ class OptimizerImplementation(Intervention):
                 return f"{type(opt).__name__} already runs with {self.flag}=True"
         if self.flag == "fused":
             devices = {p.device.type for opt in run.trainer.optimizers for g in opt.param_groups for p in g["params"]}
-            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+            from lightning_accel._compat import fused_optimizer_devices
 
-            unsupported = devices - set(_get_fused_kernels_supported_devices())
+            unsupported = devices - set(fused_optimizer_devices())
             if unsupported:
                 return f"no fused optimizer kernels on {sorted(unsupported)}"
         return None
@@ -463,7 +463,9 @@ class Compile(Intervention):
 
         if any(isinstance(cb, TorchCompile) for cb in run.trainer.callbacks):
             return "TorchCompile is already in use"
-        if any(getattr(m, "_compiled_call_impl", None) is not None for m in run.module.modules()):
+        from lightning_accel._compat import compiled_call
+
+        if any(compiled_call(m) is not None for m in run.module.modules()):
             return "the model is already compiled"
         window = run.current or run.baseline
         if run.steps_left is not None and window is not None and "backend" not in self.params:

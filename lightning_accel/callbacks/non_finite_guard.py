@@ -10,7 +10,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.core.checkpointing import clean_module_name
+
+_compat.require_versions("NonFiniteGuard")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -150,7 +153,7 @@ class NonFiniteGuard(Callback):
         norms: torch.Tensor | None = None
         flags = []
         if grads:
-            per_param = torch._foreach_norm(grads, float("inf"))
+            per_param = _compat.foreach_norm(grads, float("inf"))
             if len({n.dtype for n in per_param}) == 1 and len({n.device for n in per_param}) == 1:
                 norms = torch.stack(per_param)
             else:

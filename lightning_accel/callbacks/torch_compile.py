@@ -14,7 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
+
+_compat.require_versions("TorchCompile")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,7 +150,7 @@ class TorchCompile(Callback):
             except Exception as err:  # e.g. "Dynamo is not supported on Python 3.x", Windows without triton
                 self._fall_back(f"torch.compile is unavailable here: {err!r}")
                 return
-            module._compiled_call_impl = self._guarded(name, module, compiled)
+            _compat.set_compiled_call(module, self._guarded(name, module, compiled))
             self.compiled_names.append(name)
         rank_zero_info(f"TorchCompile: compiling {', '.join(self.compiled_names)} lazily on the first batch "
                        f"({self._describe()})")
@@ -159,20 +162,21 @@ class TorchCompile(Callback):
         return ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
     def _guarded(self, name: str, module: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        from torch._dynamo.exc import TorchDynamoException
+        dynamo_error = _compat.dynamo_exception()
+        eager = _compat.call_impl(module)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if _dispatch_mode_active():
                 # e.g. MFUMonitor's FlopCounterMode on the first batch: dynamo would give up on this code for
                 # good (every later call eager); run this call eagerly and compile on the next one
-                return module._call_impl(*args, **kwargs)
+                return eager(*args, **kwargs)
             first = name not in self.first_call_seconds
             start = time.perf_counter() if first else 0.0
             try:
                 out = compiled(*args, **kwargs)
-            except TorchDynamoException as err:
+            except dynamo_error as err:
                 self._fall_back(f"compiling {name} failed: {type(err).__name__}: {_first_lines(err)}")
-                return module._call_impl(*args, **kwargs)
+                return eager(*args, **kwargs)
             if first:
                 self.first_call_seconds[name] = time.perf_counter() - start
             return out
@@ -185,13 +189,13 @@ class TorchCompile(Callback):
             rank_zero_warn(f"TorchCompile: {reason}. Running eagerly instead (training continues, without the "
                            "compile speed-up).")
         for _, module in self._targets:
-            module._compiled_call_impl = None
+            _compat.set_compiled_call(module, None)
         self.compiled_names.clear()
 
     def uncompile(self) -> None:
         """Return the targets to eager execution (they otherwise stay compiled after ``fit``)."""
         for _, module in self._targets:
-            module._compiled_call_impl = None
+            _compat.set_compiled_call(module, None)
         self._targets, self.compiled_names = [], []
 
 
@@ -209,12 +213,14 @@ def _user_frame(module: nn.Module) -> Callable[..., Any]:
     if code is None:
         code = _template(module).__code__.replace(co_name=f"compiled_{type(module).__name__}")
         _CODE_PER_CLASS[type(module)] = code
-    return types.FunctionType(code, globals(), code.co_name, None, (types.CellType(module),))
+    return types.FunctionType(code, globals(), code.co_name, None, (types.CellType(_compat.call_impl(module)),))
 
 
 def _template(module: nn.Module) -> Callable[..., Any]:
+    eager = _compat.call_impl(module)
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        return module._call_impl(*args, **kwargs)
+        return eager(*args, **kwargs)
 
     return run
 
@@ -224,9 +230,7 @@ _CODE_PER_CLASS: dict[type, types.CodeType] = {}
 
 def _dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (``FlopCounterMode``, a profiler mode, ...) is active in this thread."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode  # private; torch 2.0-2.13
-
-    return _get_current_dispatch_mode() is not None
+    return _compat.current_dispatch_mode() is not None
 
 
 def _first_lines(err: BaseException, lines: int = 2, chars: int = 300) -> str:

@@ -11,10 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel import _compat
+
 __all__ = [
     "CHECKPOINT_PREFIX",
     "apply_activation_checkpointing",
     "clean_module_name",
+    "disable_kv_cache",
     "remove_activation_checkpointing",
     "saved_activation_bytes",
 ]
@@ -52,7 +55,6 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
     Raises:
         ValueError: a target matches nothing; the message lists the module types (and some names) present.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     named = [(clean_module_name(n), n, m) for n, m in model.named_modules() if n]
     hits: dict[int, int] = {i: 0 for i in range(len(targets))}
@@ -82,8 +84,25 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
         parent = model.get_submodule(parent_name) if parent_name else model
         current = getattr(parent, child)
         if not _is_wrapper(current):
-            setattr(parent, child, checkpoint_wrapper(current, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            setattr(parent, child, _compat.checkpoint_wrapper_non_reentrant(current))
     return [c for c, _ in outermost]
+
+
+def disable_kv_cache(model: nn.Module) -> list[Any]:
+    """Turn off the key/value cache of the Hugging Face models inside ``model``; returns the configs changed.
+
+    A decoder that appends to its cache in forward appends again when checkpointing recomputes that forward, and
+    torch's checkpoint then finds tensors of another sequence length ("Recomputed values ... have different
+    metadata"). Hugging Face's own ``gradient_checkpointing_enable`` sets ``use_cache=False`` for training too.
+    """
+    changed = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if _compat.hf_attn_implementation(module) is not None and getattr(config, "use_cache", False) is True \
+                and all(config is not c for c in changed):
+            config.use_cache = False
+            changed.append(config)
+    return changed
 
 
 def remove_activation_checkpointing(model: nn.Module, names: Sequence[str] | None = None) -> int:

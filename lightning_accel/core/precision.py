@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_accel._compat import autocast_enabled, tree_map
 from lightning_accel.core.checkpointing import clean_module_name
 
 __all__ = [
@@ -71,7 +71,7 @@ def supported_autocast_dtypes(device: torch.device | str) -> list[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns "target dtype is not supported. Disabling autocast"
             ctx = torch.autocast(device.type, dtype=dtype)
-        if getattr(ctx, "_enabled", True):
+        if autocast_enabled(ctx):
             out.append(name)
     return out
 

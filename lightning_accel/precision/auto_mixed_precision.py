@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -17,7 +16,10 @@ from torch import nn
 from torch.optim import LBFGS
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel.core.precision import DtypeChoice, Fp32Islands, choose_autocast_dtype
+
+_compat.require_versions("AutoMixedPrecision")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -170,7 +172,7 @@ class AutoMixedPrecision(MixedPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Resolve the dtype for the strategy's device and install the fp32 islands (called by the strategy)."""
-        trainer = getattr(module, "_trainer", None)
+        trainer = _compat.module_trainer(module)
         if trainer is not None:
             device = trainer.strategy.root_device
         else:
@@ -230,9 +232,9 @@ class AutoMixedPrecision(MixedPrecision):
             raise MisconfigurationException("AutoMixedPrecision with fp16 (GradScaler) does not support LBFGS")
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
-        if not _optimizer_handles_unscaling(optimizer) and not skip_unscaling:
+        if not _compat.optimizer_handles_unscaling(optimizer) and not skip_unscaling:
             self.scaler.unscale_(optimizer)  # before on_before_optimizer_step and gradient clipping
-        self._after_closure(model, optimizer)
+        _compat.after_closure(self, model, optimizer)
         if skip_unscaling:
             return closure_result
         step_output = self.scaler.step(optimizer, **kwargs)
@@ -242,12 +244,8 @@ class AutoMixedPrecision(MixedPrecision):
 
     def _count_skip(self, optimizer: Any) -> None:
         # GradScaler keeps the per-device found-inf flags of this step until update(); reading them is the only way
-        # to know whether step() skipped without a host sync. Private API, checked against torch 2.4-2.13.
-        found = getattr(self.scaler, "_found_inf_per_device", None)
-        try:
-            flags = list(found(optimizer).values()) if found is not None else []
-        except (KeyError, AttributeError):
-            flags = []
+        # to know whether step() skipped without a host sync (a private GradScaler field: see _compat).
+        flags = _compat.grad_scaler_found_inf(self.scaler, optimizer)
         if not flags:
             return
         hit = (sum(f.to(flags[0].device) for f in flags) > 0).to(torch.int64)

@@ -18,6 +18,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _compat
+
+_compat.require_versions("the DDP compression strategies")
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -223,8 +227,6 @@ class DDPCompressionStrategy(DDPStrategy):
 
     def _counting_hook(self, hook: CommHook) -> CommHook:
         """Wrap ``hook`` so it counts calls and bytes into :attr:`comm_stats` (sizes from shapes: no sync)."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         compression = self.compression
 
         # no annotations: DDP compares them (as objects) with dist.GradBucket/Future, and this module's are strings
@@ -235,7 +237,7 @@ class DDPCompressionStrategy(DDPStrategy):
             if compression == "powersgd":
                 if state.iter >= state.start_powerSGD_iter and self._iters_since_setup < _DDP_BUCKET_REBUILD_ITERS:
                     # resumed run: plain all-reduce until DDP has rebuilt its buckets (see _DDP_BUCKET_REBUILD_ITERS)
-                    fut = default_hooks._allreduce_fut(state.process_group or torch.distributed.group.WORLD, buffer)
+                    fut = _compat.allreduce_future(state.process_group or torch.distributed.group.WORLD, buffer)
                     state.maybe_increase_iter(bucket)
                     sent = before
                 else:
@@ -307,7 +309,7 @@ class DDPCompressionStrategy(DDPStrategy):
 
     def _maybe_log(self) -> None:
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
+        trainer = _compat.module_trainer(module)
         if trainer is None or not trainer.training:
             return
         every = max(1, trainer.log_every_n_steps)

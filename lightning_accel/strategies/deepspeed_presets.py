@@ -34,8 +34,11 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel import _compat
 from lightning_accel._imports import require
 from lightning_accel.core.memory import ZeroMemoryEstimate, count_model_params, estimate_zero_memory
+
+_compat.require_versions("the DeepSpeed strategies")
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -307,7 +310,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        _compat.init_deepspeed_distributed(self)
 
     def _cpu_device_rank(self) -> int | None:
         """``device_rank`` for ``deepspeed.initialize``.

@@ -1,0 +1,385 @@
+"""Every private Lightning, torch and transformers name lightning-accel touches, in one place.
+
+Public API is used wherever it exists; what is left goes through the accessors below, each saying the versions it
+was checked against. :data:`PRIVATE_NAMES` lists every private name (also the private methods the strategies and
+the precision plugin *override*: an override of a method that a new release renamed would silently never run), and
+``tests/test_compat.py`` asserts each still exists in the installed versions. ``.ci/compat`` runs the fast tests
+on the oldest supported versions (:data:`TORCH_MIN`, :data:`LIGHTNING_MIN`).
+
+This module imports torch only; Lightning and transformers are imported inside the accessors that need them, so
+the framework-free ``core/`` may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode  # public class in a private module; torch 2.0-2.13
+
+__all__ = ["LIGHTNING_MIN", "PRIVATE_NAMES", "TORCH_MIN", "PrivateName", "TorchDispatchMode", "require_versions",
+           "supported_range"]
+
+#: The oldest versions the package supports, and why they are the floor:
+#: torch 2.6 — ``sdpa_kernel(..., set_priority=)`` (``sdpa_backends``); Lightning 2.6 —
+#: ``Strategy.load_checkpoint(path, weights_only)`` (the DDP compression strategies' checkpoints).
+TORCH_MIN = (2, 6)
+LIGHTNING_MIN = (2, 6)
+#: The newest versions the accessors were checked against.
+TORCH_CHECKED = "2.13"
+LIGHTNING_CHECKED = "2.6.6"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def supported_range() -> str:
+    """The supported range, as ``pyproject.toml`` states it."""
+    return (f"torch>={'.'.join(map(str, TORCH_MIN))} and lightning>={'.'.join(map(str, LIGHTNING_MIN))} "
+            f"(checked up to torch {TORCH_CHECKED}, lightning {LIGHTNING_CHECKED})")
+
+
+def require_versions(component: str, *, lightning: bool = True) -> None:
+    """Raise ``ImportError`` naming the supported range when the installed torch (or Lightning) is older.
+
+    Called at import of each component that depends on a version-specific API.
+
+    Args:
+        component: what is being imported, for the message (``"TorchCompile"``).
+        lightning: also check Lightning (components that import it).
+    """
+    found = [("torch", torch.__version__, TORCH_MIN)]
+    if lightning:
+        import lightning as L
+
+        found.append(("lightning", L.__version__, LIGHTNING_MIN))
+    old = [f"{name} {version}" for name, version, floor in found if _version_tuple(version) < floor]
+    if old:
+        raise ImportError(f"{component} needs {supported_range()}; found {', '.join(old)}. Upgrade: "
+                          f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}' "
+                          f"'lightning>={'.'.join(map(str, LIGHTNING_MIN))}'")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the registry
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PrivateName:
+    """One private name: where it lives, the versions checked, who uses it and how.
+
+    Attributes:
+        owner: dotted path of the module or class that holds ``name`` (``"torch.Tensor"``).
+        name: the private attribute.
+        checked: the versions it was read against.
+        used_in: files (``path:function``) that reach it through this module, or override it.
+        kind: ``"access"`` (read/called through an accessor here) or ``"override"`` (a subclass replaces it).
+        instance: for attributes set in ``__init__``: a function building an object that must have it.
+    """
+
+    owner: str
+    name: str
+    checked: str
+    used_in: tuple[str, ...]
+    kind: str = "access"
+    instance: Callable[[], Any] | None = None
+
+
+def _fit_loop() -> Any:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False).fit_loop
+
+
+def _lightning_module() -> Any:
+    import lightning.pytorch as pl
+
+    return pl.LightningModule()
+
+
+def _step_lr() -> Any:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    return torch.optim.lr_scheduler.StepLR(opt, 1)
+
+
+def _grad_scaler() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "GradScaler is enabled, but CUDA is not available" on CPU machines
+        return torch.amp.GradScaler("cpu")
+
+
+def _hf_config() -> Any:
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig()
+
+
+_T = f"torch 2.6-{TORCH_CHECKED}"
+_L = f"lightning 2.6.0-{LIGHTNING_CHECKED}"
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    # --- torch
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T, ("attention.py:SDPABackendRecorder",)),
+    PrivateName("torch.utils._python_dispatch", "_get_current_dispatch_mode", _T,
+                ("callbacks/torch_compile.py:_dispatch_mode_active",)),
+    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention.py:_Lazy",)),
+    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T, ("attention.py:_Lazy", "attention.py:_WeightsProbe")),
+    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention.py:_FusedOpCounter",),
+                instance=lambda: torch.ops.aten.add.Tensor),
+    PrivateName("torch._C", "_current_graph_task_id", _T, ("callbacks/activation_checkpointing.py:_in_backward",)),
+    PrivateName("torch", "_foreach_norm", _T, ("callbacks/non_finite_guard.py:on_before_optimizer_step",)),
+    PrivateName("torch._dynamo.exc", "TorchDynamoException", _T, ("callbacks/torch_compile.py:_guarded",)),
+    PrivateName("torch.nn.Module", "_call_impl", _T, ("callbacks/torch_compile.py:_user_frame",)),
+    PrivateName("torch.nn.Module", "_compiled_call_impl", _T, ("callbacks/torch_compile.py:setup",
+                                                               "callbacks/interventions.py:Compile")),
+    PrivateName("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices", _T,
+                ("callbacks/interventions.py:OptimizerImplementation",)),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", _T,
+                ("core/checkpointing.py:apply_activation_checkpointing",)),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl", _T,
+                ("core/checkpointing.py:apply_activation_checkpointing",)),
+    PrivateName("torch.utils._pytree", "tree_map", _T, ("core/precision.py:fp32_island",)),
+    PrivateName("torch.autocast", "_enabled", _T, ("core/precision.py:autocast_dtypes",),
+                instance=lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+    PrivateName("torch.amp.GradScaler", "_found_inf_per_device", _T,
+                ("precision/auto_mixed_precision.py:_count_skip",)),
+    PrivateName("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "_allreduce_fut", _T,
+                ("strategies/ddp_compression.py:_counting_hook",)),
+    PrivateName("torch.optim.lr_scheduler.LRScheduler", "_last_lr", _T, ("callbacks/batch_size_tuner.py:_scale_lr",),
+                instance=_step_lr),
+    # --- Lightning
+    PrivateName("lightning.fabric.plugins.precision.amp", "_optimizer_handles_unscaling", _L,
+                ("precision/auto_mixed_precision.py:optimizer_step",)),
+    PrivateName("lightning.pytorch.plugins.precision.MixedPrecision", "_after_closure", _L,
+                ("precision/auto_mixed_precision.py:optimizer_step",)),
+    PrivateName("lightning.pytorch.LightningModule", "_trainer", _L,
+                ("precision/auto_mixed_precision.py:convert_module", "strategies/ddp_compression.py:_maybe_log"),
+                instance=_lightning_module),
+    PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_data_source", _L,
+                ("callbacks/_probe_step.py:request_train_dataloader", "callbacks/_loader_source.py:TrainLoaderSource"),
+                instance=_fit_loop),
+    PrivateName("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs", _L,
+                ("callbacks/_loader_source.py:rebuild_dataloader",)),
+    PrivateName("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls", _L,
+                ("callbacks/_loader_source.py:rebuild_dataloader",)),
+    PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_combined_loader", _L,
+                ("callbacks/_probe_step.py:reload_train_dataloader",), instance=_fit_loop),
+    PrivateName("lightning.pytorch.strategies.DDPStrategy", "_register_ddp_hooks", _L,
+                ("strategies/ddp_compression.py:DDPCompressionStrategy",), kind="override"),
+    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_setup_model_and_optimizer", _L,
+                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override"),
+    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_initialize_deepspeed_inference", _L,
+                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override"),
+    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_init_deepspeed_distributed", _L,
+                ("strategies/deepspeed_presets.py:setup_distributed",)),
+    # --- transformers (optional: checked only when installed)
+    PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
+                ("attention.py:use_fused_attention",), instance=_hf_config),
+    PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
+                ("attention.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
+)
+
+
+def resolve(entry: PrivateName) -> Any:
+    """The object that must carry ``entry.name`` (imported, or built by ``entry.instance``)."""
+    if entry.instance is not None:
+        return entry.instance()
+    import importlib
+
+    parts = entry.owner.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot import {entry.owner}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch accessors
+# ---------------------------------------------------------------------------------------------------------------
+
+def current_dispatch_mode() -> Any:
+    """The innermost active ``TorchDispatchMode`` of this thread, or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def disable_torch_function_subclass() -> Any:
+    """Context manager: tensor subclasses' ``__torch_function__`` off (what ``Tensor.__torch_function__`` uses)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def make_wrapper_subclass(cls: type, shape: torch.Size, **kwargs: Any) -> torch.Tensor:
+    """A tensor of subclass ``cls`` with metadata only (no storage): the wrapper-subclass constructor."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)  # type: ignore[attr-defined]
+
+
+def op_packet_name(func: Any) -> str:
+    """``aten.add.Tensor`` -> ``"add"``: the overload packet's name of an op seen by a dispatch mode."""
+    return func._overloadpacket.__name__
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """One fused norm per tensor (``torch._foreach_norm``: a few kernels instead of one per tensor)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def dynamo_exception() -> type[BaseException]:
+    """The base class of torch.compile's (dynamo's) errors."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return TorchDynamoException
+
+
+def call_impl(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s eager call (hooks included), bypassing a compiled call installed on it."""
+    return module._call_impl
+
+
+def set_compiled_call(module: nn.Module, call: Callable[..., Any] | None) -> None:
+    """Make ``module(...)`` run ``call`` (what ``nn.Module.compile`` installs); ``None`` returns it to eager."""
+    module._compiled_call_impl = call  # type: ignore[assignment]
+
+
+def checkpoint_wrapper_non_reentrant(module: nn.Module) -> nn.Module:
+    """``module`` wrapped in torch's non-reentrant activation-checkpoint wrapper (FSDP's ``checkpoint_wrapper``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """torch's pytree ``tree_map`` (lists, tuples, dicts, namedtuples)."""
+    from torch.utils._pytree import tree_map as _tree_map
+
+    return _tree_map(fn, tree)
+
+
+def autocast_enabled(ctx: torch.autocast) -> bool:
+    """Whether an ``autocast`` object kept itself on (torch disables it, warning, for unsupported dtypes)."""
+    return bool(getattr(ctx, "_enabled", True))
+
+
+def grad_scaler_found_inf(scaler: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The GradScaler's per-device found-inf flags for ``optimizer`` this step ([] when not recorded)."""
+    found = getattr(scaler, "_found_inf_per_device", None)
+    try:
+        return list(found(optimizer).values()) if found is not None else []
+    except (KeyError, AttributeError):
+        return []
+
+
+def allreduce_future(process_group: Any, tensor: torch.Tensor) -> Any:
+    """torch's plain DDP all-reduce (averaging) as a future, the base of its default comm hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._allreduce_fut(process_group, tensor)
+
+
+def set_scheduler_last_lr(scheduler: Any, lrs: Iterable[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` report ``lrs`` (after the learning rates were rescaled by hand)."""
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = list(lrs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning accessors
+# ---------------------------------------------------------------------------------------------------------------
+
+def optimizer_handles_unscaling(optimizer: Any) -> bool:
+    """Whether the optimizer unscales gradients itself (fused Adam with a GradScaler), as Lightning decides."""
+    from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+
+    return bool(_optimizer_handles_unscaling(optimizer))
+
+
+def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
+    """``MixedPrecision._after_closure``: calls ``on_before_optimizer_step`` and gradient clipping."""
+    plugin._after_closure(model, optimizer)
+
+
+def module_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
+    return getattr(module, "_trainer", None)
+
+
+def fit_loop_data_source(trainer: Any) -> Any:
+    """Where the train dataloader comes from (datamodule, LightningModule, or ``fit(train_dataloaders=)``)."""
+    return trainer.fit_loop._data_source
+
+
+def reset_fit_loop_loader(trainer: Any) -> None:
+    """Make the fit loop rebuild its train dataloader at the start of the next epoch (``setup_data`` returns
+    early while ``_combined_loader`` is set; ``on_advance_start`` calls it every epoch)."""
+    trainer.fit_loop._combined_loader = None
+
+
+def dataloader_init_arguments(loader: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments that re-create ``loader`` with its own sampler, as Lightning computes them
+    to inject a ``DistributedSampler`` (``lightning.pytorch.utilities.data``)."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    return _get_dataloader_init_args_and_kwargs(loader, loader.sampler, RunningStage.TRAINING)
+
+
+def reinstantiate_dataloader(loader: Any, *args: Any, **kwargs: Any) -> Any:
+    """``type(loader)(*args, **kwargs)`` the way Lightning re-creates wrapped loaders (its attribute records
+    replayed, a clear error for subclasses that map two arguments to one)."""
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled call installed on ``module`` (``nn.Module.compile`` / ``TorchCompile``), or None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def fused_optimizer_devices() -> list[str]:
+    """Device types with fused ``torch.optim`` kernels (``fused=True``)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return list(_get_fused_kernels_supported_devices())
+
+
+def init_deepspeed_distributed(strategy: Any) -> None:
+    """DeepSpeedStrategy's process-group start (``deepspeed.init_distributed`` with Lightning's settings)."""
+    strategy._init_deepspeed_distributed()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers accessors
+# ---------------------------------------------------------------------------------------------------------------
+
+def hf_attn_implementation(module: nn.Module) -> str | None:
+    """A ``transformers`` model's attention implementation (``"eager"``, ``"sdpa"``, ...); None for other modules.
+
+    ``config._attn_implementation`` is what the library's attention dispatch reads; ``_supports_sdpa`` (a class
+    flag of every ``PreTrainedModel``) tells a model from its layers, which hold the same config. Checked against
+    transformers 5.0-5.24.
+    """
+    config = getattr(module, "config", None)
+    # a PreTrainedModel (not one of its layers, which also hold the config): it has the SDPA support flag
+    if config is None or not (hasattr(module, "set_attn_implementation") or hasattr(module, "_supports_sdpa")):
+        return None
+    value = getattr(config, "_attn_implementation", None)
+    return value if isinstance(value, str) else None
