@@ -9,7 +9,10 @@ Checks:
    ``TorchCompile`` and SDPA attention, against the datasheet peak of the GPU (``MFUMonitor``); which SDPA kernel ran;
 3. DALI: ``DALIImageDataModule`` images/s with ``decode_device="mixed"`` (nvJPEG) and ``"cpu"`` (both delivering on
    the GPU) vs a PIL DataLoader with as many workers, if DALI is installed (issue 7's GPU target: >= 3x);
-4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference.
+4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference;
+5. the Autopilot on CUDA: the demo GPT in fp32 (``AutoMixedPrecision(dtype="fp32")``), ``num_workers=0``, a
+   micro-batch of 8 × accumulation 4: what it kept (expected: bf16, workers or prefetch, a larger micro-batch),
+   its speed-up over the baseline and its search seconds.
 """
 
 from __future__ import annotations
@@ -139,8 +142,40 @@ def check_stage_timer(args: argparse.Namespace) -> list[Row]:
              f"events {1e3 * per_step:.3f} ms/step, synchronised {1e3 * ref_mean:.3f} ms/step ({device.type})")]
 
 
+def check_autopilot(args: argparse.Namespace) -> list[Row]:
+    import lightning.pytorch as pl
+
+    import lightning_accel as la
+    from lightning_accel.demo.model import GPTConfig
+    from lightning_accel.demo.task import DemoDataModule, GPTTask
+
+    gpu = not args.smoke
+    cfg = GPTConfig(seq_len=256, n_layer=4, d_model=256, n_head=4) if gpu else GPTConfig(seq_len=32, n_layer=1,
+                                                                                         d_model=32, n_head=2)
+    steps = 400 if gpu else 20
+    data = DemoDataModule(seq_len=cfg.seq_len, batch_size=8, train_tokens=(steps * 4 + 8) * 8 * (cfg.seq_len + 1),
+                          val_tokens=4 * (cfg.seq_len + 1), data_dir=Path(tempfile.mkdtemp()) / "tokens")
+    autopilot = la.Autopilot(budget_seconds=90 if gpu else 15, warmup_steps=5 if gpu else 2,
+                             measure_steps=20 if gpu else 4, save_plan=False, print_summary=False)
+    monitor = la.MFUMonitor(window=10, print_summary=False)
+    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=4,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0,
+                         plugins=[la.AutoMixedPrecision(dtype="fp32")], callbacks=[autopilot, monitor])
+    trainer.fit(GPTTask(cfg), datamodule=data)
+    plan = autopilot.plan
+    speedup = (plan.final_samples_per_sec or 0.0) / (plan.baseline_samples_per_sec or float("nan"))
+    kept = "; ".join(k["change"] for k in plan.kept) or "nothing"
+    rejected = "; ".join(f"{r.name}: {r.reason[:60]}" for r in autopilot.records[1:]
+                         if not r.kept and r.samples_per_sec is not None)
+    return [("autopilot", f"{speedup:.2f}x its baseline (trial windows)",
+             f"kept: {kept}; search {plan.search_seconds:.0f} s; stopped: {plan.stopped}"),
+            ("autopilot training", f"{monitor.summary.get('samples_per_sec') or 0:,.0f} samples/s",
+             f"after the search; rejected: {rejected or 'none'}")]
+
+
 CHECKS = [("gpu tests", check_gpu_tests), ("gpt mfu", check_gpt_mfu), ("dali", check_dali),
-          ("stage timer", check_stage_timer)]
+          ("stage timer", check_stage_timer), ("autopilot", check_autopilot)]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
