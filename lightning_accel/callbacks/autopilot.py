@@ -238,7 +238,15 @@ class Autopilot(Callback):
                 else AutopilotPlan.load(self.plan_path)  # type: ignore[arg-type]
             self._replay(run, plan)
         else:
-            self._search(run)
+            try:
+                self._search(run)
+            except Exception as err:  # noqa: BLE001 - the search must not cost the user the training
+                note = (f"the search stopped on {type(err).__name__}: {_short(err)}; training with the "
+                        f"{len(self.kept)} change(s) kept before it")
+                self.notes.append(note)
+                rank_zero_warn(f"Autopilot: {note}")
+                if self.plan is not None:
+                    self.plan.stopped = note
         self._install(run)
         self._finish(run)
 

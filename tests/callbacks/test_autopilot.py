@@ -459,3 +459,22 @@ def test_a_resumed_fit_replays_the_plan_from_the_checkpoint(tmp_path) -> None:
     trainer.fit(Model(), _loader(), ckpt_path=tmp_path / "last.ckpt")
     assert [r.reason for r in resumed.records] == ["replayed from the plan"]
     assert trainer.train_dataloader.num_workers == workers and trainer.global_step == 6
+
+
+def test_a_search_that_fails_outside_a_trial_leaves_the_training_as_configured() -> None:
+    class BrokenProbe(Model):
+        calls = 0
+
+        def training_step(self, batch, batch_idx):
+            # the Autopilot's baseline windows run 2 x (2 + 8) steps, then the probe: fail there, train fine after
+            BrokenProbe.calls += 1
+            if BrokenProbe.calls == 21:
+                raise RuntimeError("flaky device")
+            return super().training_step(batch, batch_idx)
+
+    model = BrokenProbe(sleep_s=0.0)
+    autopilot = Autopilot(**FAST, save_plan=False)
+    with pytest.warns(UserWarning, match="the search stopped on RuntimeError: flaky device"):
+        trainer = _trainer([autopilot], max_steps=3)
+        trainer.fit(model, _loader(sleep_s=0.0))
+    assert trainer.global_step == 3 and autopilot.kept == []
