@@ -37,6 +37,12 @@ __all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribu
            "request_train_dataloader", "train_data_holder"]
 
 
+def _clean(name: str) -> str:
+    from lightning_accel.core.checkpointing import clean_module_name
+
+    return clean_module_name(name)
+
+
 #: optimizer param-group keys that choose how the step is computed, not what it computes
 _IMPLEMENTATION_FLAGS = ("foreach", "fused")
 
@@ -59,11 +65,13 @@ class TrainingState:
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module
-        self.params = {n: p.detach().to("cpu", copy=True) for n, p in pl_module.named_parameters()}
-        self.grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+        # keyed by names without wrapper segments, so a module wrapped (activation checkpointing) or unwrapped
+        # between snapshot and restore still maps to its saved values
+        self.params = {_clean(n): p.detach().to("cpu", copy=True) for n, p in pl_module.named_parameters()}
+        self.grads = {_clean(n): None if p.grad is None else p.grad.detach().to("cpu", copy=True)
                       for n, p in pl_module.named_parameters()}
-        self.buffers = {n: b.detach().to("cpu", copy=True) for n, b in pl_module.named_buffers()}
-        self.modes = {n: m.training for n, m in pl_module.named_modules()}
+        self.buffers = {_clean(n): b.detach().to("cpu", copy=True) for n, b in pl_module.named_buffers()}
+        self.modes = {_clean(n): m.training for n, m in pl_module.named_modules()}
         self.optimizers = []
         for opt in trainer.optimizers:
             state = {p: {k: _to_cpu(v) for k, v in s.items()} for p, s in opt.state.items()}
@@ -102,13 +110,13 @@ class TrainingState:
     def restore(self) -> None:
         module = self.module
         for n, p in module.named_parameters():
-            p.copy_(self.params[n])
-            g = self.grads[n]
+            p.copy_(self.params[_clean(n)])
+            g = self.grads[_clean(n)]
             p.grad = None if g is None else g.to(p.device, copy=True)
         for n, b in module.named_buffers():
-            b.copy_(self.buffers[n])
+            b.copy_(self.buffers[_clean(n)])
         for n, m in module.named_modules():
-            m.training = self.modes.get(n, m.training)
+            m.training = self.modes.get(_clean(n), m.training)
         for opt, state, groups in self.optimizers:
             opt.state = defaultdict(dict, {p: {k: _from_cpu(v) for k, v in s.items()} for p, s in state.items()})
             for group, saved in zip(opt.param_groups, groups):

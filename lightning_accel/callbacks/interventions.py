@@ -493,7 +493,9 @@ class Compile(Intervention):
 
         if self._callback.fallback_reason:
             return False, self._callback.fallback_reason
-        compile_seconds = max(0.0, after.warmup_seconds - run.extras.get("warmup_steps", 0) * after.step_seconds)
+        # the trial's first window warmed up with the compile: its warm-up time beyond that of compiled steps
+        warmup_steps = run.extras.get("warmup_steps", 0) + self.warmup_steps
+        compile_seconds = max(0.0, after.warmup_seconds - warmup_steps * after.step_seconds)
         self.params_measured = {"compile_seconds": compile_seconds}
         return compile_pays_back(compile_seconds, before.step_seconds, after.step_seconds, run.steps_left)
 

@@ -77,7 +77,8 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
         batch_size: per-device batch size for both variants.
         compile_backend: ``torch.compile`` backend of the stack (``"inductor"``; ``"aot_eager"`` for a quick check).
         seed: seed of data, weights and order.
-        autopilot: add the Autopilot variant (``Autopilot(budget_seconds=autopilot_budget)`` on the vanilla run).
+        autopilot: add the Autopilot variant: ``Autopilot(budget_seconds=autopilot_budget)`` on the vanilla run with
+            ``AutoMixedPrecision(dtype="fp32")`` (vanilla's numbers; the plugin lets the Autopilot trial the dtype).
         autopilot_budget: seconds the Autopilot may search per run.
     """
     for name, value in (("steps", steps), ("rounds", rounds), ("batch_size", batch_size)):
@@ -88,7 +89,9 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
     variants = {"vanilla Lightning": base,
                 "recommended stack": dataclasses.replace(base, **recommended_stack(accelerator))}
     if autopilot:
-        variants["Autopilot"] = dataclasses.replace(base, autopilot=True, autopilot_budget=autopilot_budget)
+        # AutoMixedPrecision in fp32: vanilla's numbers, and the plugin the Autopilot needs to trial the dtype
+        variants["Autopilot"] = dataclasses.replace(base, autopilot=True, autopilot_budget=autopilot_budget,
+                                                    precision="amp:fp32")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):

@@ -64,6 +64,8 @@ class DemoConfig:
             if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
                 raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
                                  "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the README)")
+        if self.precision.startswith("amp:") and self.precision[4:] not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"demo: --precision {self.precision!r}: use amp:auto, amp:fp32, amp:bf16 or amp:fp16")
         if self.num_workers < 0:
             raise ValueError(f"demo: --num-workers must be >= 0, got {self.num_workers!r}")
         if self.data not in ("tokens", "images"):
@@ -85,8 +87,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes/devices; >1 runs Lightning DDP (on CPU: gloo) (default %(default)s)")
     parser.add_argument("--accelerator", default=d.accelerator, help="cpu, gpu or auto (default %(default)s)")
     parser.add_argument("--precision", default=d.precision,
-                        help="Lightning precision string (32-true, bf16-mixed, 16-mixed) or 'auto': AutoMixedPrecision "
-                             "picks the dtype for the device (default %(default)s)")
+                        help="Lightning precision string (32-true, bf16-mixed, 16-mixed), 'auto': AutoMixedPrecision "
+                             "picks the dtype for the device, or amp:<dtype> for AutoMixedPrecision(dtype=...) "
+                             "(amp:fp32 lets --autopilot trial the dtype) (default %(default)s)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model (TorchCompile callback, inductor)")
     parser.add_argument("--checkpointing", action="store_true",
@@ -191,10 +194,10 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
 
 def build_precision(cfg: DemoConfig) -> dict[str, Any]:
     """``Trainer`` keywords for ``--precision``: a Lightning string, or ``auto`` -> ``AutoMixedPrecision()``."""
-    if cfg.precision == "auto":
+    if cfg.precision == "auto" or cfg.precision.startswith("amp:"):
         from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
 
-        return {"plugins": [AutoMixedPrecision(dtype="auto")]}
+        return {"plugins": [AutoMixedPrecision(dtype=cfg.precision.removeprefix("amp:"))]}
     return {"precision": cfg.precision}
 
 

@@ -478,3 +478,72 @@ def test_a_search_that_fails_outside_a_trial_leaves_the_training_as_configured()
         trainer = _trainer([autopilot], max_steps=3)
         trainer.fit(model, _loader(sleep_s=0.0))
     assert trainer.global_step == 3 and autopilot.kept == []
+
+
+class Blocks(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)) for _ in range(3)])
+        self.batch_size = 4
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+    def train_dataloader(self):
+        return _loader(sleep_s=0.0, batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_activation_checkpointing_with_a_larger_micro_batch_is_checked_and_undone() -> None:
+    from lightning_accel.callbacks.interventions import ActivationCheckpointingWithLargerBatch
+
+    model = Blocks()
+    change = ActivationCheckpointingWithLargerBatch()
+    autopilot = Autopilot(**FAST, only=[], interventions=[change], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=2, accumulate_grad_batches=4)
+    trainer.fit(model)
+    record = next(r for r in autopilot.records if r.name == "activation_checkpointing")
+    # recomputation gives the same gradients; the doubled micro-batch only reorders the sums
+    assert record.numerics["ok"] and record.numerics["grad_cosine"] > 0.9999, record
+    assert "Sequential" in record.change and "batch_size=8" in record.change
+    wrapped = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
+    assert wrapped == record.kept
+    assert (model.batch_size, trainer.accumulate_grad_batches) == ((8, 2) if record.kept else (4, 4))
+
+
+def test_the_autopilot_keys_are_logged_once() -> None:
+    from lightning.pytorch.loggers import Logger
+
+    class Capture(Logger):
+        name, version = "capture", 0
+        metrics: list[dict] = []
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append(dict(metrics))
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        @property
+        def experiment(self):
+            return None
+
+    logger = Capture()
+    autopilot = Autopilot(**FAST, save_plan=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[autopilot])
+    trainer.fit(Model(), _loader())
+    logged = [m for m in logger.metrics if any(k.startswith("autopilot/") for k in m)]
+    assert len(logged) == 1
+    keys = {"autopilot/baseline_samples_per_sec", "autopilot/final_samples_per_sec", "autopilot/speedup",
+            "autopilot/trials", "autopilot/kept", "autopilot/noise", "autopilot/search_seconds"}
+    assert set(logged[0]) == keys
+    assert logged[0]["autopilot/speedup"] == pytest.approx(
+        logged[0]["autopilot/final_samples_per_sec"] / logged[0]["autopilot/baseline_samples_per_sec"])
+    assert logged[0]["autopilot/kept"] == len(autopilot.kept) >= 1
