@@ -27,10 +27,11 @@ strategy               traffic and what hides it
 ``ddp_bf16_compress``  the same with 2-byte gradients (also ``ddp_fp16_compress``)
 ``ddp_powersgd``       all-reduce of ``Ψ·g / ratio`` (two all-reduces, P and Q, per bucket); compression compute
                        is not modelled
-``zero1``, ``zero2``   reduce-scatter ``Ψ·g`` overlapped with backward, then all-gather ``Ψ·p`` after the
-                       optimizer step (exposed)
-``zero3``              all-gather ``Ψ·p`` prefetched under forward, all-gather ``Ψ·p`` + reduce-scatter ``Ψ·g``
-                       under backward
+``zero1``, ``zero2``   reduce-scatter ``Ψ·g`` in buckets overlapped with backward, then all-gather ``Ψ·p`` after
+                       the optimizer step (exposed)
+``zero3``              per unit (transformer block; FSDP2 likewise): all-gather ``Ψ·p`` prefetched under forward,
+                       all-gather ``Ψ·p`` + reduce-scatter ``Ψ·g`` under backward; the last unit's
+                       reduce-scatter is exposed
 ``tp``                 tensor parallel of size ``T`` inside the node (Megatron-LM: 2 all-reduces of the activations
                        in forward and 2 in backward per transformer layer, on the critical path) × DDP over
                        ``N/T`` replicas for the remaining ``Ψ·g/T`` gradient bytes
@@ -197,6 +198,7 @@ class ScalingWorkload:
         powersgd_ratio: uncompressed ÷ sent for ``ddp_powersgd`` (see :func:`powersgd_compression_ratio`).
         n_layers, hidden_size, tokens_per_step, activation_bytes: for ``tp``: transformer layers, model width,
             tokens per step of one model replica, bytes per activation element.
+        units: ZeRO-3 / FSDP units, each gathered and reduce-scattered separately (0: ``n_layers``, or 1).
     """
 
     compute_s: float
@@ -210,6 +212,7 @@ class ScalingWorkload:
     hidden_size: int = 0
     tokens_per_step: int = 0
     activation_bytes: int = 4
+    units: int = 0
 
     def __post_init__(self) -> None:
         if not self.compute_s > 0:
@@ -222,6 +225,11 @@ class ScalingWorkload:
         if not self.bucket_bytes > 0 or not self.powersgd_ratio >= 1:
             raise ValueError(f"ScalingWorkload: bucket_bytes={self.bucket_bytes!r} must be > 0 and "
                              f"powersgd_ratio={self.powersgd_ratio!r} >= 1")
+
+    @property
+    def shard_units(self) -> int:
+        """ZeRO-3 / FSDP units (one collective each per pass)."""
+        return self.units or self.n_layers or 1
 
     @property
     def backward_s(self) -> float:
@@ -292,15 +300,18 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
         comm, last = _bucketed_allreduce(size, n, link, w.bucket_bytes, calls)
         exposed = 0.0 if n == 1 else max(comm - t_bwd, last)
     elif strategy in ("zero1", "zero2"):
-        rs = reduce_scatter_seconds(grads, n, link)
+        buckets = max(1, math.ceil(grads / w.bucket_bytes))
+        rs = (buckets - 1) * (n - 1) * link.latency + reduce_scatter_seconds(grads, n, link)
         rs_last = reduce_scatter_seconds(min(w.bucket_bytes, grads), n, link)
         ag = allgather_seconds(params, n, link)
         comm = rs + ag
         exposed = 0.0 if n == 1 else max(rs - t_bwd, rs_last) + ag
     elif strategy == "zero3":
-        ag = allgather_seconds(params, n, link)
-        rs = reduce_scatter_seconds(grads, n, link)
-        rs_last = reduce_scatter_seconds(min(w.bucket_bytes, grads), n, link)
+        u = w.shard_units
+        extra = (u - 1) * (n - 1) * link.latency  # one collective per unit: u latencies, the same bytes
+        ag = extra + allgather_seconds(params, n, link)
+        rs = extra + reduce_scatter_seconds(grads, n, link)
+        rs_last = reduce_scatter_seconds(grads / u, n, link)
         comm = 2 * ag + rs
         exposed = 0.0 if n == 1 else max(0.0, ag - t_fwd) + max(rs_last, ag + rs - t_bwd)
     elif strategy == "tp":

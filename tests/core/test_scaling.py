@@ -74,8 +74,19 @@ def test_zero_volumes_follow_the_zero_paper():
     assert z3.comm_s == pytest.approx(rs + 2 * ag)
     # stage 1-2: reduce-scatter hides behind backward (2/3 s) except what exceeds it; all-gather after the step
     assert z2.exposed_s == pytest.approx(max(rs - 2 / 3, rs) + ag)  # one bucket: the whole rs is the last bucket
-    # stage 3: forward all-gather behind 1/3 s of forward, backward all-gather + reduce-scatter behind 2/3 s
+    # stage 3 (one unit): forward all-gather behind 1/3 s of forward, backward all-gather + reduce-scatter behind
+    # 2/3 s, at least the last unit's reduce-scatter
     assert z3.exposed_s == pytest.approx((ag - 1 / 3) + max(rs, ag + rs - 2 / 3))
+    # 10 units (blocks): 10 collectives of a tenth each: 9 more latencies, the same bytes; the last is a tenth
+    (z3u,) = project_scaling(ScalingWorkload(compute_s=1.0, params=250_000_000, units=10), LINK, n=[4],
+                             strategies=["zero3"])
+    ag10 = rs10 = 0.753 + 9 * 3 * 1e-3
+    assert z3u.comm_s == pytest.approx(2 * ag10 + rs10)
+    assert z3u.exposed_s == pytest.approx((ag10 - 1 / 3) + max(3e-3 + 0.075, ag10 + rs10 - 2 / 3))
+    # stage 1-2 reduce-scatter in buckets: 4 buckets of 250 MB -> 3 more latencies
+    (z2b,) = project_scaling(ScalingWorkload(compute_s=1.0, params=250_000_000, bucket_bytes=250e6), LINK, n=[4],
+                             strategies=["zero2"])
+    assert z2b.comm_s == pytest.approx(rs + 3 * 3e-3 + ag)
 
 
 def test_tensor_parallel_times_data_parallel_by_hand():
