@@ -258,6 +258,10 @@ def _plot(report: dict[str, Any], path: str) -> None:
     for name, pts in rows.items():
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
     ax.plot([report["devices"]], [report["efficiency"]], "k*", markersize=12, label="measured")
+    if "predicted_efficiency" in report:
+        ax.plot([report["devices"]], [report["predicted_efficiency"]], "kx", markersize=10,
+                label="model on the measured link")
+    ax.set_title(f"{report['params'] / 1e6:.2f} M params, measured {report['strategy']} at {report['devices']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("devices")
     ax.set_ylabel("scaling efficiency")
