@@ -6,14 +6,15 @@ bytes over ``N`` ranks, with per-message latency ``α`` (seconds) and per-rank l
 direction):
 
 ==================  ====================================================
-all-reduce          ``2(N−1)·α + 2·(N−1)/N · S/B``
+all-reduce, ring    ``2(N−1)·α + 2·(N−1)/N · S/B``
+all-reduce, tree    ``2⌈log₂N⌉·α + 2 · S/B``  (double binary tree, pipelined)
 all-gather          ``(N−1)·α + (N−1)/N · S/B``  (S = the gathered size)
 reduce-scatter      ``(N−1)·α + (N−1)/N · S/B``  (S = the size before scattering)
 ==================  ====================================================
 
-NCCL switches to tree algorithms for small messages at scale (latency ``~log N`` instead of ``~N``), so the ring
-latency term is pessimistic for many small buckets on hundreds of ranks; the bandwidth term is the ring's, which is
-bandwidth-optimal.
+An all-reduce costs the faster of ring and tree, as NCCL picks its algorithm by message size (trees win for small
+messages on many ranks, rings for large ones: the ring is bandwidth-optimal). NCCL has no tree all-gather /
+reduce-scatter, so those stay rings, whose latency grows with N (ZeRO-3 / FSDP at hundreds of ranks).
 
 **Per step**, for ``Ψ`` parameters with ``g`` gradient bytes and ``p`` parameter bytes each (ZeRO paper, Rajbhandari
 et al. 2020, §7: stages 1–2 move ``2Ψ`` elements per rank — a reduce-scatter of the gradients and an all-gather of
@@ -64,7 +65,9 @@ __all__ = [
     "powersgd_compression_ratio",
     "project_scaling",
     "reduce_scatter_seconds",
+    "ring_allreduce_seconds",
     "scaling_efficiency",
+    "tree_allreduce_seconds",
 ]
 
 
@@ -129,12 +132,25 @@ def _check_n(n: int, what: str = "n") -> int:
     return n
 
 
-def allreduce_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
+def ring_allreduce_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
     """Ring all-reduce of ``size_bytes`` over ``n`` ranks: ``2(n−1)α + 2(n−1)/n · S/B`` (0 for one rank)."""
     _check_n(n)
     if n == 1 or size_bytes <= 0:
         return 0.0
     return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * size_bytes / link.bandwidth
+
+
+def tree_allreduce_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
+    """Double-binary-tree all-reduce (NCCL's tree): ``2⌈log₂ n⌉α + 2 · S/B`` (0 for one rank)."""
+    _check_n(n)
+    if n == 1 or size_bytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency + 2 * size_bytes / link.bandwidth
+
+
+def allreduce_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
+    """All-reduce of ``size_bytes`` over ``n`` ranks: the faster of ring and tree (NCCL picks by size)."""
+    return min(ring_allreduce_seconds(size_bytes, n, link), tree_allreduce_seconds(size_bytes, n, link))
 
 
 def allgather_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
@@ -275,14 +291,16 @@ class ScalingPoint:
 
 def _bucketed_allreduce(size: float, n: int, link: Interconnect, bucket: float, calls_per_bucket: int = 1,
                         ) -> tuple[float, float]:
-    """(total seconds, seconds of the last bucket) of an all-reduce split into buckets of ``bucket`` bytes."""
+    """(total seconds, seconds of the last bucket) of ``size`` bytes all-reduced in buckets of ``bucket`` bytes,
+    each sent as ``calls_per_bucket`` equal all-reduces."""
     if n == 1 or size <= 0:
         return 0.0, 0.0
-    buckets = max(1, math.ceil(size / bucket))
-    latency = 2 * (n - 1) * link.latency * calls_per_bucket
-    total = buckets * latency + 2 * (n - 1) / n * size / link.bandwidth
-    last = latency + 2 * (n - 1) / n * min(bucket, size) / link.bandwidth
-    return total, last
+    full, rest = int(size // bucket), size - (size // bucket) * bucket
+
+    def one(b: float) -> float:
+        return calls_per_bucket * allreduce_seconds(b / calls_per_bucket, n, link) if b > 0 else 0.0
+
+    return full * one(bucket) + one(rest), one(min(bucket, size))
 
 
 def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_size: int,

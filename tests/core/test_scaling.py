@@ -15,7 +15,9 @@ from lightning_accel.core.scaling import (
     powersgd_compression_ratio,
     project_scaling,
     reduce_scatter_seconds,
+    ring_allreduce_seconds,
     scaling_efficiency,
+    tree_allreduce_seconds,
 )
 
 # round numbers: 1 GB/s, 1 ms per message step
@@ -23,6 +25,11 @@ LINK = Interconnect("test", 1e9, 1e-3)
 
 
 def test_ring_collectives_by_hand():
+    # the all-reduce is the faster of ring and tree: 1 GB over 4 ranks is a ring (1.506 s vs tree 2.004 s)
+    assert tree_allreduce_seconds(1e9, 4, LINK) == pytest.approx(2 * 2 * 1e-3 + 2.0)
+    # 1 KB over 1024 ranks is a tree: 2*10*1 ms vs the ring's 2*1023 ms
+    assert allreduce_seconds(1e3, 1024, LINK) == pytest.approx(0.020 + 2e-6)
+    assert ring_allreduce_seconds(1e3, 1024, LINK) == pytest.approx(2.046 + 2 * 1023 / 1024 * 1e-6)
     # all-reduce of 1 GB over 4 ranks: 2*3*1 ms + 2*3/4 * 1 s = 0.006 + 1.5
     assert allreduce_seconds(1e9, 4, LINK) == pytest.approx(1.506)
     # all-gather / reduce-scatter: half of it: 3 ms + 0.75 s
@@ -50,7 +57,10 @@ def test_ddp_overlap_and_last_bucket_by_hand():
     assert p8.exposed_s == pytest.approx(0.014 + 2 * 7 / 8 * 0.1)  # ...but the last bucket alone takes 0.189 s
     small = ScalingWorkload(compute_s=1.0, params=100_000_000, bucket_bytes=25e6)  # 16 buckets
     (p8,) = project_scaling(small, LINK, n=[8], strategies=["ddp"])
-    comm8 = 16 * 2 * 7 * 1e-3 + 0.7  # 0.924: the excess over backward (0.257 s) beats the last bucket (0.057 s)
+    # a 25 MB bucket: ring 14 ms + 43.75 ms, tree 2*3*1 ms + 50 ms -> the tree's 56 ms
+    assert tree_allreduce_seconds(25e6, 8, LINK) < ring_allreduce_seconds(25e6, 8, LINK)
+    comm8 = 16 * (6e-3 + 0.05)  # 0.896: the excess over backward (0.229 s) beats the last bucket (0.056 s)
+    assert p8.comm_s == pytest.approx(comm8)
     assert p8.exposed_s == pytest.approx(comm8 - 2 / 3)
 
 
@@ -60,7 +70,8 @@ def test_compression_halves_or_divides_the_bytes():
     # one bucket: ddp = 2*15*1ms + 2*15/16*0.4 s; bf16 sends 0.2 GB; PowerSGD 8 MB with 2 all-reduces' latency
     assert ddp.comm_s == pytest.approx(0.030 + 0.75)
     assert bf16.comm_s == pytest.approx(0.030 + 0.375)
-    assert psgd.comm_s == pytest.approx(0.060 + 2 * 15 / 16 * 0.008)
+    # PowerSGD: P and Q, 4 MB each: the tree (2*4 ms + 8 ms) beats the ring (30 ms + 7.5 ms)
+    assert psgd.comm_s == pytest.approx(2 * (2 * 4 * 1e-3 + 2 * 4e6 / 1e9))
     # a single bucket is ready only when backward ends: none of it hides
     assert ddp.exposed_s == pytest.approx(ddp.comm_s)
 
@@ -95,7 +106,7 @@ def test_tensor_parallel_times_data_parallel_by_hand():
                         tokens_per_step=5000, activation_bytes=2)
     (p,) = project_scaling(w, LINK, n=[16], strategies=["tp"], tp_size=8, tp_interconnect=nvlink)
     act = 5000 * 1000 * 2  # 10 MB per all-reduce
-    tp = 4 * 2 * (2 * 7 * 1e-5 + 2 * 7 / 8 * act / 100e9)
+    tp = 4 * 2 * (2 * 3 * 1e-5 + 2 * act / 100e9)  # the tree (0.26 ms) beats the ring (0.315 ms) at 10 MB
     dp = 2 * 1 * 1e-3 + 2 * 1 / 2 * (80e6 * 4 / 8) / 1e9  # 40 MB of gradients per TP rank over 2 replicas
     assert p.tp_size == 8 and p.compute_s == pytest.approx(0.1)
     assert p.comm_s == pytest.approx(tp + dp)
