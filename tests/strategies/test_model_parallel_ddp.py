@@ -151,3 +151,31 @@ def test_tp_and_fsdp2_train_without_configure_model_like_one_process(ddp_script,
     assert mean == pytest.approx(rank0["fsdp2"]["ref"], rel=2e-4, abs=1e-5)
     assert rank0["fsdp2"]["losses"] != rank1["fsdp2"]["losses"]  # the ranks did train on different halves
     assert "FSDP2 fully_shard: model.model.layers.* (x2), model" in rank0["fsdp2"]["plan"]
+
+
+# 4 processes: TP 2 inside each of 2 FSDP2 replicas (the 2-D mesh the automatic plan composes)
+SCRIPT_2D = SCRIPT.split("out = {}")[0].replace("devices=2, strategy=strategy", "devices=4, strategy=strategy") + r"""
+from lightning_accel.strategies.model_parallel import AutoParallelStrategy
+
+t = trainer(AutoParallelStrategy(mode="fsdp2_tp", tensor_parallel_size=2), STEPS)
+task = Task("hf", BATCH)
+t.fit(task)
+out = {"losses": task.losses, "ref": reference("hf", 2 * BATCH, STEPS)[0], "plan": t.strategy.plan.describe(),
+       "mesh": list(t.strategy.device_mesh.shape)}
+with open(f"mp2d_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_fsdp2_tp_on_a_two_by_two_mesh_matches_one_process(ddp_script, tmp_path):
+    ddp_script(SCRIPT_2D, timeout=400)
+    ranks = read_rank_json(tmp_path, "mp2d", world_size=4)
+    assert ranks[0]["mesh"] == [2, 2]
+    # ranks 0-1 and 2-3 are TP groups: same batch, same loss; the two data-parallel halves differ
+    assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"], rel=1e-6)
+    assert ranks[2]["losses"] == pytest.approx(ranks[3]["losses"], rel=1e-6)
+    assert ranks[0]["losses"] != ranks[2]["losses"]
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])]
+    assert mean == pytest.approx(ranks[0]["ref"], rel=2e-4, abs=1e-5)
+    assert "tensor parallel (size 2)" in ranks[0]["plan"] and "FSDP2 fully_shard" in ranks[0]["plan"]
