@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ORDER = 6
+ORDER = 35
 
 #: the cost model's name for a strategy string (None: not modelled)
 _MODELLED = {"ddp": "ddp", "ddp_fp16_compress": "ddp_fp16_compress", "ddp_bf16_compress": "ddp_bf16_compress",

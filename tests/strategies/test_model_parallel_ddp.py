@@ -116,10 +116,12 @@ for kind in ("hf", "litgpt"):
                          "ref": reference(kind, BATCH, STEPS + 2, order=[0, 1, 2, 3, 0, 1])[0][STEPS:]}
 
 # FSDP2: each rank trains on its half of a batch of 8 (DistributedSampler), the reference on all 8
-t = trainer("fsdp2", STEPS)
-task = Task("hf", BATCH)
-t.fit(task)
-out["fsdp2"] = {"losses": task.losses, "ref": reference("hf", 2 * BATCH, STEPS)[0], "plan": t.strategy.plan.describe()}
+for kind in ("hf", "litgpt"):
+    t = trainer("fsdp2", STEPS)
+    task = Task(kind, BATCH)
+    t.fit(task)
+    out[f"fsdp2_{kind}"] = {"losses": task.losses, "ref": reference(kind, 2 * BATCH, STEPS)[0],
+                            "plan": t.strategy.plan.describe()}
 with open(f"mp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -147,10 +149,13 @@ def test_tp_and_fsdp2_train_without_configure_model_like_one_process(ddp_script,
     # checkpoint round-trip: the resumed steps continue the single-process run (momentum restored too)
     assert rank0["resume"]["losses"] == pytest.approx(rank0["resume"]["ref"], rel=2e-4, abs=1e-5)
     # FSDP2: the mean of the two ranks' losses is the single-process loss on the whole batch
-    mean = [(a + b) / 2 for a, b in zip(rank0["fsdp2"]["losses"], rank1["fsdp2"]["losses"])]
-    assert mean == pytest.approx(rank0["fsdp2"]["ref"], rel=2e-4, abs=1e-5)
-    assert rank0["fsdp2"]["losses"] != rank1["fsdp2"]["losses"]  # the ranks did train on different halves
-    assert "FSDP2 fully_shard: model.model.layers.* (x2), model" in rank0["fsdp2"]["plan"]
+    for kind in ("hf", "litgpt"):
+        r0, r1 = rank0[f"fsdp2_{kind}"], rank1[f"fsdp2_{kind}"]
+        mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+        assert mean == pytest.approx(r0["ref"], rel=2e-4, abs=1e-5)
+        assert r0["losses"] != r1["losses"]  # the ranks did train on different halves
+    assert "FSDP2 fully_shard: model.model.layers.* (x2), model" in rank0["fsdp2_hf"]["plan"]
+    assert "FSDP2 fully_shard: model.transformer.h.* (x2), model" in rank0["fsdp2_litgpt"]["plan"]
 
 
 # 4 processes: TP 2 inside each of 2 FSDP2 replicas (the 2-D mesh the automatic plan composes)
