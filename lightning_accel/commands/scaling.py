@@ -169,15 +169,27 @@ def _prod(shape: Any) -> int:
 
 
 def _fixes(out: dict[str, Any], workload: Any, interconnect: Any, project: list[int], tp_size: int) -> list[str]:
-    """The fixes to name when efficiency is low, best projected first (pure)."""
+    """The fixes to name (pure): for the measured run when its efficiency is below 0.9, then for the projection
+    when ddp projects below 0.9 at the largest count, then for memory when model states outgrow one device."""
     from dataclasses import replace
 
     from lightning_accel.core.scaling import project_scaling
 
     fixes: list[str] = []
-    if out["efficiency"] < 0.9:
-        fixes.append(f"measured efficiency {out['efficiency']:.0%} at {out['devices']} processes: communication "
-                     "(or a straggler) costs {:.0%} of the step".format(out["overhead_share"]))
+    eff, n, lost = out["efficiency"], out["devices"], out["overhead_share"]
+    if eff < 0.9:
+        comm = out.get("comm_share")
+        head = f"measured efficiency {eff:.0%} at {n} processes: the {n}-process step is {lost:.0%} longer"
+        if comm is None:
+            fixes.append(f"{head}; communication was not timed under {out['strategy']} (no DDP comm hook): run "
+                         "--strategy ddp to see the all-reduce's share")
+        elif comm >= 0.5 * lost:
+            fixes.append(f"{head}, mostly exposed all-reduce ({comm:.0%} of the step): strategy='ddp_bf16_compress' "
+                         "halves its bytes (then 'ddp_powersgd'), accumulate_grad_batches=k divides it by k")
+        else:
+            fixes.append(f"{head}, but exposed all-reduce is only {comm:.0%} of it: the rest is compute slowed by "
+                         "running N processes (shared cores, memory bandwidth) or a straggler: see the doctor's "
+                         "per-rank shares")
     big = max(project)
     by = {p["strategy"]: p for p in out["projection"] if p["n"] == big}
     ddp = by["ddp"]["efficiency"]
@@ -185,9 +197,8 @@ def _fixes(out: dict[str, Any], workload: Any, interconnect: Any, project: list[
         best = max(by.values(), key=lambda p: p["efficiency"])
         if best["efficiency"] > ddp + 0.02:  # name another strategy only when it clearly helps
             hint = {"ddp_bf16_compress": "strategy='ddp_bf16_compress' (half the bytes)",
-                    "ddp_powersgd": "strategy='ddp_powersgd' (low-rank gradients)",
-                    "tp": f"tensor parallelism inside the node (strategy='fsdp2_tp', TP {tp_size}) for a model "
-                          "this size",
+                    "ddp_powersgd": "strategy='ddp_powersgd' (low-rank gradients; compare the loss curve once)",
+                    "tp": f"tensor parallelism inside the node (strategy='fsdp2_tp', TP {tp_size})",
                     "zero1": "strategy='deepspeed_zero1'", "zero2": "strategy='deepspeed_zero2'",
                     "zero3": "strategy='deepspeed_zero3'"}[best["strategy"]]
             fixes.append(f"at {big} devices ddp projects {ddp:.0%}; {hint} projects {best['efficiency']:.0%}")
@@ -195,8 +206,12 @@ def _fixes(out: dict[str, Any], workload: Any, interconnect: Any, project: list[
                                  strategies=["ddp"])
         fixes.append(f"accumulate_grad_batches=4 (one all-reduce per 4 micro-batches) lifts ddp at {big} devices to "
                      f"{acc.efficiency:.0%}")
-        fixes.append("ZeRO-1/2 move as many bytes as DDP (2Ψ) and ZeRO-3 1.5× (3Ψ): choose a ZeRO stage for memory, "
-                     "not for speed")
+    states = 16 * workload.params  # fp32 weights + gradients + Adam's two moments
+    if ddp < 0.9 or states > 40e9:
+        fixes.append(f"model states are ~{states / 1e9:.1f} GB per device under DDP (16 B/parameter with Adam): "
+                     "ZeRO-1/2 shard them for as many bytes as DDP (2Ψ), ZeRO-3 / fsdp2 for 1.5× (3Ψ) — choose a "
+                     "stage for memory, not speed (lightning-accel estimate-zero); past one node's memory, "
+                     "tensor parallelism inside the node ('fsdp2_tp')")
     return fixes
 
 
