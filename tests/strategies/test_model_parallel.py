@@ -17,6 +17,7 @@ class Holder(nn.Module):
 
 
 def tiny_llama(heads: int = 4, kv: int = 2, tie: bool = False) -> nn.Module:
+    pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -25,6 +26,7 @@ def tiny_llama(heads: int = 4, kv: int = 2, tie: bool = False) -> nn.Module:
 
 
 def tiny_litgpt(heads: int = 4, groups: int = 2) -> nn.Module:
+    pytest.importorskip("litgpt", reason="needs litgpt (model code): pip install --no-deps litgpt")
     from litgpt import GPT, Config
 
     return GPT(Config(n_layer=2, n_head=heads, n_query_groups=groups, n_embd=48, block_size=16, vocab_size=64,
@@ -111,6 +113,9 @@ def test_generic_attention_and_mlp_get_per_rank_head_counts():
     plan = derive_plan(holder, tp_size=2)
     assert plan.tp_dict()["model.0.mlp.0"] == "colwise" and plan.tp_dict()["model.0.mlp.2"] == "rowwise"
     assert plan._heads == {"model.0.attn": {"num_heads": 4}, "model.1.attn": {"num_heads": 4}}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the 4 attention heads of "
+                                         r"'model.0.attn' \(Attention\); use a tensor-parallel size among \[1, 2, 4\]"):
+        derive_plan(holder, tp_size=3)
     holder.p = nn.Parameter(torch.zeros(1))  # a parameter FSDP2 could not reduce
     with pytest.raises(ValueError, match=r"registers parameters directly on itself \(p\)"):
         derive_plan(holder, fsdp=True)
