@@ -1,11 +1,13 @@
 """FSDP2 and tensor parallelism without a hand-written ``configure_model``: ``fsdp2``, ``tp`` and ``fsdp2_tp``.
 
 Each string is :class:`AutoParallelStrategy` over Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` +
-DTensor tensor parallelism on a 2-D device mesh ``(data_parallel, tensor_parallel)``). When the LightningModule
-defines ``configure_model``, that is used unchanged (Lightning's behaviour); when it does not, the strategy derives
+DTensor tensor parallelism on a 2-D device mesh ``(data_parallel, tensor_parallel)``). When the LightningModule's
+``configure_model`` parallelises the model, that is used unchanged (Lightning's behaviour); when it does not, the
+strategy derives
 a plan from the model (:func:`~lightning_accel.strategies.parallel_plan.derive_plan`: the Hugging Face model's own
 tensor-parallel plan, or one read from the module structure), prints it (module → style) once on rank 0, keeps it
-in :attr:`AutoParallelStrategy.plan` and applies it.
+in :attr:`AutoParallelStrategy.plan` and applies it. A ``configure_model`` that only *builds* the model (no DTensor
+parameters afterwards, e.g. litgpt-style lazy construction) gets the automatic plan applied to what it built.
 
 =============  ===============================  ===============================================================
 string         mesh (``"auto"`` sizes)          what it does
@@ -144,11 +146,18 @@ class AutoParallelStrategy(ModelParallelStrategy):
             rank_zero_info(f"{self.mode} plan for {type(module).__name__} (data parallel {dp} × tensor parallel "
                            f"{tp}):\n{plan.describe()}")
 
+    def _parallelized(self) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None
+        return any(isinstance(p, DTensor) for p in self.model.parameters())
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if is_overridden("configure_model", self.lightning_module):
-            super().setup(trainer)  # the user's own plan wins
+        if is_overridden("configure_model", self.lightning_module) and self._parallelized():
+            super().setup(trainer)  # the user's configure_model applied a plan of its own: it wins
             return
+        # no configure_model, or one that only builds the model (litgpt-style lazy init): plan what it built
         # Lightning 2.6 ModelParallelStrategy.setup, without its "configure_model is required" check, after our plan
         from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device

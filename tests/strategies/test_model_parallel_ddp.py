@@ -125,6 +125,21 @@ for kind in KINDS:
     t.fit(task)
     out[f"fsdp2_{kind}"] = {"losses": task.losses, "ref": reference(kind, 2 * BATCH, STEPS)[0],
                             "plan": t.strategy.plan.describe()}
+# a configure_model that only builds the model (litgpt-style lazy init) gets the automatic plan too
+class LazyTask(Task):
+    def __init__(self, kind, batch):
+        pl.LightningModule.__init__(self)
+        self.kind, self.batch = kind, batch
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            self.model = build(self.kind)
+
+
+t = trainer("fsdp2", STEPS)
+task = LazyTask(KINDS[0], BATCH)
+t.fit(task)
+out["lazy"] = {"losses": task.losses, "ref": out[f"fsdp2_{KINDS[0]}"]["ref"], "plan": t.strategy.plan is not None}
 with open(f"mp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -163,6 +178,10 @@ def test_tp_and_fsdp2_train_without_configure_model_like_one_process(ddp_script,
         assert lg["flops"] == pytest.approx((lg["total_flops"] - head) / 2 + head, rel=1e-6)
         assert "fused_qkv_colwise" in lg["plan"] and any("attn.qkv" in n for n in lg["sharded"])
         assert "FSDP2 fully_shard: model.transformer.h.* (x2), model" in rank0["fsdp2_litgpt"]["plan"]
+    # the lazily built model was planned and trains like the eager one
+    assert rank0["lazy"]["plan"] is True
+    lazy = [(a + b) / 2 for a, b in zip(rank0["lazy"]["losses"], rank1["lazy"]["losses"])]
+    assert lazy == pytest.approx(rank0["lazy"]["ref"], rel=2e-4, abs=1e-5)
     # FSDP2: the mean of the two ranks' losses is the single-process loss on the whole batch
     for kind in KINDS:
         r0, r1 = rank0[f"fsdp2_{kind}"], rank1[f"fsdp2_{kind}"]
