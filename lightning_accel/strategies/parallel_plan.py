@@ -201,8 +201,9 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
             _check_divides(tp, heads, "attention heads", parent, cls)
         if kv and leaf in _K + _V:
             _check_divides(tp, kv, "key/value heads", parent, cls)
-        if isinstance(sub, nn.Linear):
-            width = sub.out_features if entry.style.startswith("colwise") else sub.in_features
+        # the vocabulary of an output head / embedding may shard unevenly (DTensor pads); heads and widths may not
+        if isinstance(sub, nn.Linear) and entry.style in ("colwise", "rowwise"):
+            width = sub.out_features if entry.style == "colwise" else sub.in_features
             _check_divides(tp, width, "features of the sharded dimension", entry.module, type(sub).__name__)
     plan.tp.extend(entries)
     plan.sources[prefix or "model"] = f"Hugging Face tp_plan of {cls} ({len(raw)} rules)"
