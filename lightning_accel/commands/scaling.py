@@ -104,6 +104,9 @@ def _measure(args: argparse.Namespace, devices: int, out: Path) -> dict[str, Any
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout)[-3000:]
+        errors = [line.split("ValueError: ", 1)[1] for line in tail.splitlines() if "ValueError: " in line]
+        if errors:  # the run refused its configuration (e.g. a model tp cannot plan): one clear line
+            raise ValueError(f"the {devices}-process run ({args.strategy}) refused: {errors[-1]}")
         raise RuntimeError(f"scaling: the {devices}-process run failed (exit {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
 
