@@ -85,7 +85,8 @@ def test_bad_input_is_one_clear_line(argv, message, capsys):
 def test_scaling_one_to_two_processes(tmp_path, capsys):
     out = tmp_path / "scaling.json"
     assert main(["scaling", "--steps", "14", "--batch-size", "8", "--n-layer", "2", "--d-model", "64",
-                 "--window", "4", "--project", "8,64,512", "--json", str(out)]) == 0
+                 "--window", "4", "--project", "8,64,512", "--json", str(out), "--plot", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").stat().st_size > 0
     report = json.loads(out.read_text())
     text = capsys.readouterr().out
     assert "measured: demo GPT, 1 vs 2 processes (ddp)" in text and "projected efficiency on infiniband_ndr" in text
