@@ -162,7 +162,7 @@ def allgather_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
 
 
 def reduce_scatter_seconds(size_bytes: float, n: int, link: Interconnect) -> float:
-    """Ring reduce-scatter of ``size_bytes`` (each rank keeps ``1/n`` reduced): same cost as :func:`allgather_seconds`."""
+    """Ring reduce-scatter of ``size_bytes`` (each rank keeps ``1/n``): the cost of :func:`allgather_seconds`."""
     return allgather_seconds(size_bytes, n, link)
 
 

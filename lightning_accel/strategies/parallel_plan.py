@@ -29,10 +29,10 @@ or litgpt's ``config.n_head`` / ``config.n_query_groups``) get the per-rank coun
 with ``-1`` heads and needs none.
 
 **litgpt's fused qkv.** litgpt stores ``[q (n_head·hs); k (groups·hs); v (groups·hs)]`` rows in one linear.
-Column-wise sharding cuts contiguous rows, so the plan first regroups the rows to ``[q₀ k₀ v₀ | q₁ k₁ v₁ | …]``
-(rank ``r`` gets its own heads of each) and gives the attention a per-rank config. The regrouped rows are what a
-checkpoint of such a run holds: resume it with the same tensor-parallel size, or undo the regrouping of a full
-state dict with :func:`regroup_fused_qkv` (``inverse=True``).
+Column-wise sharding cuts contiguous rows, so the plan first regroups the rows to
+``[q₀ k₀ v₀ | q₁ k₁ v₁ | …]`` (rank ``r`` gets its own heads of each) and gives the attention a per-rank config.
+The regrouped rows are what a checkpoint of such a run holds: resume it with the same tensor-parallel size, or undo
+the regrouping of a full state dict with :func:`regroup_fused_qkv` (``inverse=True``).
 
 **FSDP2 units**: each transformer block (the element of a ``ModuleList`` that holds a recognised attention or
 MLP), then each top-level child of the LightningModule that has parameters (embeddings, head, and models with no
@@ -144,7 +144,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _is_hf(module: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__)
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
 
 
 def _linear(module: nn.Module | None) -> bool:
@@ -244,7 +245,8 @@ def _attention(name: str, module: nn.Module, tp: int, plan: ParallelPlan) -> boo
         plan.notes.append(f"{_collapse([(name, '')]).popitem()[0]}.{fused}: rows regrouped per rank "
                           "(see regroup_fused_qkv); resume checkpoints with the same tensor-parallel size")
     else:
-        counts = {a: getattr(module, a) for a in _HEAD_ATTRS + _KV_HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
+        counts = {a: getattr(module, a) for a in _HEAD_ATTRS + _KV_HEAD_ATTRS
+                  if isinstance(getattr(module, a, None), int)}
         if config is not None:
             for a in ("num_attention_heads", "num_key_value_heads", "n_head", "n_query_groups"):
                 if isinstance(getattr(config, a, None), int):

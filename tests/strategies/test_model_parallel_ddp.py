@@ -63,7 +63,8 @@ class Task(pl.LightningModule):  # no configure_model: the strategy plans
 
     def train_dataloader(self):
         # in order (Lightning's own sampler shuffles), split over the data-parallel ranks of the mesh
-        sampler = DistributedSampler(TensorDataset(IDS), shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(TensorDataset(IDS), shuffle=False, **kwargs)
         return DataLoader(TensorDataset(IDS), batch_size=self.batch, sampler=sampler)
 
     def configure_optimizers(self):
