@@ -52,6 +52,10 @@ _EXPORTS: dict[str, str] = {
     "timed_comm_hook": "lightning_accel.core.comm",
     "find_batch_size": "lightning_accel.core.search",
     "estimate_zero_memory": "lightning_accel.core.memory",
+    "project_scaling": "lightning_accel.core.scaling",
+    # scale-out
+    "AutoParallelStrategy": "lightning_accel.strategies.model_parallel",
+    "derive_plan": "lightning_accel.strategies.parallel_plan",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

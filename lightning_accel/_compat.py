@@ -122,6 +122,16 @@ def _hf_config() -> Any:
     return PretrainedConfig()
 
 
+def _dtensor_fields() -> Any:
+    """An object with DTensor's declared instance fields (``_local_tensor`` is set in ``__new__``, not on the class;
+    building a real DTensor needs a process group)."""
+    import types
+
+    from torch.distributed.tensor import DTensor
+
+    return types.SimpleNamespace(**dict.fromkeys(DTensor.__annotations__))
+
+
 _T = f"torch 2.6-{TORCH_CHECKED}"
 _L = f"lightning 2.6.0-{LIGHTNING_CHECKED}"
 
@@ -180,9 +190,17 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override"),
     PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_init_deepspeed_distributed", _L,
                 ("strategies/deepspeed_presets.py:setup_distributed",)),
+    PrivateName("lightning.fabric.utilities.init", "_materialize_distributed_module", _L,
+                ("strategies/model_parallel.py:AutoParallelStrategy.setup",)),
+    PrivateName("lightning.fabric.utilities.optimizer", "_optimizers_to_device", _L,
+                ("strategies/model_parallel.py:AutoParallelStrategy.setup",)),
+    PrivateName("torch.distributed.tensor.DTensor", "_local_tensor", _T, ("core/sharded_flops.py:_local",),
+                instance=_dtensor_fields),
     # --- transformers (optional: checked only when installed)
     PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
                 ("attention.py:use_fused_attention",), instance=_hf_config),
+    PrivateName("transformers.PreTrainedModel", "_tp_plan", "transformers 5.0-5.24",
+                ("strategies/parallel_plan.py:_hf_plan",)),
     PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
                 ("attention.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
 )
@@ -359,6 +377,31 @@ def fused_optimizer_devices() -> list[str]:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     return list(_get_fused_kernels_supported_devices())
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Lightning's materialisation of a meta-device module after a parallel plan (``ModelParallelStrategy.setup``)."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """Move every optimizer's state to ``device`` (Lightning's helper)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def dtensor_local(x: Any) -> torch.Tensor:
+    """The shard of a DTensor this rank computes on, without dispatching an op (``to_local()`` would)."""
+    return x._local_tensor
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """A ``transformers`` model's tensor-parallel plan: ``model.tp_plan`` where the version has it, else the class's
+    ``_tp_plan``; ``{}`` for other modules."""
+    return dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
 
 
 def init_deepspeed_distributed(strategy: Any) -> None:

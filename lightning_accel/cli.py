@@ -1,4 +1,4 @@
-"""The ``lightning-accel`` command: ``demo | bench | estimate-zero | pack | report`` as they are built.
+"""The ``lightning-accel`` command: ``demo | bench | estimate-zero | pack | report | scaling`` as they are built.
 
 Each subcommand lives in :mod:`lightning_accel.commands` (one module per command, found by listing the package).
 """

@@ -41,7 +41,8 @@ class MFUMonitor(Callback):
     ========================================  ==========  ====================================================
     key                                       unit        scope
     ========================================  ==========  ====================================================
-    ``perf/samples_per_sec``                  samples/s   global: all ranks' samples
+    ``perf/samples_per_sec``                  samples/s   global: all ranks' samples (a batch shared by a
+                                                          tensor-parallel group counts once)
     ``perf/tokens_per_sec``                   tokens/s    global; only when the batch has tokens (see below)
     ``perf/batches_per_sec``                  batches/s   per device (mean over ranks)
     ``perf/tflops_per_sec_per_device``        TFLOP/s     per device (mean over ranks), model FLOPs
@@ -106,6 +107,7 @@ class MFUMonitor(Callback):
         self._batches_seen = 0
         self._skip = self.warmup_batches
         self._tokens_fn: Callable[[Any], int | None] = tokens_in_batch
+        self._batch_replicas = 1
 
     # ------------------------------------------------------------------ setup
     @override
@@ -114,6 +116,9 @@ class MFUMonitor(Callback):
         self.summary, self.history = {}, []
         device = trainer.strategy.root_device
         self._dtype = compute_dtype(trainer)
+        from lightning_accel.strategies.model_parallel import batch_replicas
+
+        self._batch_replicas = batch_replicas(trainer.strategy)  # TP ranks share a batch: count it once
         try:
             self._peak = resolve_peak_flops(device, self._dtype, self.peak_flops)
         except ValueError as err:  # e.g. an fp8 run on an unknown device: nothing to probe
@@ -195,9 +200,10 @@ class MFUMonitor(Callback):
             seconds, batches, peak])
         sec = rows[:, 3].clamp_min(1e-12)
         record: dict[str, float | None] = {
-            "samples_per_sec": float((rows[:, 0] / sec).sum()),
+            "samples_per_sec": float((rows[:, 0] / sec).sum()) / self._batch_replicas,
             "batches_per_sec": float((rows[:, 4] / sec).mean()),
-            "tokens_per_sec": None if rows[:, 1].isnan().any() else float((rows[:, 1] / sec).sum()),
+            "tokens_per_sec": (None if rows[:, 1].isnan().any()
+                               else float((rows[:, 1] / sec).sum()) / self._batch_replicas),
             "flops_per_sec_per_device": None if rows[:, 2].isnan().any() else float((rows[:, 2] / sec).mean()),
             "seconds": float(sec.max()),
             "batches": float(rows[:, 4].sum()),

@@ -53,10 +53,11 @@ def _extra_flop_formulas() -> dict[Any, Any]:
 
 
 def new_flop_counter_mode() -> Any:
-    """A silent ``FlopCounterMode`` counting model FLOPs of every SDPA kernel (see :func:`_extra_flop_formulas`)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """A silent ``FlopCounterMode`` counting model FLOPs of every SDPA kernel (see :func:`_extra_flop_formulas`),
+    per device under tensor parallelism (:class:`~lightning_accel.core.sharded_flops.ShardedFlopCounterMode`)."""
+    from lightning_accel.core.sharded_flops import ShardedFlopCounterMode
 
-    return FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    return ShardedFlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
 
 
 class FlopCounter:

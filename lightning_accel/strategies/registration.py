@@ -15,6 +15,7 @@ __all__ = ["STRATEGIES", "register_strategies"]
 
 _DDP = "lightning_accel.strategies.ddp_compression"
 _DS = "lightning_accel.strategies.deepspeed_presets"
+_MP = "lightning_accel.strategies.model_parallel"
 
 #: name -> (module, factory function in it, description).
 STRATEGIES: dict[str, tuple[str, str, str]] = {
@@ -31,6 +32,9 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
                                      "DeepSpeed ZeRO-3, optimizer and parameters offloaded to NVMe (nvme_path=...)"),
     "deepspeed_auto": (_DS, "deepspeed_auto",
                        "DeepSpeed with the lowest ZeRO stage/offload whose estimated memory fits the device"),
+    "fsdp2": (_MP, "fsdp2", "FSDP2 (fully_shard) over all devices, automatic plan without configure_model"),
+    "tp": (_MP, "tp", "tensor parallelism over all devices, automatic plan (HF tp_plan or module structure)"),
+    "fsdp2_tp": (_MP, "fsdp2_tp", "tensor parallelism inside the node x FSDP2 across nodes, automatic plan"),
 }
 
 

@@ -16,14 +16,15 @@ def test_import_registers_strings_without_importing_strategy_modules():
             "from lightning_accel.strategies.registration import STRATEGIES\n"
             "assert all(name in StrategyRegistry for name in STRATEGIES), STRATEGIES\n"
             "loaded = [m for m in sys.modules if m == 'deepspeed' or m.startswith('deepspeed.')\n"
-            "          or m.startswith('lightning_accel.strategies.d')]\n"
+            "          or m.startswith(('lightning_accel.strategies.d', 'lightning_accel.strategies.m',\n"
+            "                           'lightning_accel.strategies.p'))]\n"
             "assert not loaded, loaded\n"
             "assert not torch.cuda.is_initialized()\n"
             "print(len(STRATEGIES))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "10"
+    assert proc.stdout.strip() == "13"
 
 
 def test_demo_strategy_flag_is_validated_and_used():
