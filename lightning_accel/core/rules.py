@@ -54,6 +54,13 @@ class Thresholds:
         memory_fraction: device memory peak ÷ capacity from which memory is "near capacity" (default 0.90).
         small_batch: per-device batch at or below which a batch counts as small (default 8).
         mfu_per_compute: MFU ÷ compute share below which the compute stages are launch-bound (default 0.30).
+        validation_share: validation's share of the fit (after start-up) above which it is a fit finding
+            (default 0.20).
+        checkpoint_share: checkpoint saving's share of the fit (after start-up) above which it is a fit finding
+            (default 0.10).
+        straggler_share: how much longer one rank's batch takes outside the all-reduce than the other ranks',
+            as a fraction of the mean step, from which it is a straggler (default 0.10).
+        variability: p95 ÷ p5 of the batch times above which step times count as variable (default 2.0).
     """
 
     data_share: float = 0.10
@@ -65,10 +72,20 @@ class Thresholds:
     memory_fraction: float = 0.90
     small_batch: int = 8
     mfu_per_compute: float = 0.30
+    validation_share: float = 0.20
+    checkpoint_share: float = 0.10
+    straggler_share: float = 0.10
+    variability: float = 2.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "variability":
+                if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
+                        or value <= 1.0):
+                    raise ValueError(f"thresholds: variability={value!r} must be a ratio p95/p5 of step times "
+                                     "above 1, e.g. 2.0")
+                continue
             if f.name == "small_batch":
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"thresholds: small_batch={value!r} must be a positive integer batch size, "
@@ -113,6 +130,11 @@ class RunContext:
         sdpa_backend: the scaled-dot-product-attention kernel seen (``flash``, ``efficient``, ``cudnn``,
             ``math``), or ``None`` when the model ran no SDPA or it was not observed.
         communication_measured: whether the gradient all-reduce was timed (a DDP comm hook ran).
+        log_every_n_steps: the Trainer's logging cadence.
+        val_check_interval / check_val_every_n_epoch / limit_val_batches: the Trainer's validation settings
+            (an int ``val_check_interval`` counts training batches, a float is a fraction of the epoch).
+        checkpoint_every_n_train_steps: the ``ModelCheckpoint``'s step cadence (``None``: not by steps).
+        async_checkpoint: whether checkpoints are written by ``AsyncCheckpointIO`` (a background thread).
     """
 
     device_type: str | None = None
@@ -139,6 +161,12 @@ class RunContext:
     mfu: float | None = None
     sdpa_backend: str | None = None
     communication_measured: bool | None = None
+    log_every_n_steps: int | None = None
+    val_check_interval: int | float | None = None
+    check_val_every_n_epoch: int | None = None
+    limit_val_batches: float | None = None
+    checkpoint_every_n_train_steps: int | None = None
+    async_checkpoint: bool | None = None
 
     @property
     def threaded_pipeline(self) -> bool:
@@ -165,12 +193,19 @@ class Finding:
     """One diagnosed problem: which stage, the numbers that show it, and the concrete change that fixes it.
 
     Attributes:
-        rule: stable rule id (``data_wait``, ``gpu_utilisation``, ``transfer``, ``fp32_compute``, ``optimizer``,
-            ``communication``, ``memory``, ``launch_bound``, ``math_sdpa``).
-        stage: the stage it holds back (one of :data:`STAGES`).
+        rule: stable rule id. Step rules (:func:`diagnose`): ``data_wait``, ``gpu_utilisation``, ``transfer``,
+            ``fp32_compute``, ``optimizer``, ``communication``, ``memory``, ``launch_bound``, ``math_sdpa``,
+            ``straggler``, ``step_variability``; fit rules (:func:`~lightning_accel.core.phases.diagnose_fit`):
+            ``validation_heavy``, ``checkpoint_heavy``; code smells (:func:`~lightning_accel.core.smells.
+            find_smells`): see :data:`~lightning_accel.core.smells.SMELLS`.
+        stage: the stage it holds back (one of :data:`STAGES`), or for a fit finding the fit phase
+            (``validation``, ``checkpoint``).
         evidence: the measured numbers, as a sentence.
         fix: what to change, naming the lightning-accel component where one applies.
         value: the number the rule compared (a share or fraction), for rate-limiting and comparisons.
+        gain: the measured speed-up of the fix (old time ÷ new time) where it was previewed, else ``None``.
+        kind: ``"step"`` (from the stage shares), ``"fit"`` (fit phases) or ``"smell"`` (static, before the
+            first step).
     """
 
     rule: str
@@ -178,14 +213,18 @@ class Finding:
     evidence: str
     fix: str
     value: float
+    gain: float | None = None
+    kind: str = "step"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        gain = data.get("gain")
         return cls(rule=str(data["rule"]), stage=str(data["stage"]), evidence=str(data["evidence"]),
-                   fix=str(data["fix"]), value=float(data["value"]))
+                   fix=str(data["fix"]), value=float(data["value"]), gain=None if gain is None else float(gain),
+                   kind=str(data.get("kind", "step")))
 
     def __str__(self) -> str:
         return f"[{self.stage}] {self.evidence} Fix: {self.fix}"
@@ -483,13 +522,18 @@ RULES: tuple[str, ...] = tuple(_RULES)
 
 
 def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
-             thresholds: Thresholds | None = None) -> Diagnosis:
+             thresholds: Thresholds | None = None, *,
+             rank_seconds: Sequence[Mapping[str, float]] | None = None) -> Diagnosis:
     """Run every rule over the stage shares.
 
     Args:
         shares: stage → fraction of the step time (keys from :data:`STAGES`; missing stages count as 0).
         context: what else is known; ``None`` fields skip the rules that need them.
         thresholds: where the rules fire (defaults: :class:`Thresholds`).
+        rank_seconds: per rank (index = global rank), stage → mean seconds per batch. With two or more ranks the
+            straggler rule runs (:func:`~lightning_accel.core.ranks.find_stragglers`), and when it finds one the
+            communication rule judges the all-reduce by its own cost (the wait of the rank that waits least),
+            since the others' extra wait is the straggler's.
 
     Returns:
         findings ordered by the share of the stage they hold back (largest first), and the skipped rules.
@@ -503,13 +547,23 @@ def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
     ctx = context or RunContext()
     th = thresholds or Thresholds()
     out = Diagnosis()
+    stragglers: list[Finding] = []
+    rule_shares = shares
+    if rank_seconds is not None and len(rank_seconds) > 1:
+        from lightning_accel.core.ranks import find_stragglers, own_communication_share
+
+        stragglers = find_stragglers(rank_seconds, th)
+        own = own_communication_share(rank_seconds)
+        if stragglers and own is not None:
+            rule_shares = {**shares, "communication": min(own, shares.get("communication", 0.0))}
     for name, rule in _RULES.items():
         try:
-            finding = rule(shares, ctx, th)
+            finding = rule(rule_shares, ctx, th)
         except _Skip as skip:
             out.skipped.append(SkippedRule(name, str(skip)))
             continue
         if finding is not None:
             out.findings.append(finding)
+    out.findings.extend(stragglers)
     out.findings.sort(key=lambda f: -shares.get(f.stage, 0.0))
     return out
