@@ -71,7 +71,18 @@ def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tm
         low, high = sorted(r[stage] for r in per_rank)
         assert low <= r0["shares"][stage] <= high
     assert any(f["rule"] == "data_wait" for f in r0["findings"])
+    # the straggler is named with its stage, and rank 0's wait in the all-reduce is blamed on it, not on the network
+    stragglers = [f for f in r0["findings"] if f["rule"] == "straggler"]
+    assert len(stragglers) == 1, r0["findings"]
+    assert stragglers[0]["stage"] == "data" and "rank 1 is a straggler" in stragglers[0]["evidence"]
+    assert "the other ranks wait for it in the all-reduce" in stragglers[0]["evidence"]
+    assert "rank 1's data is slow" in stragglers[0]["fix"]
+    assert "communication" not in {f["rule"] for f in r0["findings"]}
+    seconds = r0["rank_stage_seconds"]
+    assert len(seconds) == 2 and seconds[1]["data"] > seconds[0]["data"] + 0.005  # 16 ms of sleep per batch
+    assert len(r0["variability"]) == 2 and all(v["step_p50"] > 0 for v in r0["variability"])
     assert (tmp_path / "report.json").is_file()
+    assert r0["fit"]["seconds"]["train"] > 0 and r0["fit"]["wall"] >= r0["fit"]["seconds"]["train"]
 
 
 WRAPPERS_SCRIPT = """
