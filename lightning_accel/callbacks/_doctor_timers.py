@@ -40,10 +40,14 @@ def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any], aft
     return restore
 
 
-def install_checkpoint_timer(trainer: pl.Trainer, begin: Callable[[], Any], end: Callable[[Any], None]) -> Callable[[], None]:
-    """Time ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls: state collection + write). A save that
-    raises still ends its timing and raises on, for Lightning to handle: it is not the doctor's failure."""
-    return install_instance_wrapper(trainer, "save_checkpoint", begin, end)
+def install_checkpoint_timer(trainer: pl.Trainer, begin: Callable[[bool], Any],
+                             end: Callable[[Any], None]) -> list[Callable[[], None]]:
+    """Time ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls: state collection + write; ``begin(True)``)
+    and ``trainer.strategy.remove_checkpoint`` (deleting an old one, which takes as long as writing on some file
+    systems; ``begin(False)``). A save that raises still ends its timing and raises on, for Lightning to handle:
+    it is not the doctor's failure."""
+    return [install_instance_wrapper(trainer, "save_checkpoint", lambda: begin(True), end),
+            install_instance_wrapper(trainer.strategy, "remove_checkpoint", lambda: begin(False), end)]
 
 
 def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None], post: Callable[..., None]) -> list[Callable[[], None]]:

@@ -105,7 +105,8 @@ class BottleneckDoctor(Callback):
 
     * **the whole fit** (``report.fit``, ``report.fit_findings``): wall time split into start-up (set-up and the
       warm-up batches: FLOP counting, compilation), training batches, validation (sanity check included),
-      checkpoint saving (``trainer.save_checkpoint``, timed for the duration of ``fit``) and the rest, with the
+      checkpoint saving (``trainer.save_checkpoint`` and ``strategy.remove_checkpoint``, wrapped for the duration
+      of ``fit``) and the rest, with the
       ``validation_heavy`` / ``checkpoint_heavy`` findings (:mod:`lightning_accel.core.phases`); rank 0's clock;
     * **every rank** (``report.rank_shares``, ``report.rank_stage_seconds``): the ``straggler`` finding names a
       rank whose batch takes longer outside the all-reduce than the others', its stage and the fix; the others'
@@ -316,7 +317,7 @@ class BottleneckDoctor(Callback):
                                                       self._transfer_end))
         self._restore.extend(install_optimizer_hooks(trainer.optimizers, self._before_optimizer_step_hook,
                                                      self._after_optimizer_step))
-        self._restore.append(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
+        self._restore.extend(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
         if self._comm is None and trainer.world_size > 1:
             self._comm = install_comm_timer(trainer, self._device.type == "cuda", self._notes)
 
@@ -338,9 +339,9 @@ class BottleneckDoctor(Callback):
             except Exception as err:  # noqa: BLE001
                 self._break(f"batch_to_device: {err!r}")
 
-    def _checkpoint_begin(self) -> None:
+    def _checkpoint_begin(self, save: bool) -> None:
         try:
-            self._fit_clock.enter("checkpoint")
+            self._fit_clock.enter("checkpoint", count=save)
             if self._machine is not None and not self._broken:
                 self._machine.pause()
         except Exception as err:  # noqa: BLE001

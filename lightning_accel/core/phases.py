@@ -10,7 +10,8 @@ Phases (:data:`FIT_PHASES`):
   compilation, the first iterator);
 * ``train``: the measured training batches (the step breakdown's wall time);
 * ``validation``: validation runs inside ``fit``, the sanity check included;
-* ``checkpoint``: ``trainer.save_checkpoint`` calls (state collection + write);
+* ``checkpoint``: ``trainer.save_checkpoint`` calls (state collection + write) and the deletion of old checkpoints
+  (``strategy.remove_checkpoint``);
 * ``other``: the rest (epoch ends, logging and callback work between batches and windows, teardown).
 """
 
@@ -87,8 +88,9 @@ class FitClock:
         """The fit starts (``setup``)."""
         self._start = self._since = self.clock()
 
-    def enter(self, phase: str, *, sanity: bool = False) -> None:
-        """Open ``phase`` (nested inside the open one)."""
+    def enter(self, phase: str, *, sanity: bool = False, count: bool = True) -> None:
+        """Open ``phase`` (nested inside the open one); ``sanity`` marks the sanity check, ``count=False`` adds time
+        without counting a run (e.g. deleting an old checkpoint)."""
         if phase not in FIT_PHASES or phase in ("train", "other"):
             raise ValueError(f"FitClock.enter({phase!r}): use 'startup', 'validation' or 'checkpoint' ('train' is "
                              "the step breakdown's wall time, 'other' the rest)")
@@ -97,7 +99,7 @@ class FitClock:
         if phase == "validation" and sanity:
             self.counts["sanity_check"] += 1
             self._sanity_from = now
-        elif phase in self.counts:
+        elif phase in self.counts and count:
             self.counts[phase] += 1
 
     def exit(self, phase: str) -> None:

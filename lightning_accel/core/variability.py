@@ -26,7 +26,8 @@ __all__ = ["VARIABILITY_FIELDS", "merge_windows", "summarise_window", "variabili
 
 #: The summary of one window of one rank (gathered with the stage row).
 VARIABILITY_FIELDS: tuple[str, ...] = ("step_p5", "step_p50", "step_p95", "spikes", "spike_excess",
-                                       "spike_data_excess", "spike_period")
+                                       "spike_data_excess", "spike_first", "spike_last", "spike_gap",
+                                       "spike_gap_agree")
 _SPIKE = 2.0
 
 
@@ -38,12 +39,11 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def _period(indices: Sequence[int]) -> int:
-    """The common gap between spike indices when at least 3 spikes and 3/4 of the gaps agree (±1), else 0."""
-    if len(indices) < 3:
+def _period(gaps: Sequence[int]) -> int:
+    """The common gap between spikes when there are at least 2 gaps (3 spikes) and 3/4 of them agree (±1), else 0."""
+    if len(gaps) < 2:
         return 0
-    gaps = [b - a for a, b in zip(indices, indices[1:])]
-    gap, _ = Counter(gaps).most_common(1)[0]
+    gap, _ = Counter(g for g in gaps if g > 0).most_common(1)[0] if any(g > 0 for g in gaps) else (0, 0)
     close = sum(1 for g in gaps if abs(g - gap) <= 1)
     return gap if gap > 1 and close >= 0.75 * len(gaps) else 0
 
@@ -66,17 +66,32 @@ def summarise_window(step_times: Sequence[float], data_times: Sequence[float], f
     spikes = [i for i, t in enumerate(step_times) if median > 0 and t > _SPIKE * median]
     excess = sum(step_times[i] - median for i in spikes)
     data_excess = sum(max(0.0, data_times[i] - data_median) for i in spikes)
+    gaps = [b - a for a, b in zip(spikes, spikes[1:])]
+    gap = Counter(gaps).most_common(1)[0][0] if gaps else 0
+    agree = sum(1 for g in gaps if abs(g - gap) <= 1)
+    first, last = (first_batch + spikes[0], first_batch + spikes[-1]) if spikes else (-1, -1)
     return [_quantile(ordered, 0.05), median, _quantile(ordered, 0.95), float(len(spikes)), excess, data_excess,
-            float(_period([first_batch + i for i in spikes]))]
+            float(first), float(last), float(gap), float(agree)]
 
 
 def merge_windows(rows: Sequence[Sequence[float]]) -> dict[str, float] | None:
-    """Pool one rank's window summaries: mean p5/p50/p95, summed spikes and excess, the most common period."""
+    """Pool one rank's window summaries (in order): mean p5/p50/p95, summed spikes and excess, and the spike period:
+    the gap that 3/4 of the gaps between spikes share, within windows (each window's most common gap) and across
+    window edges (0: no period)."""
     rows = [r for r in rows if all(math.isfinite(v) for v in r[:len(VARIABILITY_FIELDS)])]
     if not rows:
         return None
     cols = {f: [r[i] for r in rows] for i, f in enumerate(VARIABILITY_FIELDS)}
-    periods = [int(p) for p in cols["spike_period"] if p > 0]
+    gaps, last = [], None
+    for row in rows:
+        stats = dict(zip(VARIABILITY_FIELDS, row))
+        if stats["spikes"] <= 0:
+            continue
+        if last is not None:
+            gaps.append(int(stats["spike_first"] - last))
+        agree = int(stats["spike_gap_agree"])
+        gaps.extend([int(stats["spike_gap"])] * agree + [-1] * (int(stats["spikes"]) - 1 - agree))
+        last = stats["spike_last"]
     return {
         "step_p5": statistics.fmean(cols["step_p5"]),
         "step_p50": statistics.fmean(cols["step_p50"]),
@@ -84,7 +99,7 @@ def merge_windows(rows: Sequence[Sequence[float]]) -> dict[str, float] | None:
         "spikes": sum(cols["spikes"]),
         "spike_excess": sum(cols["spike_excess"]),
         "spike_data_excess": sum(cols["spike_data_excess"]),
-        "spike_period": float(Counter(periods).most_common(1)[0][0]) if periods else 0.0,
+        "spike_period": float(_period(gaps)),
         "windows": float(len(rows)),
     }
 

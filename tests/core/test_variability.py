@@ -16,8 +16,9 @@ def test_periodic_spikes_match_the_logging_cadence():
     steps = periodic()
     row = summarise_window(steps, [0.001] * len(steps), first_batch=0)
     stats = dict(zip(VARIABILITY_FIELDS, row))
-    assert stats["spikes"] == 4 and stats["spike_period"] == 5
+    assert stats["spikes"] == 4 and stats["spike_gap"] == 5 and (stats["spike_first"], stats["spike_last"]) == (4, 19)
     assert stats["spike_excess"] == pytest.approx(4 * 0.030)
+    assert merge_windows([row])["spike_period"] == 5
     merged = merge_windows([row, summarise_window(steps, [0.001] * 20, first_batch=20)])
     assert merged["spikes"] == 8 and merged["spike_period"] == 5 and merged["windows"] == 2
     finding = variability_finding(merged, RunContext(log_every_n_steps=5), Thresholds(variability=1.5))
@@ -25,6 +26,12 @@ def test_periodic_spikes_match_the_logging_cadence():
     assert "every 5 batches" in finding.evidence and "log_every_n_steps=5" in finding.fix
     ckpt = variability_finding(merged, RunContext(checkpoint_every_n_train_steps=5), Thresholds(variability=1.5))
     assert "AsyncCheckpointIO" in ckpt.fix
+
+
+def test_the_period_is_found_across_windows_with_two_spikes_each():
+    rows = [summarise_window(periodic(10), [0.0] * 10, first_batch=10 * w) for w in range(4)]
+    assert [r[VARIABILITY_FIELDS.index("spikes")] for r in rows] == [2, 2, 2, 2]
+    assert merge_windows(rows)["spike_period"] == 5
 
 
 def test_spikes_made_of_data_wait_are_bursty_data_stalls():
