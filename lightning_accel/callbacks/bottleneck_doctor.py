@@ -25,6 +25,7 @@ from lightning_accel.callbacks._doctor_timers import (
     install_instance_wrapper,
     install_optimizer_hooks,
 )
+from lightning_accel.callbacks._doctor_log import log_window
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
@@ -120,7 +121,8 @@ class BottleneckDoctor(Callback):
     is collective, so a rank that dies makes the others fail at the process group's timeout, as the training's own
     all-reduce does, never wait in the doctor.
 
-    Logged when a window closes, through ``pl_module.log`` (``on_step=True``):
+    Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
+    would, in one call per window (``_doctor_log.log_window``):
 
     ==========================================  =========  ====================================================
     key                                         unit       scope
@@ -642,15 +644,15 @@ class BottleneckDoctor(Callback):
         self._timeline.append({"batch": self._breakdown.batches, "shares": window.shares,
                                "step_seconds": window.step_seconds})
         if log:
-            self._log(pl_module, window.shares, window.step_seconds, util)
+            self._log(trainer, pl_module, window.shares, window.step_seconds, util)
         if self.warn:
             ranks = [r for r in window.per_rank_seconds if r is not None]
             diagnosis = diagnose(window.shares, self._live_context(), self.thresholds,
                                  rank_seconds=ranks if len(ranks) > 1 else None)
             self._warn_findings(trainer, diagnosis.findings)
 
-    def _log(self, pl_module: pl.LightningModule, shares: dict[str, float], step_seconds: float,
-             util: dict[str, float]) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, shares: dict[str, float],
+             step_seconds: float, util: dict[str, float]) -> None:
         values = {f"doctor/share_{s}": shares[s] for s in STAGES}
         values["doctor/data_wait_pct"] = 100.0 * shares["data"]
         values["doctor/step_ms"] = 1000.0 * step_seconds
@@ -659,8 +661,7 @@ class BottleneckDoctor(Callback):
                 values[f"doctor/{key}"] = util[key]
         if "memory_peak_frac" in util:
             values["doctor/memory_peak_pct"] = 100.0 * util["memory_peak_frac"]
-        for key, value in values.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+        log_window(trainer, pl_module, values)
 
     def _live_context(self) -> RunContext:
         ctx = self._context

@@ -19,8 +19,9 @@ the same calls::
 Semantics:
 
 * one stage is open at a time; :meth:`stage_start` closes the open one. ``data`` is always timed on the host clock
-  (the wait happens there); the other stages go through a :class:`~lightning_accel.core.timing.StageTimer` (CUDA
-  events on a GPU: read once per window, never a synchronisation per step);
+  (the wait happens there); on CUDA the other stages go through a :class:`~lightning_accel.core.timing.StageTimer`
+  (CUDA events: read once per window, never a synchronisation per step), elsewhere they are host intervals read
+  from the same one clock reading per event;
 * the first ``warmup_batches`` batches are not measured; the window clock starts at the end of the last one;
 * :meth:`pause` / :meth:`resume` take time out of the window (validation, a checkpoint save, the gap between
   epochs): the open stage stops and continues on resume;
@@ -118,6 +119,11 @@ class StageMachine:
         self._data_time = 0.0  # the current batch's
         self._extra: dict[str, float] = {}
         self._pause_depth = 0
+        # Off CUDA every stage is a host interval: timed here from the one clock reading per switch, without the
+        # timer's own reading (the doctor's hot path).
+        self._host = self.timer.device.type != "cuda"
+        self._host_seconds: dict[str, float] = {}
+        self._stage_start = 0.0
         self._step_times: list[float] = []
         self._data_times: list[float] = []
         self._first_batch = 0
@@ -226,6 +232,13 @@ class StageMachine:
             self._data_time += now - self._data_start
             self._data_start = now
         seconds = self.timer.flush()
+        for stage, value in self._host_seconds.items():
+            seconds[stage] = seconds.get(stage, 0.0) + value
+        if self.stage is not None and self.stage != "data" and self._host and self._paused_at is None:
+            # a stage open across the edge: its part up to now is this window's
+            seconds[self.stage] = seconds.get(self.stage, 0.0) + now - self._stage_start
+            self._stage_start = now
+        self._host_seconds = {}
         for stage, value in self._extra.items():
             seconds[stage] = seconds.get(stage, 0.0) + value
         seconds["data"] = self._data_seconds
@@ -247,6 +260,7 @@ class StageMachine:
         self._window_start, self._paused_total = now, 0.0
         self._batch_start, self._batch_paused = now, 0.0
         self._extra, self._data_seconds, self._data_time = {}, 0.0, 0.0
+        self._host_seconds = {}
         if self._data_start is not None:
             self._data_start = now
         self._first_batch = self.batches_seen
@@ -263,11 +277,17 @@ class StageMachine:
                 self._data_time += wait
                 self._data_start = None
         elif old is not None:
-            self.timer.stop(old)
+            if self._host:
+                self._host_seconds[old] = self._host_seconds.get(old, 0.0) + now - self._stage_start
+            else:
+                self.timer.stop(old)
         self.awaiting_batch = False
         self.stage = stage
         if stage == "data":
             self._data_start = now
         elif stage is not None:
-            self.timer.start(stage)
+            if self._host:
+                self._stage_start = now
+            else:
+                self.timer.start(stage)
         return now
