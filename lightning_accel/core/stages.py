@@ -78,7 +78,9 @@ class Window:
         diagnose`). All zeros for an empty window."""
         split = self.stage_seconds()
         total = sum(split.values())
-        return {s: (split[s] / total if total > 0 else 0.0) for s in STAGES}
+        if self.batches == 0 or total <= 0:
+            return dict.fromkeys(STAGES, 0.0)
+        return {s: split[s] / total for s in STAGES}
 
 
 class StageMachine:

@@ -103,6 +103,10 @@ def test_windows_tile_time_and_finish_drops_what_came_after_the_last_batch():
     assert last.wall == pytest.approx(1.5) and last.batches == 1
     assert last.seconds["data"] == pytest.approx(0.5) and last.seconds["communication"] == pytest.approx(0.25)
     assert machine.finish() is None  # nothing left
+    machine.batch_requested()
+    clock.advance(1.0)
+    empty = machine.close_window()  # a wait in progress, no batch: no shares to diagnose
+    assert empty.batches == 0 and set(empty.shares().values()) == {0.0}
 
 
 def test_stage_end_with_a_name_only_closes_that_stage_and_cancel_drops_the_open_one():
