@@ -354,6 +354,7 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
             kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
             lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
                          f"{_fmt_pct(new.shares.get(new_b))})")
+    lines.extend(_compare_fit(new, baseline))
     old_rules = {f.rule: f for f in baseline.findings}
     new_rules = {f.rule for f in new.findings}
     resolved = [old_rules[r] for r in sorted(set(old_rules) - new_rules)]
@@ -365,6 +366,27 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
         lines.append("new findings: " + ", ".join(sorted(new_rules - set(old_rules))))
     for f in new.findings:
         lines.append(f"  [{f.stage}] {f.evidence} Fix: {f.fix}")
+    return lines
+
+
+def _compare_fit(new: DoctorReport, baseline: DoctorReport) -> list[str]:
+    """Fit phases old → new (share of the fit's wall time), and the fit findings and smells that went away."""
+    lines = []
+    old_wall, new_wall = baseline.fit.get("wall") or 0.0, new.fit.get("wall") or 0.0
+    if old_wall > 0 and new_wall > 0:
+        old_s, new_s = baseline.fit.get("seconds", {}), new.fit.get("seconds", {})
+        parts = [f"{p} {_fmt_pct(old_s.get(p, 0.0) / old_wall)} → {_fmt_pct(new_s.get(p, 0.0) / new_wall)}"
+                 for p in ("startup", "train", "validation", "checkpoint", "other")
+                 if max(old_s.get(p, 0.0) / old_wall, new_s.get(p, 0.0) / new_wall) >= 0.01]
+        lines.append(f"whole fit {old_wall:.2f} s → {new_wall:.2f} s: " + ", ".join(parts))
+    for what, old_list, new_list in (("fit findings", baseline.fit_findings, new.fit_findings),
+                                     ("code smells", baseline.smells, new.smells)):
+        gone = sorted({f.rule for f in old_list} - {f.rule for f in new_list})
+        if gone:
+            lines.append(f"resolved {what}: {', '.join(gone)}")
+        added = sorted({f.rule for f in new_list} - {f.rule for f in old_list})
+        if added:
+            lines.append(f"new {what}: {', '.join(added)}")
     return lines
 
 

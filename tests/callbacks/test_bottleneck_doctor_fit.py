@@ -10,14 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.callbacks.test_bottleneck_doctor import one_thread  # noqa: F401 - the autouse fixture: 1 torch thread
 
 
 class Task(pl.LightningModule):
