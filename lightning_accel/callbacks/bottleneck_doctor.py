@@ -30,11 +30,12 @@ from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
-from lightning_accel.core.phases import FitClock, diagnose_fit
+from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport, plot_timeline
-from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose, holding_back
+from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose
 from lightning_accel.core.stages import StageMachine, Window
-from lightning_accel.core.variability import VARIABILITY_FIELDS, merge_windows, summarise_window, variability_finding
+from lightning_accel.core.variability import VARIABILITY_FIELDS, summarise_window
+from lightning_accel.core.verdict import build_report
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -771,49 +772,15 @@ class BottleneckDoctor(Callback):
         self._write_files(trainer)
 
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
-        ctx = self._live_context()
-        bd = self._breakdown
-        shares = bd.shares()
-        notes = list(self._notes)
-        fit = self._fit_clock.breakdown(self._train_wall, self._batches_seen)
-        report = DoctorReport(world_size=trainer.world_size, context=ctx, thresholds=vars(self.thresholds).copy(),
-                              precision=_precision_stats(trainer), notes=notes, timeline=list(self._timeline),
-                              windows=len(bd.windows), batches=bd.batches, fit=fit.to_dict(),
-                              smells=list(self._smells.findings), smells_skipped=list(self._smells.skipped))
-        report.fit_findings = diagnose_fit(fit, ctx, self.thresholds).findings
-        if shares is None:
-            measured = max(0, self._batches_seen - self._skip)
-            notes.append(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
-                         f"and {measured} measured, with no complete measurement; train longer or lower "
-                         "warmup_batches")
-            return report
-        report.shares = shares
-        report.stage_seconds = bd.stage_seconds() or {}
-        rank_seconds = bd.rank_stage_seconds()
-        if trainer.world_size > 1:
-            report.rank_shares = bd.rank_shares()
-            report.rank_stage_seconds = rank_seconds
-        report.step_seconds = bd.step_seconds()
-        report.samples_per_sec = bd.samples_per_sec()
-        report.mfu = ctx.mfu
-        report.utilisation = {f: (max(v) if f == "memory_peak_frac" else statistics.fmean(v))
-                              for f, v in self._util_sums.items() if v}
-        if bd.batches < self.window:
-            notes.append(f"only {bd.batches} batches measured (window={self.window}): the shares are noisy")
-        diagnosis = diagnose(shares, ctx, self.thresholds,
-                             rank_seconds=rank_seconds if trainer.world_size > 1 else None)
-        report.findings, report.skipped = diagnosis.findings, diagnosis.skipped
-        report.bottleneck = holding_back(shares, diagnosis.findings)
-        report.variability = [merge_windows(rows) or {} for rows in self._var_rows]
-        spread = [(stats["step_p95"] / stats["step_p5"], rank) for rank, stats in enumerate(report.variability)
-                  if stats and stats["step_p5"] > 0]
-        if spread:
-            _, worst = max(spread)
-            finding = variability_finding(report.variability[worst], ctx, self.thresholds,
-                                          rank=worst if trainer.world_size > 1 else None)
-            if finding is not None:
-                report.findings.append(finding)
-        return report
+        measured = max(0, self._batches_seen - self._skip)
+        return build_report(
+            self._breakdown, context=self._live_context(), thresholds=self.thresholds, world_size=trainer.world_size,
+            fit=self._fit_clock.breakdown(self._train_wall, self._batches_seen), smells=self._smells,
+            variability_rows=self._var_rows, utilisation=self._util_sums, window=self.window,
+            timeline=self._timeline, precision=_precision_stats(trainer), notes=self._notes,
+            empty_note=(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
+                        f"and {measured} measured, with no complete measurement; train longer or lower "
+                        "warmup_batches"))
 
     def _report_dir(self, trainer: pl.Trainer) -> Path:
         """``trainer.log_dir`` without its broadcast (only rank 0 writes): the first logger's directory, else
