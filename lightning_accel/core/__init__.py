@@ -31,6 +31,7 @@ from lightning_accel.core.ranks import find_stragglers
 from lightning_accel.core.smells import SMELLS, find_smells
 from lightning_accel.core.stages import StageMachine, Window
 from lightning_accel.core.variability import variability_finding
+from lightning_accel.core.verdict import build_report
 
 __all__ = [
     "BatchSizeSearch",
@@ -59,6 +60,7 @@ __all__ = [
     "WindowedThroughput",
     "ZeroMemoryEstimate",
     "apply_activation_checkpointing",
+    "build_report",
     "choose_autocast_dtype",
     "compare",
     "count_flops",
