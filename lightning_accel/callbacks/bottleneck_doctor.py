@@ -118,9 +118,11 @@ class BottleneckDoctor(Callback):
     * **code smells** (``report.smells``): found at ``on_train_start`` before the first step by
       :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0).
 
-    One collective per window (the gather of every rank's row, at the same batch count on every rank); nothing else
-    is collective, so a rank that dies makes the others fail at the process group's timeout, as the training's own
-    all-reduce does, never wait in the doctor.
+    One collective per window: the gather of every rank's row, at the same batch count on every rank (counted even
+    on a rank whose measuring broke: it sends a row of NaN, which the aggregate leaves out). Nothing else is
+    collective (the report, ``log_dir`` and the smells are rank-local), so a rank that dies mid-window makes the
+    others fail at the process group's timeout, in this gather or in the next gradient all-reduce, exactly as
+    without the doctor; the doctor adds no wait of its own.
 
     Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
     would, in one call per window (``_doctor_log.log_window``):
