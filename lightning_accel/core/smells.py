@@ -195,14 +195,19 @@ def preview_optimizer_step(optimizer: Any, candidate: Mapping[str, bool], *, bud
     sync()
     times: list[list[float]] = [[], []]
     spent = 0.0
-    while len(times[1]) < 5 or (spent < budget_s and len(times[1]) < 50):
-        for opt, out in zip(arms, times):  # alternate A B A B: machine noise hits both arms alike
-            start = time.perf_counter()
-            opt.step()
-            sync()
-            took = time.perf_counter() - start
-            out.append(took)
-            spent += took
+    try:
+        while len(times[1]) < 5 or (spent < budget_s and len(times[1]) < 50):
+            for opt, out in zip(arms, times):  # alternate A B A B: machine noise hits both arms alike
+                start = time.perf_counter()
+                opt.step()
+                sync()
+                took = time.perf_counter() - start
+                out.append(took)
+                spent += took
+    finally:
+        del arms
+        if device.type == "cuda":  # give the clones' and states' memory back before training allocates
+            torch.cuda.empty_cache()
     return statistics.median(times[0]), statistics.median(times[1])
 
 

@@ -163,3 +163,18 @@ def test_bad_arguments_raise():
         find_smells(None, rules=["tf32"])
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
         find_smells(None, accumulate_grad_batches=0)
+
+
+@pytest.mark.gpu
+def test_smells_on_a_real_gpu():
+    model = mlp(*[64] * 41).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    found = find_smells(model, [opt], device_type="cuda", device_capability=torch.cuda.get_device_capability(),
+                        compute_dtype="fp32", float32_matmul_precision="highest",
+                        rules=["optimizer_not_foreach", "tf32_off", "pin_memory_off"],
+                        loader=DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=4))
+    by_rule = {f.rule: f for f in found.findings}
+    assert set(by_rule) == {"optimizer_not_foreach", "tf32_off", "pin_memory_off"}
+    gain = by_rule["optimizer_not_foreach"].gain
+    assert gain is not None and gain >= 1.1  # 80 small tensors: one fused kernel beats 80 x several launches
+    assert all(p.grad is None for p in model.parameters())
