@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_accel.core.rules import STAGES
+from lightning_accel.core.findings import STAGES
 
 __all__ = ["MEASURED_STAGES", "ROW_FIELDS", "Breakdown", "WindowBreakdown", "split_seconds"]
 

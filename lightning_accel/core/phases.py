@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_accel.core.rules import Diagnosis, Finding, RunContext, Thresholds
+from lightning_accel.core.findings import Diagnosis, Finding, RunContext, Thresholds
 
 __all__ = ["FIT_PHASES", "FitBreakdown", "FitClock", "diagnose_fit"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from lightning_accel.core.rules import STAGES, Finding, Thresholds
+from lightning_accel.core.findings import STAGES, Finding, Thresholds
 
 __all__ = ["find_stragglers", "own_communication_share"]
 

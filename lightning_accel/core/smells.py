@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel.core.rules import Diagnosis, Finding, SkippedRule
+from lightning_accel.core.findings import Diagnosis, Finding, SkippedRule
 
 __all__ = ["SMELLS", "find_smells", "loader_settings", "preview_optimizer_step"]
 

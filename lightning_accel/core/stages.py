@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
-from lightning_accel.core.rules import STAGES
+from lightning_accel.core.findings import STAGES
 from lightning_accel.core.timing import StageTimer
 
 __all__ = ["StageMachine", "Window"]

@@ -20,7 +20,7 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from lightning_accel.core.rules import Finding, RunContext, Thresholds
+from lightning_accel.core.findings import Finding, RunContext, Thresholds
 
 __all__ = ["VARIABILITY_FIELDS", "merge_windows", "summarise_window", "variability_finding"]
 
