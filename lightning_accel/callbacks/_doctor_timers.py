@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 __all__ = ["install_checkpoint_timer", "install_comm_timer", "install_instance_wrapper", "install_optimizer_hooks"]
 
 
-def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any], after: Callable[[Any], None]) -> Callable[[], None]:
+def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any],
+                             after: Callable[[Any], None]) -> Callable[[], None]:
     """Wrap the bound method ``obj.name`` on the instance: ``token = before()``, the call, then ``after(token)``
     (also when the call raises: its exception propagates unchanged). Returns the function that restores it."""
     original = getattr(obj, name)
@@ -50,7 +51,8 @@ def install_checkpoint_timer(trainer: pl.Trainer, begin: Callable[[bool], Any],
             install_instance_wrapper(trainer.strategy, "remove_checkpoint", lambda: begin(False), end)]
 
 
-def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None], post: Callable[..., None]) -> list[Callable[[], None]]:
+def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None],
+                            post: Callable[..., None]) -> list[Callable[[], None]]:
     """Register ``pre``/``post`` as step pre-/post-hooks on every optimizer that supports them."""
     undo = []
     for opt in optimizers:

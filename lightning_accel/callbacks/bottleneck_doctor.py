@@ -97,8 +97,9 @@ class BottleneckDoctor(Callback):
 
     The stage logic is :class:`~lightning_accel.core.stages.StageMachine` (pure, driven by these hooks); the timer
     installers live in ``_doctor_timers``, the run facts in ``_doctor_facts``. On CUDA the device stages are CUDA
-    events, read when a window closes (one synchronisation per window, none per step). Shares are aggregated over each window of ``window`` batches and over ranks (one ``all_gather`` per
-    window). Rules (``lightning_accel.core.rules``) turn the shares, utilisation and run facts into findings: each
+    events, read when a window closes (one synchronisation per window, none per step). Shares are aggregated over
+    each window of ``window`` batches and over ranks (one ``all_gather`` per window). Rules
+    (``lightning_accel.core.rules``) turn the shares, utilisation and run facts into findings: each
     names the stage, the evidence and the fix; they are warned on rank 0 during training (each once, again only if
     its fix changes or it comes back, at most every ``warn_interval_s``), and reported at the end of ``fit``: a rich
     table (rank 0), the JSON at ``report_path`` and a PNG of the stacked shares over time next to it (with the
@@ -142,9 +143,9 @@ class BottleneckDoctor(Callback):
     ==========================================  =========  ====================================================
 
     Args:
-        window: batches per measuring window (logging and warning interval). Closing a window costs a few ms
-            (one gather, ~12 ``pl_module.log`` calls at ~0.3-1.5 ms each in Lightning, a psutil sample); 50 batches
-            amortise that to well under 1 % for steps of 10 ms or more.
+        window: batches per measuring window (logging and warning interval). Closing a window costs ~0.25 ms on a
+            CPU (the rules, one logging call for all keys, a CPU sample; plus one gather under DDP); 50 batches
+            amortise that to ~10 µs per step (BENCHMARKS.md, "BottleneckDoctor overhead").
         warmup_batches: batches at the start of ``fit`` that are not measured (more if another callback asks with a
             ``warmup_batches`` attribute, as ``MFUMonitor`` does). On CUDA the SDPA kernel is observed on the
             second batch when at least two are warm-up.

@@ -174,11 +174,11 @@ class Finding:
     """One diagnosed problem: which stage, the numbers that show it, and the concrete change that fixes it.
 
     Attributes:
-        rule: stable rule id. Step rules (:func:`~lightning_accel.core.rules.diagnose`): ``data_wait``, ``gpu_utilisation``, ``transfer``,
-            ``fp32_compute``, ``optimizer``, ``communication``, ``memory``, ``launch_bound``, ``math_sdpa``,
-            ``straggler``, ``step_variability``; fit rules (:func:`~lightning_accel.core.phases.diagnose_fit`):
-            ``validation_heavy``, ``checkpoint_heavy``; code smells (:func:`~lightning_accel.core.smells.
-            find_smells`): see :data:`~lightning_accel.core.smells.SMELLS`.
+        rule: stable rule id. Step rules (:func:`~lightning_accel.core.rules.diagnose`): ``data_wait``,
+            ``gpu_utilisation``, ``transfer``, ``fp32_compute``, ``optimizer``, ``communication``, ``memory``,
+            ``launch_bound``, ``math_sdpa``, ``straggler``, ``step_variability``; fit rules
+            (:func:`~lightning_accel.core.phases.diagnose_fit`): ``validation_heavy``, ``checkpoint_heavy``; code
+            smells (:func:`~lightning_accel.core.smells.find_smells`): see :data:`~lightning_accel.core.smells.SMELLS`.
         stage: the stage it holds back (one of :data:`STAGES`), or for a fit finding the fit phase
             (``validation``, ``checkpoint``).
         evidence: the measured numbers, as a sentence.
@@ -224,7 +224,8 @@ class SkippedRule:
 
 @dataclass
 class Diagnosis:
-    """The result of :func:`diagnose`: findings (largest share first) and the rules that were skipped."""
+    """The result of :func:`~lightning_accel.core.rules.diagnose` (and the other rule families): findings (largest
+    share first) and the rules that were skipped."""
 
     findings: list[Finding] = field(default_factory=list)
     skipped: list[SkippedRule] = field(default_factory=list)

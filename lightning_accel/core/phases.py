@@ -61,7 +61,8 @@ class FitBreakdown:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FitBreakdown:
         return cls(seconds={str(k): float(v) for k, v in data.get("seconds", {}).items()},
-                   wall=float(data.get("wall", 0.0)), counts={str(k): int(v) for k, v in data.get("counts", {}).items()},
+                   wall=float(data.get("wall", 0.0)),
+                   counts={str(k): int(v) for k, v in data.get("counts", {}).items()},
                    sanity_seconds=float(data.get("sanity_seconds", 0.0)),
                    train_batches=int(data.get("train_batches", 0)))
 

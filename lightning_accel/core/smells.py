@@ -241,8 +241,8 @@ def _optimizer_not_foreach(x: _Inputs) -> Finding | None:
         flags = ", ".join(f"{k}={v}" for k, v in (opt.defaults or {}).items() if k in ("foreach", "fused"))
         evidence = f"{cls.__name__}({flags}) updates the parameters one tensor at a time on {device}"
         if gain is not None:
-            evidence += (f"; a {name}=True step on clones of the {sum(p.numel() for g in opt.param_groups for p in g['params']):,} "
-                         f"parameters measured {gain:.2f}x faster")
+            numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
+            evidence += f"; a {name}=True step on clones of the {numel:,} parameters measured {gain:.2f}x faster"
         fix = (f"torch.optim.{cls.__name__}(params, ..., {name}=True): one multi-tensor "
                f"{'kernel' if name == 'fused' else 'launch'} for all parameters.")
         return Finding("optimizer_not_foreach", "optimizer", evidence + ".", fix, gain or 0.0, gain=gain,

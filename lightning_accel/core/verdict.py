@@ -1,4 +1,5 @@
-"""The doctor's verdict: measured windows, fit phases and smells → one :class:`~lightning_accel.core.report.DoctorReport`.
+"""The doctor's verdict: measured windows, fit phases and smells → one
+:class:`~lightning_accel.core.report.DoctorReport`.
 
 Pure (no Lightning): the callback calls it at the end of ``fit``; any other loop that fed a
 :class:`~lightning_accel.core.breakdown.Breakdown` (e.g. from :class:`~lightning_accel.core.stages.StageMachine`

@@ -29,7 +29,8 @@ def test_the_straggler_is_named_with_its_stage_and_the_others_wait():
 
 
 def test_balanced_ranks_have_no_straggler():
-    even = [ms(data=1, forward=5, backward=10, communication=2), ms(data=1.2, forward=5.1, backward=10, communication=1.9)]
+    even = [ms(data=1, forward=5, backward=10, communication=2),
+            ms(data=1.2, forward=5.1, backward=10, communication=1.9)]
     assert find_stragglers(even) == [] and find_stragglers(even[:1]) == []
 
 
