@@ -47,6 +47,17 @@ def test_spikes_made_of_data_wait_are_bursty_data_stalls():
     assert "prefetch_factor=4" in finding.fix and "persistent_workers=True" in finding.fix
 
 
+def test_rare_periodic_spikes_leave_p95_alone_but_are_found():
+    # one 60 ms spike every 50 batches of 10 ms (logging every 50 steps): p95/p5 ~ 1, 10 % of the time in spikes
+    rows = [summarise_window([0.010] * 49 + [0.060], [0.0] * 50, first_batch=50 * w) for w in range(4)]
+    stats = merge_windows(rows)
+    assert stats["step_p95"] / stats["step_p5"] < 1.5 and stats["spike_period"] == 50
+    finding = variability_finding(stats, RunContext(log_every_n_steps=50))
+    assert finding is not None and "every 50 batches" in finding.evidence and "log_every_n_steps=50" in finding.fix
+    assert "of the measured time" in finding.evidence
+    assert variability_finding(merge_windows(rows[:2]), RunContext()) is None  # 2 spikes: too few to call
+
+
 def test_steady_steps_have_no_finding_and_empty_windows_are_nan():
     stats = merge_windows([summarise_window([0.010, 0.011, 0.0105, 0.0102], [0.0] * 4)])
     assert variability_finding(stats) is None
