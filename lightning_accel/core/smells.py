@@ -166,10 +166,15 @@ def preview_optimizer_step(optimizer: Any, candidate: Mapping[str, bool], *, bud
     ``budget_s`` is spent, at least 5 and at most 50 steps each; the median of each arm is kept.
 
     Raises:
-        ValueError: more than ``max_numel`` parameters (the clones would need too much memory).
+        ValueError: more than ``max_numel`` parameters (the clones would need too much memory), or parameters that
+            are tensor subclasses (DTensor under FSDP/TP: a step on them may communicate).
     """
     cls = type(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if any(type(p) not in plain for p in params):
+        # DTensor / FSDP / tensor subclasses: a step on their clones may communicate; never preview those
+        raise ValueError("the parameters are tensor subclasses (e.g. DTensor): not previewed")
     numel = sum(p.numel() for p in params)
     if numel > max_numel:
         raise ValueError(f"{numel:,} parameters exceed the preview's limit of {max_numel:,}")
