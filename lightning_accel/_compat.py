@@ -122,6 +122,12 @@ def _hf_config() -> Any:
     return PretrainedConfig()
 
 
+def _model_checkpoint() -> Any:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return ModelCheckpoint()
+
+
 def _dtensor_fields() -> Any:
     """An object with DTensor's declared instance fields (``_local_tensor`` is set in ``__new__``, not on the class;
     building a real DTensor needs a process group)."""
@@ -151,7 +157,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.nn.Module", "_compiled_call_impl", _T, ("callbacks/torch_compile.py:setup",
                                                                "callbacks/interventions.py:Compile")),
     PrivateName("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices", _T,
-                ("callbacks/interventions.py:OptimizerImplementation",)),
+                ("callbacks/interventions.py:OptimizerImplementation", "core/smells.py:_candidate")),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", _T,
                 ("core/checkpointing.py:apply_activation_checkpointing",)),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl", _T,
@@ -196,9 +202,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("strategies/model_parallel.py:AutoParallelStrategy.setup",)),
     PrivateName("torch.distributed.tensor.DTensor", "_local_tensor", _T, ("core/sharded_flops.py:_local",),
                 instance=_dtensor_fields),
+    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_doctor_log.py:log_window",),
+                instance=lambda: _fit_loop().trainer),
+    PrivateName("lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector",
+                "_callback_metrics", _L, ("callbacks/_doctor_log.py:log_window",),
+                instance=lambda: _fit_loop().trainer._logger_connector),
+    PrivateName("lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector",
+                "_progress_bar_metrics", _L, ("callbacks/_doctor_log.py:log_window",),
+                instance=lambda: _fit_loop().trainer._logger_connector),
+    PrivateName("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps", _L,
+                ("callbacks/_doctor_facts.py:run_facts",), instance=_model_checkpoint),
     # --- transformers (optional: checked only when installed)
     PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
-                ("attention.py:use_fused_attention",), instance=_hf_config),
+                ("attention.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config),
     PrivateName("transformers.PreTrainedModel", "_tp_plan", "transformers 5.0-5.24",
                 ("strategies/parallel_plan.py:_hf_plan",)),
     PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
@@ -402,6 +418,27 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """A ``transformers`` model's tensor-parallel plan: ``model.tp_plan`` where the version has it, else the class's
     ``_tp_plan``; ``{}`` for other modules."""
     return dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+
+
+def hf_supports_sdpa(module: nn.Module) -> bool:
+    """Whether a ``transformers`` model class declares SDPA support (its ``_supports_sdpa`` class flag)."""
+    return bool(getattr(module, "_supports_sdpa", False))
+
+
+def logger_connector_stores(trainer: Any) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
+    """Lightning's logger connector with its ``callback_metrics`` and ``progress_bar_metrics`` dicts (what
+    ``self.log`` fills), or None where this Lightning has another layout."""
+    connector = getattr(trainer, "_logger_connector", None)
+    callback_metrics = getattr(connector, "_callback_metrics", None)
+    bar = getattr(connector, "_progress_bar_metrics", None)
+    if not isinstance(callback_metrics, dict) or not isinstance(bar, dict) or not hasattr(connector, "log_metrics"):
+        return None
+    return connector, callback_metrics, bar
+
+
+def checkpoint_every_n_train_steps(checkpoint: Any) -> int:
+    """``ModelCheckpoint(every_n_train_steps=...)`` as configured (no public getter); 0 when unset."""
+    return int(getattr(checkpoint, "_every_n_train_steps", 0) or 0)
 
 
 def init_deepspeed_distributed(strategy: Any) -> None:

@@ -16,14 +16,26 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print
-from lightning_accel.core.batch import samples_in_batch
-from lightning_accel.core.breakdown import MEASURED_STAGES, ROW_FIELDS, Breakdown
-from lightning_accel.core.comm import CommRecorder, timed_comm_hook
-from lightning_accel.core.report import DoctorReport, plot_timeline
-from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, diagnose, holding_back
 from lightning_accel.attention import SDPABackendRecorder
-from lightning_accel.core.timing import StageTimer
+from lightning_accel.callbacks._doctor_facts import nvml_index, read_dataloader_settings, static_context
+from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
+from lightning_accel.callbacks._doctor_timers import (
+    install_checkpoint_timer,
+    install_comm_timer,
+    install_instance_wrapper,
+    install_optimizer_hooks,
+)
+from lightning_accel.callbacks._doctor_log import log_window
+from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
+from lightning_accel.core.batch import samples_in_batch
+from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
+from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+from lightning_accel.core.phases import FitClock
+from lightning_accel.core.report import DoctorReport, plot_timeline
+from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose
+from lightning_accel.core.stages import StageMachine, Window
+from lightning_accel.core.variability import VARIABILITY_FIELDS, summarise_window
+from lightning_accel.core.verdict import build_report
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -33,6 +45,12 @@ __all__ = ["BottleneckDoctor"]
 # Utilisation columns gathered with each window's stage row (NaN where a rank has no value).
 _UTIL_FIELDS = ("cpu_process_pct", "cpu_workers_pct", "gpu_util_pct", "gpu_mem_used_frac", "gpu_sm_clock_mhz",
                 "memory_peak_frac")
+# One rank's gathered row: the stage row, utilisation, comm-hook passes, the window's batch-time summary.
+_N_STAGE = len(ROW_FIELDS)
+_UTIL_AT = _N_STAGE
+_PASSES_AT = _UTIL_AT + len(_UTIL_FIELDS)
+_VAR_AT = _PASSES_AT + 1
+_ROW_LEN = _VAR_AT + len(VARIABILITY_FIELDS)
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,16 +95,38 @@ class BottleneckDoctor(Callback):
     ``other``         the rest of the wall time (Lightning, logging, other callbacks)
     ================  =========================================================================================
 
-    On CUDA the device stages are CUDA events, read when a window closes (one synchronisation per window, none per
-    step). Shares are aggregated over each window of ``window`` batches and over ranks (one ``all_gather`` per
-    window). Rules (``lightning_accel.core.rules``) turn the shares, utilisation and run facts into findings: each
+    The stage logic is :class:`~lightning_accel.core.stages.StageMachine` (pure, driven by these hooks); the timer
+    installers live in ``_doctor_timers``, the run facts in ``_doctor_facts``. On CUDA the device stages are CUDA
+    events, read when a window closes (one synchronisation per window, none per step). Shares are aggregated over
+    each window of ``window`` batches and over ranks (one ``all_gather`` per window). Rules
+    (``lightning_accel.core.rules``) turn the shares, utilisation and run facts into findings: each
     names the stage, the evidence and the fix; they are warned on rank 0 during training (each once, again only if
     its fix changes or it comes back, at most every ``warn_interval_s``), and reported at the end of ``fit``: a rich
     table (rank 0), the JSON at ``report_path`` and a PNG of the stacked shares over time next to it (with the
     ``plots`` extra). After ``fit``, :attr:`report` (a :class:`~lightning_accel.core.report.DoctorReport`) has
-    ``bottleneck``, ``shares`` and ``findings``.
+    ``bottleneck``, ``shares`` and ``findings``, and beside the step breakdown:
 
-    Logged when a window closes, through ``pl_module.log`` (``on_step=True``):
+    * **the whole fit** (``report.fit``, ``report.fit_findings``): wall time split into start-up (set-up and the
+      warm-up batches: FLOP counting, compilation), training batches, validation (sanity check included),
+      checkpoint saving (``trainer.save_checkpoint`` and ``strategy.remove_checkpoint``, wrapped for the duration
+      of ``fit``) and the rest, with the
+      ``validation_heavy`` / ``checkpoint_heavy`` findings (:mod:`lightning_accel.core.phases`); rank 0's clock;
+    * **every rank** (``report.rank_shares``, ``report.rank_stage_seconds``): the ``straggler`` finding names a
+      rank whose batch takes longer outside the all-reduce than the others', its stage and the fix; the others'
+      communication wait is attributed to it (:mod:`lightning_accel.core.ranks`);
+    * **variability** (``report.variability``, one entry per rank): p5/p50/p95 of the batch times, spikes and the
+      ``step_variability`` finding with the likely cause (:mod:`lightning_accel.core.variability`);
+    * **code smells** (``report.smells``): found at ``on_train_start`` before the first step by
+      :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0).
+
+    One collective per window: the gather of every rank's row, at the same batch count on every rank (counted even
+    on a rank whose measuring broke: it sends a row of NaN, which the aggregate leaves out). Nothing else is
+    collective (the report, ``log_dir`` and the smells are rank-local), so a rank that dies mid-window makes the
+    others fail at the process group's timeout, in this gather or in the next gradient all-reduce, exactly as
+    without the doctor; the doctor adds no wait of its own.
+
+    Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
+    would, in one call per window (``_doctor_log.log_window``):
 
     ==========================================  =========  ====================================================
     key                                         unit       scope
@@ -103,16 +143,16 @@ class BottleneckDoctor(Callback):
     ==========================================  =========  ====================================================
 
     Args:
-        window: batches per measuring window (logging and warning interval). Closing a window costs a few ms
-            (one gather, ~12 ``pl_module.log`` calls at ~0.3-1.5 ms each in Lightning, a psutil sample); 50 batches
-            amortise that to well under 1 % for steps of 10 ms or more.
+        window: batches per measuring window (logging and warning interval). Closing a window costs ~0.25 ms on a
+            CPU (the rules, one logging call for all keys, a CPU sample; plus one gather under DDP); 50 batches
+            amortise that to ~10 µs per step (BENCHMARKS.md, "BottleneckDoctor overhead").
         warmup_batches: batches at the start of ``fit`` that are not measured (more if another callback asks with a
             ``warmup_batches`` attribute, as ``MFUMonitor`` does). On CUDA the SDPA kernel is observed on the
             second batch when at least two are warm-up.
         thresholds: a :class:`~lightning_accel.core.rules.Thresholds` or a dict of its fields
             (e.g. ``{"data_share": 0.2}``); defaults documented there.
-        report_path: where the JSON report goes; ``None`` → ``<trainer.default_root_dir>/bottleneck_report.json``;
-            ``False`` → no files.
+        report_path: where the JSON report goes; ``None`` → ``bottleneck_report.json`` in the logger's ``log_dir``
+            (``trainer.log_dir``), or ``trainer.default_root_dir`` without a logger; ``False`` → no files.
         plot: also write ``<report_path stem>.png`` (needs matplotlib; skipped with a note if missing).
         warn: warn findings during training (rank 0). A new finding also asks a ``ProfileWindow`` among the
             callbacks (if any) for a ``torch.profiler`` trace of the next steps.
@@ -120,6 +160,8 @@ class BottleneckDoctor(Callback):
         log_metrics: log the keys above.
         print_report: print the report table at the end of ``fit`` (rank 0).
         utilisation: sample CPU (psutil) and GPU (NVML, when installed and a GPU is used) utilisation per window.
+        smells: look for code smells at the start of training (a fraction of a second: the optimizer preview and
+            the loading of one batch are timed).
     """
 
     def __init__(
@@ -135,6 +177,7 @@ class BottleneckDoctor(Callback):
         log_metrics: bool = True,
         print_report: bool = True,
         utilisation: bool = True,
+        smells: bool = True,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"BottleneckDoctor(window={window!r}): window must be a positive number of batches, "
@@ -172,34 +215,32 @@ class BottleneckDoctor(Callback):
         self.log_metrics = log_metrics
         self.print_report = print_report
         self.utilisation = utilisation
+        self.smells = smells
         self.report: DoctorReport | None = None
         #: files written at the end of the last fit (JSON, PNG)
         self.files: list[Path] = []
         self._comm_wrapper: Callable[[Any], Any] | None = None
         self._comm_strategy: Any = None
         self._comm: CommRecorder | None = None
+        self._fit_clock = FitClock()
         self._reset_run_state()
 
     # ------------------------------------------------------------------ state
     def _reset_run_state(self) -> None:
         self._broken = False
-        self._timer: StageTimer | None = None
+        self._machine: StageMachine | None = None
         self._clock: Callable[[], float] = time.perf_counter
-        self._stage: str | None = None
-        self._awaiting_batch = False
         self._manual = False
+        self._step_depth = 0
         self._breakdown = Breakdown()
         self._batches_seen = 0
         self._skip = self._warmup_batches
         self._measuring = False
-        self._window_batches = 0
-        self._window_samples = 0.0
-        self._window_start = 0.0
-        self._edge: float | None = None
-        self._paused_at: float | None = None
-        self._paused_total = 0.0
+        self._window_count = 0  # batches in the open window, counted on every rank even after a measuring problem
+        self._train_wall = 0.0
         self._batch_sizes: list[int] = []
         self._util_sums: dict[str, list[float]] = {}
+        self._var_rows: list[list[list[float]]] = []  # per rank, per window: VARIABILITY_FIELDS
         self._cpu: Any = None
         self._gpu: Any = None
         self._device = torch.device("cpu")
@@ -213,12 +254,16 @@ class BottleneckDoctor(Callback):
         self._comm_passes = 0
         self._restore: list[Callable[[], None]] = []
         self._mfu_monitor: Any = None
+        self._smells = Diagnosis()
+        self._grads_checked = not self.smells
+        self._find_unused: bool | None = None
+        self._epoch_paused = False
+        self._in_validation = False
 
     def _break(self, what: str) -> None:
         self._broken = True
-        if self._timer is not None:
-            self._timer.cancel()
-        self._stage = None
+        if self._machine is not None:
+            self._machine.cancel()
         self._close_probe()
         note = f"stage timing stopped after a measuring problem ({what}); training went on"
         self._notes.append(note)
@@ -231,6 +276,9 @@ class BottleneckDoctor(Callback):
         # register their comm hook: add the timing wrapper to their wrapper list now.
         if stage != "fit":
             return
+        self._fit_clock = FitClock(self._clock)
+        self._fit_clock.start()
+        self._fit_clock.enter("startup")
         self._comm = None
         strategy = trainer.strategy
         wrappers = getattr(strategy, "comm_hook_wrappers", None)
@@ -249,7 +297,6 @@ class BottleneckDoctor(Callback):
         self.report, self.files = None, []
         strategy = trainer.strategy
         self._device = strategy.root_device
-        self._timer = StageTimer(self._device)
         self._manual = not pl_module.automatic_optimization
         extra = [getattr(cb, "warmup_batches", 0) for cb in trainer.callbacks if cb is not self]
         self._skip = max([self._warmup_batches, *[int(x) for x in extra if isinstance(x, int)]])
@@ -260,101 +307,78 @@ class BottleneckDoctor(Callback):
 
         self._mfu_monitor = next((cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)), None)
         try:
-            self._context = self._static_context(trainer)
+            self._context = static_context(trainer, self._device)
         except Exception as err:  # noqa: BLE001 - rules that need the missing facts are skipped
             self._context = RunContext(device_type=self._device.type, world_size=trainer.world_size)
             self._notes.append(f"run facts incomplete: {err!r}")
         try:
-            self._install_transfer_timer(strategy)
-            self._install_optimizer_hooks(trainer)
-            self._install_comm_timer(trainer)
+            self._install_timers(trainer)
         except Exception as err:  # noqa: BLE001 - measuring must never stop training
             self._break(f"installing the timers: {err!r}")
         if self.utilisation:
             self._start_utilisation_samplers()
 
-    def _static_context(self, trainer: pl.Trainer) -> RunContext:
-        from lightning_accel.core.utilisation import usable_cpu_count
+    def _install_timers(self, trainer: pl.Trainer) -> None:
+        self._restore.append(install_instance_wrapper(trainer.strategy, "batch_to_device", self._transfer_begin,
+                                                      self._transfer_end))
+        self._restore.extend(install_optimizer_hooks(trainer.optimizers, self._before_optimizer_step_hook,
+                                                     self._after_optimizer_step))
+        self._restore.extend(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
+        if self._comm is None and trainer.world_size > 1:
+            self._comm = install_comm_timer(trainer, self._device.type == "cuda", self._notes)
 
-        device = self._device
-        ctx = RunContext(device_type=device.type, device_name=str(device), world_size=trainer.world_size,
-                         cpu_count=usable_cpu_count(), accumulate_grad_batches=trainer.accumulate_grad_batches)
-        if device.type == "cuda":
-            ctx.device_name = torch.cuda.get_device_name(device)
-            ctx.device_capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+    def _transfer_begin(self) -> bool:
+        machine = self._machine
+        if machine is None or self._broken or not machine.awaiting_batch:
+            return False
         try:
-            ctx.compute_dtype = compute_dtype(trainer)
-        except Exception:  # noqa: BLE001 - an exotic precision plugin: the dtype rules are skipped
-            ctx.compute_dtype = None
-        if trainer.optimizers:
-            opt = trainer.optimizers[0]
-            ctx.optimizer = type(opt).__name__
-            defaults = getattr(opt, "defaults", {}) or {}
-            if "fused" in defaults:
-                ctx.optimizer_fused = bool(defaults["fused"])
-            if "foreach" in defaults:
-                ctx.optimizer_foreach = defaults["foreach"] if defaults["foreach"] is None else bool(
-                    defaults["foreach"])
-        return ctx
+            machine.stage_start("transfer")
+        except Exception as err:  # noqa: BLE001
+            self._break(f"batch_to_device: {err!r}")
+            return False
+        return True
 
-    def _install_transfer_timer(self, strategy: Any) -> None:
-        original = strategy.batch_to_device
-        had_instance_attr = "batch_to_device" in vars(strategy)
+    def _transfer_end(self, timed: bool) -> None:
+        if timed and not self._broken and self._machine is not None:
+            try:
+                self._machine.stage_end("transfer")
+            except Exception as err:  # noqa: BLE001
+                self._break(f"batch_to_device: {err!r}")
 
-        @functools.wraps(original)
-        def timed_batch_to_device(*args: Any, **kwargs: Any) -> Any:
-            if not self._awaiting_batch or self._broken:
-                return original(*args, **kwargs)
-            self._begin_batch("transfer")
-            out = original(*args, **kwargs)
-            self._switch(None)
-            return out
+    def _checkpoint_begin(self, save: bool) -> None:
+        try:
+            self._fit_clock.enter("checkpoint", count=save)
+            if self._machine is not None and not self._broken:
+                self._machine.pause()
+        except Exception as err:  # noqa: BLE001
+            self._break(f"save_checkpoint: {err!r}")
 
-        strategy.batch_to_device = timed_batch_to_device
+    def _checkpoint_end(self, _token: Any) -> None:
+        try:
+            if self._machine is not None and not self._broken:
+                self._machine.resume()
+            self._fit_clock.exit("checkpoint")
+        except Exception as err:  # noqa: BLE001
+            self._break(f"save_checkpoint: {err!r}")
 
-        def restore() -> None:
-            if had_instance_attr:
-                strategy.batch_to_device = original
-            else:
-                vars(strategy).pop("batch_to_device", None)
-
-        self._restore.append(restore)
-
-    def _install_optimizer_hooks(self, trainer: pl.Trainer) -> None:
+    def _before_optimizer_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # An optimizer whose step() calls super().step() runs the step hooks once per hooked class in the chain
         # (torch wraps every Optimizer subclass's step the first time one is built): count the depth with the
         # pre-hook and end the stage when the outermost step returns.
-        for opt in trainer.optimizers:
-            register_pre = getattr(opt, "register_step_pre_hook", None)
-            register_post = getattr(opt, "register_step_post_hook", None)
-            if register_pre is not None and register_post is not None:
-                self._restore.append(register_pre(self._before_optimizer_step_hook).remove)
-                self._restore.append(register_post(self._after_optimizer_step).remove)
+        self._step_depth += 1
 
-    def _before_optimizer_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._step_depth = getattr(self, "_step_depth", 0) + 1
-
-    def _install_comm_timer(self, trainer: pl.Trainer) -> None:
-        """Plain ``DDPStrategy``: time DDP's default all-reduce through our own comm hook (see module docstring)."""
-        if self._comm is not None or trainer.world_size <= 1:
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._step_depth = max(0, self._step_depth - 1)
+        machine = self._machine
+        if self._step_depth > 0 or self._broken or machine is None or machine.stage != "optimizer":
             return
-        model = trainer.strategy.model
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
-            self._notes.append(f"communication not timed: {type(trainer.strategy).__name__} does not expose DDP comm "
-                               "hooks (its all-reduce time is part of backward)")
-            return
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        recorder = CommRecorder(cuda=self._device.type == "cuda")
         try:
-            model.register_comm_hook(None, timed_comm_hook(default_hooks.allreduce_hook, recorder))
-        except RuntimeError as err:  # a hook is registered already (DDPStrategy(ddp_comm_hook=...)): DDP allows one
-            self._notes.append(f"communication not timed: the model already has a DDP comm hook ({err}); use a "
-                               "lightning-accel DDP strategy (ddp_bf16_compress, ...) whose hook the doctor can wrap")
-            return
-        self._comm = recorder
+            if self._manual:
+                machine.stage_start("forward")
+            else:
+                machine.stage_end()
+        except Exception as err:  # noqa: BLE001
+            self._break(f"optimizer step post-hook: {err!r}")
 
     def _start_utilisation_samplers(self) -> None:
         from lightning_accel._imports import is_available
@@ -372,7 +396,7 @@ class BottleneckDoctor(Callback):
             return
         try:
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-            self._gpu = GpuUtilisation(_nvml_index(index))
+            self._gpu = GpuUtilisation(nvml_index(index))
         except Exception as err:  # noqa: BLE001 - NVML present but unusable (container, MIG)
             self._notes.append(f"GPU utilisation not sampled: NVML failed ({err!r})")
 
@@ -394,76 +418,114 @@ class BottleneckDoctor(Callback):
             self._comm_wrapper = self._comm_strategy = None
         self._close_probe()
 
-    # ------------------------------------------------------------------ stage switching
-    def _switch(self, stage: str | None) -> None:
-        timer = self._timer
-        if timer is None:
+    # ------------------------------------------------------------------ smells
+    def _find_smells(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> None:
+        from lightning_accel.core.smells import find_smells
+
+        ctx = self._context
+        model = trainer.strategy.model
+        find_unused = getattr(model, "find_unused_parameters", None)
+        self._find_unused = find_unused if isinstance(find_unused, bool) else None
+        self._smells = find_smells(
+            pl_module, trainer.optimizers, loader=loader, device_type=ctx.device_type,
+            device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
+            accumulate_grad_batches=ctx.accumulate_grad_batches or 1, find_unused_parameters=self._find_unused,
+            cpu_count=ctx.cpu_count)
+        for finding in self._smells.findings:
+            self._warn_smell(trainer, finding)
+
+    def _warn_smell(self, trainer: pl.Trainer, finding: Finding) -> None:
+        if self.warn and trainer.is_global_zero:
+            rank_zero_warn(f"BottleneckDoctor: code smell {finding.rule}: {finding.evidence} Fix: {finding.fix}",
+                           category=UserWarning)
+
+    def _check_unused_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After the first backward: with find_unused_parameters=True, did every parameter get a gradient?"""
+        self._grads_checked = True
+        if not self._find_unused:
             return
-        if self._stage is not None:
-            timer.stop(self._stage)
-        self._stage = stage
-        if stage is not None:
-            timer.start(stage, host=stage == "data")
+        from lightning_accel.core.smells import find_smells
 
-    def _begin_batch(self, stage: str) -> None:
-        self._awaiting_batch = False
-        self._switch(stage)
+        every = all(p.grad is not None for p in pl_module.parameters() if p.requires_grad)
+        found = find_smells(pl_module, (), find_unused_parameters=True, every_param_got_grad=every,
+                            rules=("ddp_find_unused_parameters",))
+        self._smells.skipped = [s for s in self._smells.skipped if s.rule != "ddp_find_unused_parameters"]
+        self._smells.findings.extend(found.findings)
+        self._smells.skipped.extend(found.skipped)
+        for finding in found.findings:
+            self._warn_smell(trainer, finding)
 
-    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._step_depth = max(0, getattr(self, "_step_depth", 1) - 1)
-        if self._step_depth > 0 or self._broken or self._stage != "optimizer":
-            return
-        try:
-            self._switch("forward" if self._manual else None)
-        except Exception as err:  # noqa: BLE001
-            self._break(f"optimizer step post-hook: {err!r}")
-
+    # ------------------------------------------------------------------ the training loop
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = None
         try:
-            _read_dataloader_settings(trainer.train_dataloader, self._context)
+            loader = read_dataloader_settings(trainer.train_dataloader, self._context)
         except Exception:  # noqa: BLE001 - an unusual loader: the data rule gives the generic fix
             pass
         no_workers = self._context.num_workers == 0 or self._context.threaded_pipeline
         if self._cpu is not None and no_workers:
             self._cpu.track_workers = False  # no worker processes (or a threaded pipeline): skip the /proc walk
+        if self.smells:
+            try:
+                self._find_smells(trainer, pl_module, loader)
+            except Exception as err:  # noqa: BLE001 - smells are advice: never stop training for them
+                self._notes.append(f"code smells not checked: {err!r}")
+        self._machine = StageMachine(clock=self._clock, warmup_batches=self._skip, device=self._device)
+        if self._skip == 0:
+            self._start_measuring()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._paused_at is not None:  # the gap between two epochs is not part of any batch
-            self._paused_total += self._clock() - self._paused_at
-            self._paused_at = None
+        self._resume_after_epoch()
         self._open_data_wait()
+
+    @_guarded
+    def _resume_after_epoch(self) -> None:
+        if self._epoch_paused and self._machine is not None:  # the gap between two epochs is not part of any batch
+            self._epoch_paused = False
+            self._machine.resume()
 
     @override
     @_guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._begin_batch("forward")
+        if self._machine is not None:
+            self._machine.stage_start("forward")
         if self._batches_seen == self._probe_batch:
             self._probe = SDPABackendRecorder().__enter__()
 
     @override
     @_guarded
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._switch("optimizer")
+        if self._machine is not None:
+            self._machine.stage_start("optimizer")
 
     @override
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._switch("backward")
+        if self._machine is not None:
+            self._machine.stage_start("backward")
 
     @override
     @_guarded
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._switch("forward" if self._manual else None)
+        machine = self._machine
+        if machine is not None:
+            if self._manual:
+                machine.stage_start("forward")
+            else:
+                machine.stage_end()
         if self._comm is not None:
             self._comm.end_backward()
+        if not self._grads_checked:
+            self._check_unused_parameters(trainer, pl_module)
 
     @override
     @_guarded
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._switch("optimizer")
+        if self._machine is not None:
+            self._machine.stage_start("optimizer")
 
     def _close_probe(self) -> None:
         if self._probe is not None:
@@ -477,35 +539,35 @@ class BottleneckDoctor(Callback):
                            batch_idx: int) -> None:
         # Window accounting runs even after a measuring problem: every rank must join the same gathers.
         self._batches_seen += 1
-        self._stage_end_of_batch(batch)
-        if not self._measuring:
+        measured = self._measuring
+        self._end_batch(batch, measured)
+        if not measured:
             if self._batches_seen >= self._skip:
                 self._start_measuring()
-        elif self._window_batches >= self.window:
-            self._close_window(trainer, pl_module, log=self.log_metrics)
+        else:
+            self._window_count += 1
+            if self._window_count >= self.window:
+                self._close_window(trainer, pl_module, log=self.log_metrics)
         self._open_data_wait()
 
     @_guarded
-    def _stage_end_of_batch(self, batch: Any) -> None:
-        self._switch(None)
+    def _end_batch(self, batch: Any, measured: bool) -> None:
+        n = samples_in_batch(batch) if measured else 0
+        if self._machine is not None:
+            self._machine.step_end(samples=n)
         self._close_probe()
-        if self._measuring:
-            self._window_batches += 1
-            n = samples_in_batch(batch)
-            self._window_samples += n
-            if len(self._batch_sizes) < 1000:
-                self._batch_sizes.append(n)
+        if measured and len(self._batch_sizes) < 1000:
+            self._batch_sizes.append(n)
 
     @_guarded
     def _open_data_wait(self) -> None:
-        self._awaiting_batch = True
-        self._switch("data")
+        if self._machine is not None:
+            self._machine.batch_requested()
 
     def _start_measuring(self) -> None:
         self._measuring = True
+        self._fit_clock.exit("startup")
         try:
-            if self._timer is not None:
-                self._timer.flush()  # drop the warm-up batches' times
             if self._comm is not None:
                 self._comm.flush()
             if self._cpu is not None:
@@ -514,22 +576,18 @@ class BottleneckDoctor(Callback):
                 self._gpu.start()
         except Exception as err:  # noqa: BLE001
             self._break(f"starting the first window: {err!r}")
-        self._window_start = self._clock()
-        self._paused_total, self._paused_at = 0.0, None
 
     # ------------------------------------------------------------------ windows
-    def _local_row(self) -> list[float]:
+    def _local_row(self, window: Window | None) -> list[float]:
         nan = math.nan
-        row = [nan] * (len(ROW_FIELDS) + len(_UTIL_FIELDS) + 1)
-        if self._broken or self._timer is None or self._window_batches == 0:
+        row = [nan] * _ROW_LEN
+        if self._broken or window is None or window.batches == 0:
             return row
         try:
-            seconds = self._timer.flush()
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
-            self._edge = self._clock()
-            wall = self._edge - self._window_start - self._paused_total
-            measured = {**{s: seconds.get(s, 0.0) for s in MEASURED_STAGES}, "communication": comm}
-            values = {"wall": wall, **measured, "samples": self._window_samples, "batches": self._window_batches}
+            self._train_wall += window.wall
+            seconds = {**window.seconds, "communication": window.seconds.get("communication", 0.0) + comm}
+            values = {"wall": window.wall, **seconds, "samples": window.samples, "batches": window.batches}
             util: dict[str, float] = {}
             if self._cpu is not None:
                 util.update(self._cpu.sample() or {})
@@ -539,53 +597,67 @@ class BottleneckDoctor(Callback):
                 total = torch.cuda.get_device_properties(self._device).total_memory
                 util["memory_peak_frac"] = torch.cuda.max_memory_allocated(self._device) / total
             return ([float(values[f]) for f in ROW_FIELDS] + [float(util.get(f, nan)) for f in _UTIL_FIELDS]
-                    + [float(passes)])
+                    + [float(passes)] + summarise_window(window.step_times, window.data_times, window.first_batch))
         except Exception as err:  # noqa: BLE001
             self._break(f"closing a window: {err!r}")
             return row
 
-    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool) -> None:
+    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool,
+                      final: bool = False) -> None:
         """Gather every rank's row (one collective), add the window, log, warn. Called on every rank.
 
         Windows tile the time: the next one starts where this one's wall time was read, so the cost of closing a
         window (gather, logging, rules) is counted, as ``other``, in the next window.
         """
-        self._edge = None
-        row = self._local_row()
-        rows = gather_floats(trainer, self._device, row)
-        self._window_batches, self._window_samples = 0, 0.0
+        window = None
+        machine = self._machine
+        if machine is not None and not self._broken:
+            try:
+                window = machine.finish() if final else machine.close_window()
+            except Exception as err:  # noqa: BLE001
+                self._break(f"closing a window: {err!r}")
+        row = self._local_row(window)
+        # one process: no collective, and no tensor round trip (~50 µs of the flush)
+        rows = [row] if trainer.world_size <= 1 else gather_floats(trainer, self._device, row).tolist()
+        self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)
         except Exception as err:  # noqa: BLE001
             self._break(f"aggregating a window: {err!r}")
-        self._window_start = self._edge if self._edge is not None else self._clock()
-        self._paused_total, self._paused_at = 0.0, None
 
-    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: torch.Tensor, *,
+    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[list[float]], *,
                       log: bool) -> None:
-        n = len(ROW_FIELDS)
-        all_rows = rows.tolist()
+        n = _N_STAGE
+        all_rows = rows
+        while len(self._var_rows) < len(all_rows):
+            self._var_rows.append([])
+        for rank, r in enumerate(all_rows):
+            if all(math.isfinite(v) for v in r[_VAR_AT:_ROW_LEN]):
+                self._var_rows[rank].append(r[_VAR_AT:_ROW_LEN])
         finite = [r for r in all_rows if all(math.isfinite(v) for v in r[:n])]
         if not finite:
             return
         window = self._breakdown.add(all_rows)
         if window is None:
             return
-        util_cols = {f: [r[n + i] for r in finite if math.isfinite(r[n + i])] for i, f in enumerate(_UTIL_FIELDS)}
+        util_cols = {f: [r[_UTIL_AT + i] for r in finite if math.isfinite(r[_UTIL_AT + i])]
+                     for i, f in enumerate(_UTIL_FIELDS)}
         util = {f: (max(v) if f == "memory_peak_frac" else sum(v) / len(v)) for f, v in util_cols.items() if v}
         for f, v in util.items():
             self._util_sums.setdefault(f, []).append(v)
-        self._comm_passes += int(sum(r[-1] for r in finite if math.isfinite(r[-1])))
+        self._comm_passes += int(sum(r[_PASSES_AT] for r in finite if math.isfinite(r[_PASSES_AT])))
         self._timeline.append({"batch": self._breakdown.batches, "shares": window.shares,
                                "step_seconds": window.step_seconds})
         if log:
-            self._log(pl_module, window.shares, window.step_seconds, util)
+            self._log(trainer, pl_module, window.shares, window.step_seconds, util)
         if self.warn:
-            diagnosis = diagnose(window.shares, self._live_context(), self.thresholds)
+            ranks = [r for r in window.per_rank_seconds if r is not None]
+            diagnosis = diagnose(window.shares, self._live_context(), self.thresholds,
+                                 rank_seconds=ranks if len(ranks) > 1 else None)
             self._warn_findings(trainer, diagnosis.findings)
 
-    def _log(self, pl_module: pl.LightningModule, shares: dict[str, float], step_seconds: float,
-             util: dict[str, float]) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, shares: dict[str, float],
+             step_seconds: float, util: dict[str, float]) -> None:
         values = {f"doctor/share_{s}": shares[s] for s in STAGES}
         values["doctor/data_wait_pct"] = 100.0 * shares["data"]
         values["doctor/step_ms"] = 1000.0 * step_seconds
@@ -594,8 +666,7 @@ class BottleneckDoctor(Callback):
                 values[f"doctor/{key}"] = util[key]
         if "memory_peak_frac" in util:
             values["doctor/memory_peak_pct"] = 100.0 * util["memory_peak_frac"]
-        for key, value in values.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+        log_window(trainer, pl_module, values)
 
     def _live_context(self) -> RunContext:
         ctx = self._context
@@ -641,55 +712,57 @@ class BottleneckDoctor(Callback):
     # ------------------------------------------------------------------ pauses
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != "fit":  # only validation inside fit pauses the clock
+        if trainer.state.fn != "fit":  # only validation inside fit is a fit phase
             return
-        if self._timer is not None and self._stage == "data":
-            self._timer.cancel()  # the data wait restarts after validation
-            self._stage = None
-        if self._paused_at is None:
-            self._paused_at = self._clock()
+        self._in_validation = True
+        self._fit_clock.enter("validation", sanity=trainer.sanity_checking)
+        self._pause()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != "fit" or self._paused_at is None:
+        if trainer.state.fn != "fit" or not self._in_validation:
             return
-        self._paused_total += self._clock() - self._paused_at
-        self._paused_at = None
-        if self._awaiting_batch and not self._broken:
-            self._switch("data")
+        self._in_validation = False
+        self._fit_clock.exit("validation")
+        self._resume()
+
+    @_guarded
+    def _pause(self) -> None:
+        if self._machine is not None:
+            self._machine.pause()
+
+    @_guarded
+    def _resume(self) -> None:
+        if self._machine is not None:
+            self._machine.resume()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The time between epochs (epoch-end validation, checkpoints, a new iterator) is not a batch's data wait:
-        # the next epoch's wait starts at on_train_epoch_start.
-        if self._stage == "data" and self._timer is not None:
-            self._timer.cancel()
-            self._stage = None
-        self._paused_at = self._clock() if self._measuring else None
+        # The time between epochs (epoch-end checkpoints, a new iterator) is not a batch's data wait: the clock
+        # pauses until on_train_epoch_start.
+        if not self._epoch_paused and self._machine is not None:
+            self._epoch_paused = True
+            self._pause()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._machine is not None:
+            self._machine.cancel()
         if self._comm is not None:
             self._comm.discard()
-        self._stage = None
         self._uninstall()
 
     # ------------------------------------------------------------------ end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._stage == "data" and self._timer is not None:
-            self._timer.cancel()
-            self._stage = None
-        if self._paused_at is not None:  # an epoch ended (pause opened) and training stopped
-            self._paused_total += self._clock() - self._paused_at
-            self._paused_at = None
-        if self._measuring and self._window_batches > 0:
-            self._close_window(trainer, pl_module, log=False)
+        if self._measuring and self._window_count > 0:
+            self._close_window(trainer, pl_module, log=False, final=True)
+        elif self._machine is not None:
+            self._machine.cancel()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_clock.stop()
         try:
             self.report = self._build_report(trainer)
         except Exception as err:  # noqa: BLE001 - a report problem must not fail a finished fit
@@ -702,38 +775,33 @@ class BottleneckDoctor(Callback):
         self._write_files(trainer)
 
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
-        ctx = self._live_context()
-        bd = self._breakdown
-        shares = bd.shares()
-        notes = list(self._notes)
-        report = DoctorReport(world_size=trainer.world_size, context=ctx, thresholds=vars(self.thresholds).copy(),
-                              precision=_precision_stats(trainer), notes=notes, timeline=list(self._timeline),
-                              windows=len(bd.windows), batches=bd.batches)
-        if shares is None:
-            measured = max(0, self._batches_seen - self._skip)
-            notes.append(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
-                         f"and {measured} measured, with no complete measurement; train longer or lower "
-                         "warmup_batches")
-            return report
-        report.shares = shares
-        report.stage_seconds = bd.stage_seconds() or {}
-        report.rank_shares = bd.rank_shares() if trainer.world_size > 1 else []
-        report.step_seconds = bd.step_seconds()
-        report.samples_per_sec = bd.samples_per_sec()
-        report.mfu = ctx.mfu
-        report.utilisation = {f: (max(v) if f == "memory_peak_frac" else statistics.fmean(v))
-                              for f, v in self._util_sums.items() if v}
-        if bd.batches < self.window:
-            notes.append(f"only {bd.batches} batches measured (window={self.window}): the shares are noisy")
-        diagnosis = diagnose(shares, ctx, self.thresholds)
-        report.findings, report.skipped = diagnosis.findings, diagnosis.skipped
-        report.bottleneck = holding_back(shares, diagnosis.findings)
-        return report
+        measured = max(0, self._batches_seen - self._skip)
+        return build_report(
+            self._breakdown, context=self._live_context(), thresholds=self.thresholds, world_size=trainer.world_size,
+            fit=self._fit_clock.breakdown(self._train_wall, self._batches_seen), smells=self._smells,
+            variability_rows=self._var_rows, utilisation=self._util_sums, window=self.window,
+            timeline=self._timeline, precision=_precision_stats(trainer), notes=self._notes,
+            empty_note=(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
+                        f"and {measured} measured, with no complete measurement; train longer or lower "
+                        "warmup_batches"))
+
+    def _report_dir(self, trainer: pl.Trainer) -> Path:
+        """``trainer.log_dir`` without its broadcast (only rank 0 writes): the first logger's directory, else
+        ``default_root_dir`` (the same choice as Lightning 2.6's ``Trainer.log_dir``)."""
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        loggers = trainer.loggers
+        if loggers:
+            first = loggers[0]
+            where = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
+            if where:
+                return Path(where)
+        return Path(trainer.default_root_dir)
 
     def _write_files(self, trainer: pl.Trainer) -> None:
         if self.report_path is False or self.report is None:
             return
-        path = Path(self.report_path) if self.report_path else Path(trainer.default_root_dir) / "bottleneck_report.json"
+        path = Path(self.report_path) if self.report_path else self._report_dir(trainer) / "bottleneck_report.json"
         try:
             if self.plot and self.report.timeline:
                 png = path.with_suffix(".png")
@@ -746,60 +814,3 @@ class BottleneckDoctor(Callback):
             warnings.warn(f"BottleneckDoctor: could not write the report to {path} ({err})", stacklevel=2)
             return
         rank_zero_print(trainer, f"BottleneckDoctor: report written to {', '.join(str(f) for f in self.files)}")
-
-
-def _nvml_index(cuda_index: int) -> int:
-    """NVML numbers all GPUs; CUDA only the visible ones. Map through CUDA_VISIBLE_DEVICES when it lists indices."""
-    import os
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        parts = [p.strip() for p in visible.split(",") if p.strip()]
-        if cuda_index < len(parts) and parts[cuda_index].isdigit():
-            return int(parts[cuda_index])
-    return cuda_index
-
-
-def _read_dataloader_settings(loaders: Any, ctx: RunContext) -> None:
-    """Settings of the (first) training loader into ``ctx``; loaders may be nested in lists/dicts.
-
-    A ``DataLoader``'s workers and prefetching, or the ``pipeline_settings`` mapping a non-DataLoader pipeline
-    publishes (``DALIImageDataModule``'s loader: ``loader``, ``decode_device``, ``loader_threads``,
-    ``prefetch_queue_depth``), so that the data finding names that pipeline's own knobs.
-    """
-    from torch.utils.data import DataLoader
-
-    stack = [loaders]
-    while stack:
-        item = stack.pop(0)
-        settings = getattr(item, "pipeline_settings", None)
-        if isinstance(settings, Mapping):
-            for key in ("loader", "decode_device", "loader_threads", "prefetch_queue_depth"):
-                if key in settings:
-                    setattr(ctx, key, settings[key])
-            return
-        if isinstance(item, DataLoader):
-            ctx.loader = "DataLoader"
-            ctx.num_workers = item.num_workers
-            ctx.pin_memory = bool(item.pin_memory)
-            ctx.prefetch_factor = item.prefetch_factor if item.num_workers > 0 else None
-            ctx.persistent_workers = bool(item.persistent_workers) if item.num_workers > 0 else None
-            return
-        if isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-
-
-def _precision_stats(trainer: pl.Trainer) -> dict[str, Any]:
-    """``loss_scale``, ``skipped_steps``, ``total_steps`` of the precision plugin when it exposes them
-    (``AutoMixedPrecision`` does)."""
-    plugin = trainer.precision_plugin
-    out: dict[str, Any] = {}
-    for name in ("loss_scale", "skipped_steps", "total_steps"):
-        value = getattr(plugin, name, None)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value
-    return out

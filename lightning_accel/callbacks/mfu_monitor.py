@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel.callbacks._doctor_log import log_window
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
@@ -36,7 +37,8 @@ class MFUMonitor(Callback):
     more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every micro-batch
     of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
-    Logged every ``window`` batches through ``pl_module.log`` (so every logger and the progress bar see them):
+    Logged every ``window`` batches, to every logger, ``trainer.callback_metrics`` and the progress bar, as
+    ``pl_module.log(on_step=True)`` would, in one call per window (``_doctor_log.log_window``):
 
     ========================================  ==========  ====================================================
     key                                       unit        scope
@@ -197,20 +199,26 @@ class MFUMonitor(Callback):
         peak = self._peak.flops if self._peak is not None else math.nan
         rows = gather_floats(trainer, trainer.strategy.root_device, [
             samples, math.nan if tokens is None else tokens, math.nan if flops is None else flops,
-            seconds, batches, peak])
-        sec = rows[:, 3].clamp_min(1e-12)
+            seconds, batches, peak]).tolist()
+        # plain floats: a handful of values per rank, where tensor ops would cost ~10 µs each (the window's flush
+        # is this callback's main hot-path cost)
+        sec = [max(r[3], 1e-12) for r in rows]
+        n = len(rows)
+        no_tokens = any(math.isnan(r[1]) for r in rows)
+        no_flops = any(math.isnan(r[2]) for r in rows)
         record: dict[str, float | None] = {
-            "samples_per_sec": float((rows[:, 0] / sec).sum()) / self._batch_replicas,
-            "batches_per_sec": float((rows[:, 4] / sec).mean()),
-            "tokens_per_sec": (None if rows[:, 1].isnan().any()
-                               else float((rows[:, 1] / sec).sum()) / self._batch_replicas),
-            "flops_per_sec_per_device": None if rows[:, 2].isnan().any() else float((rows[:, 2] / sec).mean()),
-            "seconds": float(sec.max()),
-            "batches": float(rows[:, 4].sum()),
+            # a batch shared by a tensor-parallel group is counted once (self._batch_replicas)
+            "samples_per_sec": sum(r[0] / t for r, t in zip(rows, sec)) / self._batch_replicas,
+            "batches_per_sec": sum(r[4] / t for r, t in zip(rows, sec)) / n,
+            "tokens_per_sec": (None if no_tokens
+                               else sum(r[1] / t for r, t in zip(rows, sec)) / self._batch_replicas),
+            "flops_per_sec_per_device": None if no_flops else sum(r[2] / t for r, t in zip(rows, sec)) / n,
+            "seconds": max(sec),
+            "batches": sum(r[4] for r in rows),
         }
         fps = record["flops_per_sec_per_device"]
-        record["mfu"] = (None if fps is None or rows[:, 5].isnan().any()
-                         else float((rows[:, 2] / sec / rows[:, 5]).mean()))
+        record["mfu"] = (None if fps is None or any(math.isnan(r[5]) for r in rows)
+                         else sum(r[2] / t / r[5] for r, t in zip(rows, sec)) / n)
         self.history.append(record)
         if not log:
             return
@@ -221,9 +229,7 @@ class MFUMonitor(Callback):
             values["perf/tflops_per_sec_per_device"] = fps / 1e12
         if record["mfu"] is not None:
             values["perf/mfu"] = record["mfu"]
-        for key, value in values.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1,
-                          prog_bar=self.prog_bar and key in ("perf/samples_per_sec", "perf/mfu"))
+        log_window(trainer, pl_module, values, prog_bar=("perf/samples_per_sec", "perf/mfu") if self.prog_bar else ())
 
     # ------------------------------------------------------------------ pauses
     @override

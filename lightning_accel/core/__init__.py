@@ -26,6 +26,12 @@ from lightning_accel.core.search import (
 from lightning_accel.core.prefetch import PrefetchingLoader
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
+from lightning_accel.core.phases import FitBreakdown, FitClock, diagnose_fit
+from lightning_accel.core.ranks import find_stragglers
+from lightning_accel.core.smells import SMELLS, find_smells
+from lightning_accel.core.stages import StageMachine, Window
+from lightning_accel.core.variability import variability_finding
+from lightning_accel.core.verdict import build_report
 
 __all__ = [
     "BatchSizeSearch",
@@ -34,6 +40,8 @@ __all__ = [
     "CommRecorder",
     "DoctorReport",
     "Finding",
+    "FitBreakdown",
+    "FitClock",
     "FlopCounter",
     "Fp32Islands",
     "MemoryModel",
@@ -43,19 +51,26 @@ __all__ = [
     "ProbeRecord",
     "Rates",
     "RunContext",
+    "SMELLS",
     "STAGES",
+    "StageMachine",
     "StageTimer",
     "Thresholds",
+    "Window",
     "WindowedThroughput",
     "ZeroMemoryEstimate",
     "apply_activation_checkpointing",
+    "build_report",
     "choose_autocast_dtype",
     "compare",
     "count_flops",
     "device_memory_capacity",
     "diagnose",
+    "diagnose_fit",
     "estimate_zero_memory",
     "find_batch_size",
+    "find_smells",
+    "find_stragglers",
     "find_throughput_batch_size",
     "get_peak_flops",
     "iter_tensors",
@@ -73,4 +88,5 @@ __all__ = [
     "timed_comm_hook",
     "tokens_in_batch",
     "transformer_flops_per_token",
+    "variability_finding",
 ]

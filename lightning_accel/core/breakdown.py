@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_accel.core.rules import STAGES
+from lightning_accel.core.findings import STAGES
 
 __all__ = ["MEASURED_STAGES", "ROW_FIELDS", "Breakdown", "WindowBreakdown", "split_seconds"]
 
@@ -58,7 +58,9 @@ class WindowBreakdown:
         step_seconds: mean time of one batch (per device).
         samples_per_sec: global: sum over ranks of each rank's samples ÷ its wall time.
         batches: batches per device in the window.
-        per_rank_shares: one ``shares`` dict per rank (to spot a straggler).
+        per_rank_shares: one ``shares`` dict per rank that measured (to spot a straggler).
+        per_rank_seconds: stage → mean seconds per batch, per global rank (``None`` for a rank that could not
+            measure this window); the input of :func:`~lightning_accel.core.ranks.find_stragglers`.
     """
 
     shares: dict[str, float]
@@ -67,6 +69,7 @@ class WindowBreakdown:
     samples_per_sec: float
     batches: int
     per_rank_shares: list[dict[str, float]]
+    per_rank_seconds: list[dict[str, float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Breakdown:
     _batches: float = 0.0  # summed over ranks
     _rank_batches: int = 0  # per device
     _per_rank: list[dict[str, float]] = field(default_factory=list)  # seconds per stage, per rank
+    _per_rank_batches: list[float] = field(default_factory=list)
 
     def add(self, rows: Sequence[Sequence[float]]) -> WindowBreakdown | None:
         """Add one window (``rows[r]`` = rank ``r``'s values in :data:`ROW_FIELDS` order; extra columns are
@@ -90,10 +94,12 @@ class Breakdown:
             if len(row) < n:
                 raise ValueError(f"rank {r}: row has {len(row)} values, expected {n} ({', '.join(ROW_FIELDS)})")
         per_rank = []
+        per_rank_seconds: list[dict[str, float] | None] = [None] * len(rows)
         totals = dict.fromkeys(STAGES, 0.0)
         batches = samples_rate = 0.0
         while len(self._per_rank) < len(rows):
             self._per_rank.append(dict.fromkeys(STAGES, 0.0))
+            self._per_rank_batches.append(0.0)
         for rank, row in enumerate(rows):
             values = dict(zip(ROW_FIELDS, (float(v) for v in row[:n])))
             if not all(math.isfinite(v) for v in values.values()) or values["batches"] <= 0:
@@ -101,6 +107,8 @@ class Breakdown:
             split = split_seconds(values["wall"], values)
             for s in STAGES:
                 self._per_rank[rank][s] += split[s]
+            self._per_rank_batches[rank] += values["batches"]
+            per_rank_seconds[rank] = {s: split[s] / values["batches"] for s in STAGES}
             total = sum(split.values())
             per_rank.append({s: (split[s] / total if total > 0 else 0.0) for s in STAGES})
             for s in STAGES:
@@ -120,6 +128,7 @@ class Breakdown:
             samples_per_sec=samples_rate,
             batches=int(round(batches / len(per_rank))),
             per_rank_shares=per_rank,
+            per_rank_seconds=per_rank_seconds,
         )
         self.windows.append(window)
         for s in STAGES:
@@ -147,6 +156,14 @@ class Breakdown:
             total = sum(seconds.values())
             out.append({s: (seconds[s] / total if total > 0 else 0.0) for s in STAGES})
         return out if self.windows else []
+
+    def rank_stage_seconds(self) -> list[dict[str, float]]:
+        """Mean seconds per batch and stage of each rank on its own (index = global rank; zeros for a rank that
+        never measured); empty before the first window."""
+        if not self.windows:
+            return []
+        return [{s: (seconds[s] / n if n > 0 else 0.0) for s in STAGES}
+                for seconds, n in zip(self._per_rank, self._per_rank_batches)]
 
     def stage_seconds(self) -> dict[str, float] | None:
         """Mean seconds per batch and device, per stage."""

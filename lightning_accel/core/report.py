@@ -50,6 +50,14 @@ class DoctorReport:
         timeline: one entry per window: ``{"batch": batches measured so far, "shares": {...}, "step_seconds": s}``.
         notes: caveats (too little data, measuring problems).
         thresholds: the thresholds the rules used.
+        rank_stage_seconds: each rank's mean seconds per batch and stage (index = global rank; DDP only).
+        variability: per rank, the batch-time statistics of :func:`~lightning_accel.core.variability.
+            merge_windows` (``step_p5``, ``step_p50``, ``step_p95`` in seconds, ``spikes``, ``spike_period``, ...).
+        fit: the whole fit (:class:`~lightning_accel.core.phases.FitBreakdown` as a dict: ``seconds`` per phase,
+            ``wall``, ``counts``, ``sanity_seconds``, ``train_batches``), rank 0's clock.
+        fit_findings: findings about the fit outside the step (``validation_heavy``, ``checkpoint_heavy``).
+        smells: code smells found before the first step (:func:`~lightning_accel.core.smells.find_smells`).
+        smells_skipped: smells that could not be checked and why.
     """
 
     bottleneck: str | None = None
@@ -70,6 +78,12 @@ class DoctorReport:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     thresholds: dict[str, float] = field(default_factory=dict)
+    rank_stage_seconds: list[dict[str, float]] = field(default_factory=list)
+    variability: list[dict[str, float]] = field(default_factory=list)
+    fit: dict[str, Any] = field(default_factory=dict)
+    fit_findings: list[Finding] = field(default_factory=list)
+    smells: list[Finding] = field(default_factory=list)
+    smells_skipped: list[SkippedRule] = field(default_factory=list)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +107,12 @@ class DoctorReport:
             "timeline": list(self.timeline),
             "notes": list(self.notes),
             "thresholds": dict(self.thresholds),
+            "rank_stage_seconds": [dict(r) for r in self.rank_stage_seconds],
+            "variability": [dict(v) for v in self.variability],
+            "fit": dict(self.fit),
+            "fit_findings": [f.to_dict() for f in self.fit_findings],
+            "smells": [f.to_dict() for f in self.smells],
+            "smells_skipped": [s.to_dict() for s in self.smells_skipped],
         }
 
     @classmethod
@@ -127,6 +147,13 @@ class DoctorReport:
                 timeline=list(data.get("timeline", [])),
                 notes=[str(n) for n in data.get("notes", [])],
                 thresholds=dict(data.get("thresholds", {})),
+                rank_stage_seconds=[{str(k): float(v) for k, v in r.items()}
+                                    for r in data.get("rank_stage_seconds", [])],
+                variability=[{str(k): float(v) for k, v in r.items()} for r in data.get("variability", [])],
+                fit=dict(data.get("fit", {})),
+                fit_findings=[Finding.from_dict(f) for f in data.get("fit_findings", [])],
+                smells=[Finding.from_dict(f) for f in data.get("smells", [])],
+                smells_skipped=[SkippedRule(str(s["rule"]), str(s["reason"])) for s in data.get("smells_skipped", [])],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{source}: malformed BottleneckDoctor report ({err!r})") from err
@@ -207,14 +234,7 @@ class DoctorReport:
         if self.precision:
             facts.append("precision plugin: " + ", ".join(f"{k}={v}" for k, v in self.precision.items()))
         parts.append(Text("; ".join(facts)))
-        if len(self.rank_shares) > 1 and self.bottleneck is not None:
-            b = self.bottleneck
-            values = [r.get(b, 0.0) for r in self.rank_shares]
-            spread = max(values) - min(values)
-            if spread > 0.05:
-                worst = max(range(len(values)), key=values.__getitem__)
-                parts.append(Text(f"ranks differ: {b} share {100 * min(values):.1f} %–{100 * max(values):.1f} % "
-                                  f"across ranks (highest on rank {worst})", style="yellow"))
+        parts.extend(self._rank_parts())
         if self.findings:
             for i, f in enumerate(self.findings, 1):
                 parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), f.evidence))
@@ -224,9 +244,67 @@ class DoctorReport:
         if self.skipped:
             parts.append(Text("skipped rules: " + "; ".join(f"{s.rule} ({s.reason})" for s in self.skipped),
                               style="dim"))
+        parts.extend(self._fit_parts())
+        if self.smells:
+            parts.append(Text("code smells (before the first step):", style="bold"))
+            for f in self.smells:
+                gain = f" (previewed {f.gain:.2f}x)" if f.gain is not None else ""
+                parts.append(Text.assemble((f"- {f.rule} [{f.stage}] ", "bold yellow"), f.evidence + gain))
+                parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
         for note in self.notes:
             parts.append(Text(f"note: {note}", style="yellow"))
         return Group(*parts)
+
+    def _rank_parts(self) -> list[Any]:
+        """Per-rank table (ms per batch and stage) when there are several ranks."""
+        from rich.table import Table
+
+        if len(self.rank_stage_seconds) < 2:
+            return []
+        table = Table(title="per rank (ms / batch)", show_header=True, header_style="bold")
+        table.add_column("rank")
+        for stage in STAGES:
+            table.add_column(stage, justify="right")
+        table.add_column("step", justify="right")
+        for rank, seconds in enumerate(self.rank_stage_seconds):
+            table.add_row(str(rank), *[f"{1000 * seconds.get(s, 0.0):.2f}" for s in STAGES],
+                          f"{1000 * sum(seconds.values()):.2f}")
+        return [table]
+
+    def _fit_parts(self) -> list[Any]:
+        """The fit-level phases, variability and the fit findings."""
+        from rich.table import Table
+        from rich.text import Text
+
+        parts: list[Any] = []
+        seconds, wall = self.fit.get("seconds", {}), self.fit.get("wall", 0.0)
+        if wall:
+            counts = self.fit.get("counts", {})
+            table = Table(title=f"whole fit: {wall:.2f} s (rank 0)", show_header=True, header_style="bold")
+            table.add_column("phase")
+            table.add_column("seconds", justify="right")
+            table.add_column("share of fit", justify="right")
+            table.add_column("")
+            what = {"startup": "set-up + warm-up batches (FLOP counting, compilation)",
+                    "train": f"{self.batches} measured batches",
+                    "validation": f"{counts.get('validation', 0)} run(s)"
+                                  + (" + sanity check" if counts.get("sanity_check") else ""),
+                    "checkpoint": f"{counts.get('checkpoint', 0)} save(s)",
+                    "other": "epoch ends, logging/callbacks between batches, teardown"}
+            for phase in ("startup", "train", "validation", "checkpoint", "other"):
+                value = seconds.get(phase, 0.0)
+                table.add_row(phase, f"{value:.2f}", f"{100 * value / wall:.1f} %", what[phase])
+            parts.append(table)
+        stats = [(r, v) for r, v in enumerate(self.variability) if v]
+        if stats:
+            text = "; ".join(f"{f'rank {r}: ' if len(stats) > 1 else ''}batch p5 {1e3 * v['step_p5']:.2f} ms, "
+                             f"p50 {1e3 * v['step_p50']:.2f} ms, p95 {1e3 * v['step_p95']:.2f} ms, "
+                             f"{int(v.get('spikes', 0))} spike(s)" for r, v in stats)
+            parts.append(Text(f"step-time variability: {text}"))
+        for i, f in enumerate(self.fit_findings, 1):
+            parts.append(Text.assemble((f"fit {i}. [{f.stage}] ", "bold yellow"), f.evidence))
+            parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
+        return parts
 
 
 def _opt_float(value: Any) -> float | None:
@@ -276,6 +354,7 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
             kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
             lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
                          f"{_fmt_pct(new.shares.get(new_b))})")
+    lines.extend(_compare_fit(new, baseline))
     old_rules = {f.rule: f for f in baseline.findings}
     new_rules = {f.rule for f in new.findings}
     resolved = [old_rules[r] for r in sorted(set(old_rules) - new_rules)]
@@ -287,6 +366,27 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
         lines.append("new findings: " + ", ".join(sorted(new_rules - set(old_rules))))
     for f in new.findings:
         lines.append(f"  [{f.stage}] {f.evidence} Fix: {f.fix}")
+    return lines
+
+
+def _compare_fit(new: DoctorReport, baseline: DoctorReport) -> list[str]:
+    """Fit phases old → new (share of the fit's wall time), and the fit findings and smells that went away."""
+    lines = []
+    old_wall, new_wall = baseline.fit.get("wall") or 0.0, new.fit.get("wall") or 0.0
+    if old_wall > 0 and new_wall > 0:
+        old_s, new_s = baseline.fit.get("seconds", {}), new.fit.get("seconds", {})
+        parts = [f"{p} {_fmt_pct(old_s.get(p, 0.0) / old_wall)} → {_fmt_pct(new_s.get(p, 0.0) / new_wall)}"
+                 for p in ("startup", "train", "validation", "checkpoint", "other")
+                 if max(old_s.get(p, 0.0) / old_wall, new_s.get(p, 0.0) / new_wall) >= 0.01]
+        lines.append(f"whole fit {old_wall:.2f} s → {new_wall:.2f} s: " + ", ".join(parts))
+    for what, old_list, new_list in (("fit findings", baseline.fit_findings, new.fit_findings),
+                                     ("code smells", baseline.smells, new.smells)):
+        gone = sorted({f.rule for f in old_list} - {f.rule for f in new_list})
+        if gone:
+            lines.append(f"resolved {what}: {', '.join(gone)}")
+        added = sorted({f.rule for f in new_list} - {f.rule for f in old_list})
+        if added:
+            lines.append(f"new {what}: {', '.join(added)}")
     return lines
 
 

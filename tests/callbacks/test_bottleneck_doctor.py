@@ -239,10 +239,10 @@ def test_invalid_arguments_raise(kwargs, match):
 
 def test_custom_thresholds_are_used_and_reported():
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                              thresholds={"optimizer_share": 0.9})
+                              thresholds={"optimizer_share": 0.99})
     report, _, _ = fit(Planted(optimizer=SLEEP), doctor=doctor)
     assert report.bottleneck == "optimizer" and "optimizer" not in {f.rule for f in report.findings}
-    assert report.thresholds["optimizer_share"] == 0.9
+    assert report.thresholds["optimizer_share"] == 0.99
 
 
 class SlowValidation(Planted):

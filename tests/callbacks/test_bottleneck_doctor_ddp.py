@@ -71,7 +71,18 @@ def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tm
         low, high = sorted(r[stage] for r in per_rank)
         assert low <= r0["shares"][stage] <= high
     assert any(f["rule"] == "data_wait" for f in r0["findings"])
+    # the straggler is named with its stage, and rank 0's wait in the all-reduce is blamed on it, not on the network
+    stragglers = [f for f in r0["findings"] if f["rule"] == "straggler"]
+    assert len(stragglers) == 1, r0["findings"]
+    assert stragglers[0]["stage"] == "data" and "rank 1 is a straggler" in stragglers[0]["evidence"]
+    assert "the other ranks wait for it in the all-reduce" in stragglers[0]["evidence"]
+    assert "rank 1's data is slow" in stragglers[0]["fix"]
+    assert "communication" not in {f["rule"] for f in r0["findings"]}
+    seconds = r0["rank_stage_seconds"]
+    assert len(seconds) == 2 and seconds[1]["data"] > seconds[0]["data"] + 0.005  # 16 ms of sleep per batch
+    assert len(r0["variability"]) == 2 and all(v["step_p50"] > 0 for v in r0["variability"])
     assert (tmp_path / "report.json").is_file()
+    assert r0["fit"]["seconds"]["train"] > 0 and r0["fit"]["wall"] >= r0["fit"]["seconds"]["train"]
 
 
 WRAPPERS_SCRIPT = """
@@ -120,3 +131,54 @@ def test_doctor_wraps_the_hook_of_the_ddp_compression_strategies(ddp_script, tmp
         assert out["measured"] is True
         assert out["wrappers_after"] == 0  # removed at teardown
         assert sum(out["shares"].values()) == pytest.approx(1.0)
+
+
+BROKEN_RANK_SCRIPT = """
+import json, os
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.core.stages import StageMachine
+
+if os.environ.get("LOCAL_RANK") == "1":  # rank 1's measuring breaks at its first window
+    def broken(self, **kwargs):
+        raise RuntimeError("planted failure on rank 1")
+    StageMachine.close_window = broken
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(16, 16)
+
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(256, 16)), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=9, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[doctor])
+trainer.fit(Model())
+with open(f"broken_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump({"step": trainer.global_step, "report": doctor.report.to_dict()}, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_measuring_breaks_still_joins_every_gather(ddp_script, tmp_path):
+    # rank 1 stops measuring at its first window but keeps sending (NaN) rows: no rank waits for a missing gather,
+    # training finishes, and the aggregate is rank 0's
+    ddp_script(BROKEN_RANK_SCRIPT, timeout=180)
+    rank0, rank1 = read_rank_json(tmp_path, "broken")
+    assert rank0["step"] == rank1["step"] == 9
+    assert any("planted failure on rank 1" in n for n in rank1["report"]["notes"])
+    assert rank0["report"]["shares"] == rank1["report"]["shares"] != {}
+    assert rank0["report"]["windows"] == 4  # windows close after batches 3, 5, 7, 9: rank 0's rows only

@@ -96,3 +96,33 @@ def test_plot_without_matplotlib_raises_with_the_install_line(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"lightning-accel\[plots\]"):
         plot_timeline(make(), tmp_path / "r.png")
+
+
+def test_v2_fields_round_trip_show_in_the_table_and_compare(tmp_path):
+    from rich.console import Console
+
+    fit = {"seconds": {"startup": 1.0, "train": 4.0, "validation": 5.0, "checkpoint": 0.0, "other": 0.0},
+           "wall": 10.0, "counts": {"validation": 9, "sanity_check": 0, "checkpoint": 0}, "sanity_seconds": 0.0,
+           "train_batches": 90}
+    heavy = Finding("validation_heavy", "validation", "validation takes 5.00 s", "Trainer(val_check_interval=95)",
+                    0.55, kind="fit")
+    smell = Finding("optimizer_not_foreach", "optimizer", "Adam loops", "fused=True", 3.0, gain=3.0, kind="smell")
+    before = make()
+    before.fit, before.fit_findings, before.smells = fit, [heavy], [smell]
+    before.rank_stage_seconds = [dict.fromkeys(STAGES, 0.001), dict.fromkeys(STAGES, 0.002)]
+    before.variability = [{"step_p5": 0.01, "step_p50": 0.011, "step_p95": 0.03, "spikes": 3.0}]
+    before.smells_skipped = [SkippedRule("tf32_off", "no GPU in use")]
+    loaded = DoctorReport.load(before.save(tmp_path / "v2.json"))
+    assert loaded == before and loaded.smells[0].gain == 3.0 and loaded.fit_findings[0].kind == "fit"
+    console = Console(width=160, record=True)
+    console.print(loaded.table())
+    text = console.export_text()
+    for needle in ("whole fit: 10.00 s", "validation", "50.0 %", "per rank (ms / batch)", "p95 30.00 ms",
+                   "code smells (before the first step)", "previewed 3.00x", "fit 1. [validation]"):
+        assert needle in text, needle
+    after = make(data=0.04, findings=False)
+    after.fit = {**fit, "seconds": {**fit["seconds"], "validation": 0.2, "train": 4.0}, "wall": 5.2}
+    lines = compare(after, before)
+    [fit_line] = [line for line in lines if line.startswith("whole fit 10.00 s → 5.20 s: ")]
+    assert "validation 50.0 % → 3.8 %" in fit_line
+    assert "resolved fit findings: validation_heavy" in lines and "resolved code smells: optimizer_not_foreach" in lines

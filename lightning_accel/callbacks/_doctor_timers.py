@@ -1,0 +1,86 @@
+"""Timer installers for BottleneckDoctor: each wraps one public Trainer/strategy/optimizer entry point for the
+duration of ``fit`` and returns the function that undoes it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["install_checkpoint_timer", "install_comm_timer", "install_instance_wrapper", "install_optimizer_hooks"]
+
+
+def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any],
+                             after: Callable[[Any], None]) -> Callable[[], None]:
+    """Wrap the bound method ``obj.name`` on the instance: ``token = before()``, the call, then ``after(token)``
+    (also when the call raises: its exception propagates unchanged). Returns the function that restores it."""
+    original = getattr(obj, name)
+    had_instance_attr = name in vars(obj)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        token = before()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            after(token)
+
+    setattr(obj, name, wrapped)
+
+    def restore() -> None:
+        if had_instance_attr:
+            setattr(obj, name, original)
+        else:
+            vars(obj).pop(name, None)
+
+    return restore
+
+
+def install_checkpoint_timer(trainer: pl.Trainer, begin: Callable[[bool], Any],
+                             end: Callable[[Any], None]) -> list[Callable[[], None]]:
+    """Time ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls: state collection + write; ``begin(True)``)
+    and ``trainer.strategy.remove_checkpoint`` (deleting an old one, which takes as long as writing on some file
+    systems; ``begin(False)``). A save that raises still ends its timing and raises on, for Lightning to handle:
+    it is not the doctor's failure."""
+    return [install_instance_wrapper(trainer, "save_checkpoint", lambda: begin(True), end),
+            install_instance_wrapper(trainer.strategy, "remove_checkpoint", lambda: begin(False), end)]
+
+
+def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None],
+                            post: Callable[..., None]) -> list[Callable[[], None]]:
+    """Register ``pre``/``post`` as step pre-/post-hooks on every optimizer that supports them."""
+    undo = []
+    for opt in optimizers:
+        register_pre = getattr(opt, "register_step_pre_hook", None)
+        register_post = getattr(opt, "register_step_post_hook", None)
+        if register_pre is not None and register_post is not None:
+            undo.append(register_pre(pre).remove)
+            undo.append(register_post(post).remove)
+    return undo
+
+
+def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> CommRecorder | None:
+    """Plain ``DDPStrategy``: time DDP's default all-reduce through our own comm hook. Returns the recorder, or
+    ``None`` with the reason in ``notes`` (DDP allows one comm hook; another strategy exposes none)."""
+    model = trainer.strategy.model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        notes.append(f"communication not timed: {type(trainer.strategy).__name__} does not expose DDP comm "
+                     "hooks (its all-reduce time is part of backward)")
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    recorder = CommRecorder(cuda=cuda)
+    try:
+        model.register_comm_hook(None, timed_comm_hook(default_hooks.allreduce_hook, recorder))
+    except RuntimeError as err:  # a hook is registered already (DDPStrategy(ddp_comm_hook=...)): DDP allows one
+        notes.append(f"communication not timed: the model already has a DDP comm hook ({err}); use a "
+                     "lightning-accel DDP strategy (ddp_bf16_compress, ...) whose hook the doctor can wrap")
+        return None
+    return recorder
