@@ -739,8 +739,8 @@ class _AttentionRewrite(TorchFunctionMode):
                 self._scalars[id(out)] = (out, float(args[1]))
                 return out
             elif func in _SOFTMAX and args and _plain(args[0]) and self.broken is None:
-                self._break(f"softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
-                            f"(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)")
+                self._break("softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
+                            "(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)")
             return func(*args, **kwargs)
         if func in _METADATA:
             return func(*args, **kwargs)

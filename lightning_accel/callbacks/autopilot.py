@@ -11,14 +11,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
-from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print
+from lightning_accel.callbacks._trainer import gather_floats
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
     NUMERICS_KINDS,
@@ -334,30 +333,16 @@ class Autopilot(Callback):
         return bool(rows[:, 0].min() > 0), None
 
     def _context(self, run: Run) -> Any:
-        from lightning_accel.core.rules import RunContext
-        from lightning_accel.core.utilisation import usable_cpu_count
+        """The doctor's run facts (``_doctor_facts.static_context``) with the current configuration's loader
+        settings and accumulation."""
+        from lightning_accel.callbacks._doctor_facts import static_context
 
-        trainer, device = run.trainer, run.device
+        ctx = static_context(run.trainer, run.device)
         settings = run.source.current()
-        ctx = RunContext(device_type=device.type, device_name=str(device), world_size=trainer.world_size,
-                         cpu_count=usable_cpu_count(), accumulate_grad_batches=run.config.accumulate,
-                         num_workers=settings["num_workers"], pin_memory=settings["pin_memory"],
-                         prefetch_factor=settings["prefetch_factor"], persistent_workers=settings["persistent_workers"],
-                         loader="DataLoader", batch_size=settings["batch_size"])
-        if device.type == "cuda":
-            ctx.device_name = torch.cuda.get_device_name(device)
-            ctx.device_capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
-        try:
-            ctx.compute_dtype = compute_dtype(trainer)
-        except Exception:  # noqa: BLE001 - an exotic precision plugin: the dtype rules are skipped
-            ctx.compute_dtype = None
-        opt = trainer.optimizers[0]
-        ctx.optimizer = type(opt).__name__
-        group = opt.param_groups[0]
-        if "fused" in group:
-            ctx.optimizer_fused = bool(group["fused"])
-        if "foreach" in group:
-            ctx.optimizer_foreach = None if group["foreach"] is None else bool(group["foreach"])
+        ctx.accumulate_grad_batches = run.config.accumulate
+        ctx.num_workers, ctx.pin_memory = settings["num_workers"], settings["pin_memory"]
+        ctx.prefetch_factor, ctx.persistent_workers = settings["prefetch_factor"], settings["persistent_workers"]
+        ctx.loader, ctx.batch_size = "DataLoader", settings["batch_size"]
         return ctx
 
     # ------------------------------------------------------------------ the search

@@ -4,7 +4,6 @@ measure what it saves, and read the process's peak resident memory (Linux) to ch
 from __future__ import annotations
 
 import fnmatch
-import sys
 from collections.abc import Sequence
 from typing import Any
 

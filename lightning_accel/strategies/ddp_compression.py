@@ -23,7 +23,7 @@ from lightning_accel import _compat
 _compat.require_versions("the DDP compression strategies")
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 __all__ = ["CommStats", "DDPCompressionStrategy", "ddp_bf16_compress", "ddp_fp16_compress", "ddp_powersgd"]
 

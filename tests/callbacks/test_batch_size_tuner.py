@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
-import math
 
 import lightning.pytorch as pl
 import pytest

@@ -1,6 +1,4 @@
-import json
 import types
-import warnings
 
 import lightning.pytorch as pl
 import pytest
