@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+#: appended to every script: shut the process group down before the interpreter exits. Left to interpreter exit,
+#: gloo's threads are sometimes destroyed while still joinable and the C++ runtime aborts the finished script
+#: ("terminate called without an active exception", exit -6), at random, after all its work is done.
+SHUTDOWN = """
+
+import torch.distributed as _dist
+if _dist.is_available() and _dist.is_initialized():
+    _dist.destroy_process_group()
+"""
+
+
 def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
                args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as a script file in a fresh interpreter (Lightning's DDP launcher re-runs the script per rank).
@@ -54,7 +65,7 @@ def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str
     test with the script's output if it exits non-zero.
     """
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
+    script.write_text(textwrap.dedent(code) + SHUTDOWN)
     # a Trainer that ran inside this pytest process leaves LOCAL_RANK, MASTER_PORT, ... in os.environ; a child
     # inheriting them believes it was launched externally and rank 0 waits forever for peers
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
