@@ -98,6 +98,7 @@ class TrialRunner:
         self.source, self.config, self.state = source, config, state
         self.device = trainer.strategy.root_device
         self._runner = StepRunner(trainer, pl_module)
+        self._prefetching: list[Any] = []  # PrefetchingLoaders of the current window, closed when it ends
 
     # ------------------------------------------------------------------ data
     def loader(self) -> Any:
@@ -107,9 +108,19 @@ class TrialRunner:
         loader = self.source.build()
         self.state.track_loader(loader)
         if self.config.prefetch:
-            return PrefetchingLoader(loader, depth=self.config.prefetch_depth,
-                                     device=self.device if self.device.type == "cuda" else None)
+            wrapped = PrefetchingLoader(loader, depth=self.config.prefetch_depth,
+                                        device=self.device if self.device.type == "cuda" else None)
+            self._prefetching.append(wrapped)
+            return wrapped
         return loader
+
+    def _close(self, batches: Iterator[Any] | None) -> None:
+        """End a window's iteration: the batch generator, then every prefetch thread it started."""
+        if batches is not None:
+            batches.close()  # type: ignore[attr-defined]
+        for loader in self._prefetching:
+            loader.close()
+        self._prefetching.clear()
 
     def _batches(self) -> Iterator[tuple[Any, bool]]:
         """Endless batches of the current loader; the flag is True for the first batch of each new pass."""
@@ -181,6 +192,7 @@ class TrialRunner:
         """One window with the current configuration, then the training state restored bit for bit."""
         timer = StageTimer(self.device)
         sync = self._runner.sync
+        batches = None
         try:
             with self._runner.quiet():
                 self.module.train()
@@ -211,9 +223,9 @@ class TrialRunner:
                     seconds += elapsed
                     for k in MEASURED_STAGES:
                         totals[k] += stage.get(k, 0.0)
-                batches.close()
         finally:
             timer.cancel()
+            self._close(batches)
             self.state.restore()
         return Window(samples=samples, seconds=seconds, steps=kept, stage_seconds=totals, warmup_seconds=warmup)
 
@@ -222,13 +234,13 @@ class TrialRunner:
         """``steps`` optimizer steps' worth of micro-batches from the current loader (kept on the CPU), with the
         RNG restored afterwards so later loaders draw the same order."""
         out: list[list[Any]] = []
+        batches = self._batches()
         try:
-            batches = self._batches()
             for _ in range(steps):
                 out.append([map_tensors(next(batches)[0], lambda t: t.detach().clone())
                             for _ in range(self.config.accumulate)])
-            batches.close()
         finally:
+            self._close(batches)
             self.state.restore()
         return out
 

@@ -64,6 +64,19 @@ def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None],
     return undo
 
 
+def _where_collectives_land(strategy: Any) -> str:
+    """Which measured stages hold the collectives a strategy without DDP comm hooks runs."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return ("FSDP2's parameter all-gathers run in forward and backward and its gradient reduce-scatters in "
+                "backward; tensor parallelism's all-reduces run inside forward and backward: their time is part of "
+                "those stages")
+    if isinstance(strategy, DeepSpeedStrategy):
+        return "DeepSpeed's gradient reduction is part of backward, ZeRO-3's parameter gathers of forward too"
+    return "its all-reduce time is part of backward"
+
+
 def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> CommRecorder | None:
     """Plain ``DDPStrategy``: time DDP's default all-reduce through our own comm hook. Returns the recorder, or
     ``None`` with the reason in ``notes`` (DDP allows one comm hook; another strategy exposes none)."""
@@ -72,7 +85,7 @@ def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> Com
 
     if not isinstance(model, DistributedDataParallel):
         notes.append(f"communication not timed: {type(trainer.strategy).__name__} does not expose DDP comm "
-                     "hooks (its all-reduce time is part of backward)")
+                     f"hooks ({_where_collectives_land(trainer.strategy)})")
         return None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -107,6 +107,7 @@ class MFUMonitor(Callback):
         self._dtype = "fp32"
         self._meter: WindowedThroughput | None = None
         self._batches_seen = 0
+        self._recompute_pending = False
         self._skip = self.warmup_batches
         self._tokens_fn: Callable[[Any], int | None] = tokens_in_batch
         self._batch_replicas = 1
@@ -158,6 +159,8 @@ class MFUMonitor(Callback):
                 self._exclude_recomputation(trainer)
                 meter.start()
             return
+        if self._recompute_pending:  # a recomputation figure measured after the warm-up (warmup_batches <= 2)
+            self._exclude_recomputation(trainer)
         rates = meter.update(samples_in_batch(batch), self._tokens_fn(batch), self._flops)
         if rates is not None:
             self._publish(trainer, pl_module, rates.samples, rates.tokens, rates.flops, rates.seconds,
@@ -169,10 +172,16 @@ class MFUMonitor(Callback):
         ``ActivationCheckpointing`` re-runs the checkpointed forwards in backward and measures those FLOPs
         (``recompute_flops``) on an early batch; the count of the first batch included them.
         """
+        self._recompute_pending = False
         if self._flops is None or self.flops_per_batch is not None:
             return
-        recomputed = sum(cb.recompute_flops for cb in trainer.callbacks
-                         if isinstance(getattr(cb, "recompute_flops", None), (int, float)))
+        sources = [cb for cb in trainer.callbacks if hasattr(cb, "recompute_flops")]
+        recomputed = sum(cb.recompute_flops for cb in sources if isinstance(cb.recompute_flops, (int, float)))
+        if sources and not recomputed:
+            # ActivationCheckpointing measures at the end of an early batch, after this hook: look again at the
+            # next batches (a few: one that does not measure never reports), before their FLOPs are counted
+            self._recompute_pending = self._batches_seen < self._skip + 4
+            return
         if 0 < recomputed < self._flops:
             self._flops -= float(recomputed)
             self._flops_source = (f"counted on the first batch (FlopCounterMode), minus {recomputed / 1e9:,.3f} G "

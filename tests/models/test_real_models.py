@@ -54,7 +54,7 @@ def test_measure_guard_checkpoint_and_mixed_precision_together(name):
     fam = family(name)
     task = Task(fam)
     # MFUMonitor's default warm-up (3) ends after batch 1, where ActivationCheckpointing measures what it
-    # recomputes (see the xfail below)
+    # recomputes (also with a short warm-up: see below)
     monitor = la.MFUMonitor(window=2, warmup_batches=3, peak_flops=PEAK, print_summary=False)
     doctor = la.BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False,
                                  utilisation=False)
@@ -105,10 +105,6 @@ def test_checkpointing_a_block_class_the_model_lacks_lists_the_ones_it_has():
         fit(Task(gpt2), [la.ActivationCheckpointing(modules=[llama_block])], steps=1)
 
 
-@pytest.mark.xfail(strict=True, reason="MFUMonitor subtracts ActivationCheckpointing's recomputed FLOPs when its "
-                   "warm-up ends; with warmup_batches <= 2 that is before ActivationCheckpointing's hook at the end of "
-                   "batch 1, where the recomputation is measured, so the count keeps it (+24 % on Llama). Fix in callbacks/mfu_monitor.py (subtract when the "
-                   "figure arrives, or wait for it)")
 def test_flops_counted_once_under_checkpointing_with_a_one_batch_warmup():
     fam = family("nanogpt")
     task = Task(fam)
