@@ -13,6 +13,9 @@ def test_gpu_check_smoke_runs_every_check_without_error():
     rows = gpu_check.main(["--smoke"])
     names = [r[0] for r in rows]
     assert "GPT MFU" in names and "stage timer vs sync reference" in names
-    assert "data: PyTorch DataLoader + PIL" in names and "data: DALIImageDataModule (CPU, ROI decode)" in names
+    from lightning_accel._imports import is_available
+
+    if is_available("nvidia.dali"):  # without the dali extra the data check reports that instead
+        assert "data: PyTorch DataLoader + PIL" in names and "data: DALIImageDataModule (CPU, ROI decode)" in names
     assert "autopilot" in names and "autopilot training" in names
     assert not [r for r in rows if r[1] == "ERROR"], rows

@@ -214,7 +214,10 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
         plan.replicated.extend(_join(prefix, d) for d in dropped)
         plan.notes.append(f"{cls} ties its input and output embeddings: {', '.join(dropped)} stay replicated")
     for name, sub in modules.items():
-        if isinstance(sub, (nn.Embedding, nn.LayerNorm)) or "Norm" in type(sub).__name__:
+        # embeddings, norms and an output head the library's plan leaves alone (transformers 5.0's Llama plan
+        # covers only the decoder layers) stay replicated
+        if isinstance(sub, (nn.Embedding, nn.LayerNorm)) or "Norm" in type(sub).__name__ or \
+                name.split(".")[-1] == "lm_head":
             full = _join(prefix, name)
             if full not in plan.tp_dict() and full not in plan.replicated:
                 plan.replicated.append(full)

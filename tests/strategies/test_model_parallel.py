@@ -40,8 +40,12 @@ def test_hf_plan_is_the_libraries_own_with_every_layer():
     assert styles["model.model.layers.1.self_attn.q_proj"] == "colwise"
     assert styles["model.model.layers.0.self_attn.o_proj"] == "rowwise"
     assert styles["model.model.layers.1.mlp.down_proj"] == "rowwise"
-    assert styles["model.lm_head"] == "colwise_gather_output"
-    assert styles["model.model.embed_tokens"] == "embedding_rowwise"
+    library = tiny_llama().tp_plan  # what the installed transformers plans (5.0: the decoder layers only)
+    if "lm_head" in library:
+        assert styles["model.lm_head"] == "colwise_gather_output"
+        assert styles["model.model.embed_tokens"] == "embedding_rowwise"
+    else:
+        assert "model.lm_head" in plan.replicated and "model.model.embed_tokens" in plan.replicated
     assert all(e.source == "hf" for e in plan.tp)
     assert "model.model.norm" in plan.replicated
     assert plan.fsdp_units == ["model.model.layers.0", "model.model.layers.1", "model"]
@@ -53,7 +57,9 @@ def test_hf_plan_is_the_libraries_own_with_every_layer():
 def test_hf_tied_embeddings_stay_replicated():
     plan = derive_plan(Holder(tiny_llama(tie=True)), tp_size=2)
     assert "model.lm_head" not in plan.tp_dict() and "model.model.embed_tokens" not in plan.tp_dict()
-    assert "model.lm_head" in plan.replicated and any("ties its input and output" in n for n in plan.notes)
+    assert "model.lm_head" in plan.replicated
+    if "lm_head" in tiny_llama().tp_plan:  # the library would shard it: the tie is why it is not
+        assert any("ties its input and output" in n for n in plan.notes)
 
 
 def test_litgpt_plan_from_structure():
