@@ -292,6 +292,12 @@ class PrefetchingLoader:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_prefetch_"):  # not set yet (copy/unpickle): no recursion into the wrapped loader
             raise AttributeError(name)
+        if name == "_iterator":
+            # a DataLoader's persistent-worker iterator: Lightning's teardown shuts its workers down through this
+            # attribute (``_shutdown_workers_and_reset_iterator``) while our producer thread may be blocked inside
+            # it, which would then wait forever. The producer owns that iterator: close() stops it first, and the
+            # DataLoader shuts its own workers down when it goes away.
+            raise AttributeError(name)
         if name in _NOT_FORWARDED and not getattr(self._prefetch_loader, "state_counts_trained_batches", False):
             raise AttributeError(f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
                                  "produced the batches fetched ahead, so its state would skip them on resume")

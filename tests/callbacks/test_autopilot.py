@@ -25,6 +25,23 @@ from lightning_accel.callbacks.autopilot import Autopilot
 FAST = {"warmup_steps": 2, "measure_steps": 8, "budget_seconds": 120.0, "freeze": ["compile"]}
 
 
+def _prefetch_threads() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name == "lightning-accel-prefetch" and t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def _no_prefetch_thread_survives():
+    """The Autopilot's prefetch trials (and a kept DevicePrefetcher) must leave no producer thread behind."""
+    before = _prefetch_threads()
+    yield
+    deadline = time.monotonic() + 5
+    while _prefetch_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _prefetch_threads() - before
+
+
 class Sleepy(Dataset):
     def __init__(self, n: int = 192, sleep_s: float = 0.004) -> None:
         self.n, self.sleep_s = n, sleep_s
