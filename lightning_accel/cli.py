@@ -37,6 +37,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         print(f"lightning-accel {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group a multi-process command started (``demo --devices 2``, ``scaling`` workers).
+
+    Left to interpreter exit, gloo's threads are sometimes destroyed while still joinable and the C++ runtime
+    aborts a run that has finished its work ("terminate called without an active exception", exit -6).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
