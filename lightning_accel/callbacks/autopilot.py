@@ -54,8 +54,9 @@ class Autopilot(Callback):
        worker start-up, allocator, compilation — then ``measure_steps`` timed), each step split into the doctor's
        stages (data wait, transfer, forward, backward, optimizer) with its :class:`StageTimer`. The two windows'
        spread is the run's own noise floor (A/A).
-    2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`); the
-       findings, then the stage holding the run back, name the fixes to try
+    2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`) and
+       its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, the smells, then the stage
+       holding the run back, then the other stages by share, name the fixes to try
        (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
        ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
        global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another
@@ -374,10 +375,12 @@ class Autopilot(Callback):
             stopped = "no candidate left"
             while True:
                 shares = run.current.shares()
-                diagnosis = diagnose(shares, self._context(run))
+                ctx = self._context(run)
+                diagnosis = diagnose(shares, ctx)
                 bottleneck = holding_back(shares, diagnosis.findings)
-                names = propose([f.rule for f in diagnosis.findings], bottleneck, candidates, tried, shares,
-                                 self.threshold)
+                # the measured findings first, then the doctor's code smells of the current configuration
+                rules = [f.rule for f in diagnosis.findings] + self._smells(run, ctx)
+                names = propose(rules, bottleneck, candidates, tried, shares, self.threshold)
                 names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
                 candidate = None
                 for name in names:
@@ -420,6 +423,23 @@ class Autopilot(Callback):
         finally:
             run.runner.state.restore()
             plan.search_seconds = time.perf_counter() - started
+
+    @staticmethod
+    def _smells(run: Run, ctx: Any) -> list[str]:
+        """Rule names of the doctor's code smells (``find_smells``, its previews capped at 0.1 s) for the current
+        configuration; none if they cannot be read (they only reorder what is tried, never decide)."""
+        from lightning_accel.core.smells import find_smells
+
+        settings = run.source.current()
+        try:
+            found = find_smells(run.module, run.trainer.optimizers, device_type=run.device.type,
+                                device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
+                                accumulate_grad_batches=run.config.accumulate, cpu_count=ctx.cpu_count,
+                                loader={k: settings[k] for k in ("num_workers", "pin_memory", "persistent_workers",
+                                                                 "batch_size")})
+        except Exception:  # noqa: BLE001
+            return []
+        return [f.rule for f in found.findings]
 
     def _budget(self, run: Run, baseline: Window, started: float) -> SearchBudget:
         if self.budget_seconds is not None:

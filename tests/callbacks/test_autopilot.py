@@ -564,3 +564,19 @@ def test_the_autopilot_keys_are_logged_once() -> None:
     assert logged[0]["autopilot/speedup"] == pytest.approx(
         logged[0]["autopilot/final_samples_per_sec"] / logged[0]["autopilot/baseline_samples_per_sec"])
     assert logged[0]["autopilot/kept"] == len(autopilot.kept) >= 1
+
+
+def test_the_doctors_code_smells_steer_what_is_tried_first() -> None:
+    class ForLoopAdam(Model):
+        def __init__(self) -> None:
+            super().__init__(sleep_s=0.0, step_sleep_s=0.01)  # a 10 ms "device" forward: no optimizer finding
+            self.extra = nn.ParameterList([nn.Parameter(torch.randn(4)) for _ in range(200)])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=False)
+
+    autopilot = Autopilot(**FAST, save_plan=False)
+    _trainer([autopilot], max_steps=1).fit(ForLoopAdam(), _loader(sleep_s=0.0))
+    # the optimizer_not_foreach smell (a for-loop step, previewed slower than fused) puts the optimizer fix first,
+    # ahead of the fixes of the forward stage that holds the run back
+    assert autopilot.records[1].name == "optimizer_fused", [r.name for r in autopilot.records]
