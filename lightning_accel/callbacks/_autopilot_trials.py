@@ -245,9 +245,10 @@ class TrialRunner:
         return out
 
     def probe(self, probe_steps: list[list[Any]], with_update: bool = True,
-              through_strategy: bool = False) -> ProbeResult:
-        """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and the
-        digests of the batches the current loader delivers in their place; the state is restored afterwards.
+              through_strategy: bool = False, digests: bool = True) -> ProbeResult:
+        """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and
+        (``digests``) the digests of the batches the current loader delivers in their place; the state is restored
+        afterwards.
 
         The probe steps call the LightningModule directly (no DDP wrapper: no collective), so a rank that fails here
         cannot leave the others waiting — except with ``through_strategy`` (a change of the communication itself),
@@ -262,8 +263,9 @@ class TrialRunner:
         try:
             with self._runner.quiet():
                 # the batches this configuration's loader delivers (same RNG state as the reference's)
-                delivered = self.probe_batches(len(probe_steps)) if self.config.accumulate else []
-                result.digests = [batch_digest(concat_batches(step)) for step in delivered]
+                if digests:
+                    delivered = self.probe_batches(len(probe_steps))
+                    result.digests = [batch_digest(concat_batches(step)) for step in delivered]
                 self.module.train()
                 for index, micro_batches in enumerate(probe_steps):
                     grouped = [concat_batches(micro_batches[i:i + factor])

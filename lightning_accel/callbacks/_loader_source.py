@@ -45,8 +45,8 @@ def _sanitise(values: Mapping[str, Any]) -> dict[str, Any]:
 class TrainLoaderSource:
     """The fit's train DataLoader: read its settings, build it with others, make the fit use them.
 
-    Raises ``ValueError`` from :meth:`from_trainer` when the train data is not a single ``DataLoader`` (a DALI
-    pipeline, a collection of loaders) or cannot be rebuilt; the message says why.
+    Raises ``ValueError`` when the train data is not a single ``DataLoader`` (a DALI pipeline, a collection of
+    loaders); the message says why.
     """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -70,16 +70,7 @@ class TrainLoaderSource:
         self.initial = self.settings_of(self._original)
         self._overrides: dict[str, Any] = {}
 
-    @classmethod
-    def from_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
-        return cls(trainer, pl_module)
-
     # ------------------------------------------------------------------ reading
-    @property
-    def mode(self) -> str:
-        """``"attributes"`` when every setting changed so far went through attributes, else ``"rebuild"``."""
-        return "rebuild" if any(not self.attributes[k] for k in self._overrides) else "attributes"
-
     @staticmethod
     def settings_of(loader: Any) -> dict[str, Any]:
         batch_sampler = getattr(loader, "batch_sampler", None)
@@ -90,6 +81,10 @@ class TrainLoaderSource:
             "pin_memory": bool(getattr(loader, "pin_memory", False)),
             "batch_size": getattr(loader, "batch_size", None) or getattr(batch_sampler, "batch_size", None),
         }
+
+    def batches(self) -> int:
+        """Batches per epoch of the user's loader as configured (``TypeError`` for an unsized one)."""
+        return len(self._original)
 
     def current(self) -> dict[str, Any]:
         return {**self.initial, **self._overrides}
@@ -154,10 +149,6 @@ class TrainLoaderSource:
         self._overrides = _sanitise({**self._overrides, **overrides})
         # a value equal to the user's own is no change at all
         self._overrides = {k: v for k, v in self._overrides.items() if self.initial.get(k) != v}
-
-    def unset(self, keys: Mapping[str, Any] | list[str]) -> None:
-        for key in keys:
-            self._overrides.pop(key, None)
 
     def install(self) -> None:
         """Make the fit loop build its train loader with the current settings: attributes are set on the

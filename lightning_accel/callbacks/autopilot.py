@@ -28,6 +28,7 @@ from lightning_accel.core.autopilot import (
     compare_probes,
     decide,
     propose,
+    relative_noise,
     render_python,
     render_yaml,
 )
@@ -289,7 +290,7 @@ class Autopilot(Callback):
         if epochs is None or epochs < 0:
             return None
         try:
-            batches = len(source.build())
+            batches = source.batches()
         except TypeError:
             return None
         limit = trainer.limit_train_batches
@@ -361,7 +362,7 @@ class Autopilot(Callback):
             run.baseline = run.current = baseline
             current_rates = list(baseline_rates)
             plan.baseline_samples_per_sec = statistics.median(baseline_rates)
-            plan.noise = _noise(baseline_rates)
+            plan.noise = relative_noise(baseline_rates)
             window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
             budget = self._budget(run, baseline, started)
             self.records.append(TrialRecord(0, "baseline", "as configured", plan.baseline_samples_per_sec, 1.0, True,
@@ -481,11 +482,14 @@ class Autopilot(Callback):
             error = None
             check = None
             try:
-                probe = run.runner.probe(probe_steps, through_strategy=candidate.probe_through_strategy)
+                probe = run.runner.probe(probe_steps, through_strategy=candidate.probe_through_strategy,
+                                         digests=candidate.kind == "data")
+                if not probe.digests:  # a change of another kind delivers the same samples: no loader pass
+                    probe.digests = list(reference.digests)
                 ref = reference
                 if candidate.probe_through_strategy:  # the reference through the same path, without the change
                     candidate.revert(run)
-                    ref = run.runner.probe(probe_steps, through_strategy=True)
+                    ref = run.runner.probe(probe_steps, through_strategy=True, digests=False)
                     candidate.apply(run)
                 check = compare_probes(ref, probe, candidate.kind, self.tolerances[candidate.kind])
             except Exception as err:  # noqa: BLE001
@@ -680,12 +684,6 @@ class Autopilot(Callback):
                           f"{r.vs_baseline:.2f}" if r.vs_baseline else "—",
                           "✓" if r.kept and r.index else ("" if r.index else "·"), r.reason)
         return table
-
-
-def _noise(rates: Sequence[float]) -> float:
-    from lightning_accel.core.autopilot import relative_noise
-
-    return relative_noise(rates)
 
 
 def _short(err: BaseException | None, chars: int = 240) -> str:

@@ -28,7 +28,7 @@ name                        change                                       built o
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -701,7 +701,3 @@ def knob_names() -> list[str]:
     """Every knob a built-in intervention touches (the valid entries of ``Autopilot(freeze=...)``)."""
     return sorted({k for cls in INTERVENTIONS.values() for k in cls.knobs})  # type: ignore[attr-defined]
 
-
-def check_params(name: str, params: Mapping[str, Any]) -> None:
-    if name not in INTERVENTIONS:
-        raise ValueError(f"unknown Autopilot change {name!r}; known: {sorted(INTERVENTIONS)}")

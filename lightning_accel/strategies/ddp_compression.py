@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -21,9 +21,6 @@ from typing_extensions import override
 from lightning_accel import _compat
 
 _compat.require_versions("the DDP compression strategies")
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["CommStats", "DDPCompressionStrategy", "ddp_bf16_compress", "ddp_fp16_compress", "ddp_powersgd"]
 
