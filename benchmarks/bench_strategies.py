@@ -169,10 +169,11 @@ def main() -> None:
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child == "comm":
-        return _child_comm(args)
-    if args.child == "memory":
-        return _child_memory(args)
+    if args.child is not None:  # one rank of a 2-process child; it ends its process group (DeepSpeed's too)
+        from lightning_accel.strategies.shutdown import exit_distributed
+
+        (_child_comm if args.child == "comm" else _child_memory)(args)
+        exit_distributed()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_strategies_"))
     if args.part in ("all", "comm"):

@@ -30,26 +30,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; ``argv=None`` means run as the program (the console script, ``python -m``).
+
+    The process groups a multi-process command started (``demo --devices 2``, ``scaling`` workers) are destroyed
+    before it returns. Run as the program, it ends through :func:`~lightning_accel.strategies.shutdown.
+    exit_distributed`, which leaves without the interpreter's teardown where backend threads outlive the groups
+    (DeepSpeed holds them): that teardown can abort a finished run with exit -6.
+    """
+    from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         print(f"lightning-accel {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     finally:
-        shutdown_distributed()
-
-
-def shutdown_distributed() -> None:
-    """Destroy the process group a multi-process command started (``demo --devices 2``, ``scaling`` workers).
-
-    Left to interpreter exit, gloo's threads are sometimes destroyed while still joinable and the C++ runtime
-    aborts a run that has finished its work ("terminate called without an active exception", exit -6).
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_groups()
+    if argv is None:
+        exit_distributed(code)
+    return code
 
 
 if __name__ == "__main__":

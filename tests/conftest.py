@@ -46,14 +46,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-#: appended to every script: shut the process group down before the interpreter exits. Left to interpreter exit,
-#: gloo's threads are sometimes destroyed while still joinable and the C++ runtime aborts the finished script
-#: ("terminate called without an active exception", exit -6), at random, after all its work is done.
+#: appended to every script: end it through exit_distributed, which destroys the process groups and, where backend
+#: threads outlive them (DeepSpeed holds the group), leaves without the interpreter's teardown, which can abort the
+#: finished script ("terminate called without an active exception", exit -6) at random, after all its work is done.
 SHUTDOWN = """
 
-import torch.distributed as _dist
-if _dist.is_available() and _dist.is_initialized():
-    _dist.destroy_process_group()
+if __name__ == "__main__":  # not in a child that imports the script (spawn)
+    from lightning_accel.strategies.shutdown import exit_distributed as _exit_distributed
+    _exit_distributed()
 """
 
 

@@ -357,10 +357,10 @@ if __name__ == "__main__":  # a worker: python -m lightning_accel.commands.scali
     _parser = argparse.ArgumentParser(prog="lightning-accel scaling")
     _sub = _parser.add_subparsers(dest="command")
     register(_sub)
-    from lightning_accel.cli import shutdown_distributed
+    from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
 
     try:
         code = _run(_parser.parse_args(["scaling", *sys.argv[1:]]))
     finally:
-        shutdown_distributed()
-    sys.exit(code)
+        destroy_process_groups()
+    exit_distributed(code)

@@ -12,6 +12,10 @@ without CUDA. On a CUDA machine, to train on CPU with a strategy *string*, expor
 string's factory cannot see ``Trainer(accelerator=...)``), or pass ``DeepSpeedZeroStrategy(preset=...,
 accelerator=CPUAccelerator())``; a mismatch is reported before training starts.
 
+End a multi-process script with :func:`lightning_accel.strategies.shutdown.exit_distributed`: ZeRO-3 keeps the
+process group on every parameter, so its threads outlive ``destroy_process_group`` and the interpreter's teardown
+can abort the finished run (exit -6).
+
 What runs on CPU (DeepSpeed 0.19, checked by ``tests/strategies/test_deepspeed_presets.py``): ZeRO stages 1, 2
 and 3, and the CPU-offload presets, with the LightningModule's own torch optimizer (for offload presets the
 strategy sets ``zero_force_ds_cpu_optimizer: False`` on CPU, since the step runs on the CPU anyway;

@@ -1,0 +1,80 @@
+"""exit_distributed: a finished multi-process script ends without the interpreter-teardown abort, and loses nothing."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+START_GLOO = """
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+from lightning_accel.strategies.shutdown import backend_threads_alive, destroy_process_groups, exit_distributed
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+atexit.register(lambda: print("atexit handler ran", flush=True))
+"""
+
+
+def _run(body: str, port: int) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(START_GLOO) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code, str(port)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_group_held_elsewhere_keeps_its_threads_and_exit_leaves_cleanly_with_the_code(tmp_path):
+    # what DeepSpeed ZeRO-3 does: the group object is kept (param.ds_process_group), so destroying it in
+    # torch's registry leaves its gloo threads running
+    out = tmp_path / "result.txt"
+    proc = _run(f"""
+        held = dist.group.WORLD
+        assert backend_threads_alive()
+        assert destroy_process_groups() is True, "the held group's threads should outlive destroy_process_group"
+        assert not dist.is_initialized()
+        with open({str(out)!r}, "w") as f:
+            f.write("done")
+        print("buffered line, no newline flush", end="")
+        sys.stdout.write(" and more")
+        exit_distributed(3)
+        print("never reached")
+    """, _free_port())
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.startswith("buffered line, no newline flush and more")  # flushed before os._exit
+    assert "atexit handler ran" in proc.stdout
+    assert "never reached" not in proc.stdout
+    assert out.read_text() == "done"
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_nothing_held_destroys_the_group_and_exits_normally():
+    proc = _run("""
+        assert destroy_process_groups() is False  # the only reference was torch's: threads joined
+        assert not backend_threads_alive()
+        exit_distributed(0)
+    """, _free_port())
+    assert proc.returncode == 0, proc.stderr
+    assert "atexit handler ran" in proc.stdout  # a plain sys.exit: the interpreter runs its exit handlers
+
+
+def test_without_a_process_group_it_is_a_plain_exit():
+    code = "from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed\n" \
+           "assert destroy_process_groups() is False\nexit_distributed(5)\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 5, proc.stderr
