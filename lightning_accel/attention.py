@@ -433,7 +433,7 @@ def _mha_weights_used(model: nn.Module, mhas: dict[str, nn.MultiheadAttention], 
 
 
 def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: Iterable[str] = (), *,
-                        library_switch: bool = True) -> FusedAttention:
+                        library_switch: bool = True, warn: bool = True) -> FusedAttention:
     """Route attention in ``model`` to ``F.scaled_dot_product_attention`` where results stay the same.
 
     1. Hugging Face ``transformers`` models inside ``model`` (found by their config's attention implementation)
@@ -472,6 +472,9 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
             switch without a probe.
         library_switch: switch Hugging Face models with the library's own setting (default) instead of
             rewriting their eager attention.
+        warn: warn about a model that cannot be switched, nothing to change, and a rewrite that never fires;
+            ``False`` for callers that report the result themselves (the Autopilot's table): the same facts stay
+            in :attr:`FusedAttention.unswitchable` and :attr:`FusedAttention.not_fired`.
 
     Returns:
         A :class:`FusedAttention` listing what changed.
@@ -498,8 +501,9 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
                 result.unswitchable[name] = reason
                 inside = [b for b in blocks if b == name or b.startswith(name + ".") or name == ""]
                 auto = [] if inside else _hf_attention_modules(hf, name)
-                warnings.warn(f"use_fused_attention: {reason}. Rewriting its hand-written attention instead"
-                              f"{f' ({len(auto)} modules)' if auto else ''}.", UserWarning, stacklevel=2)
+                if warn:
+                        warnings.warn(f"use_fused_attention: {reason}. Rewriting its hand-written attention instead"
+                                  f"{f' ({len(auto)} modules)' if auto else ''}.", UserWarning, stacklevel=2)
                 blocks += [b for b in auto if b not in blocks]
             elif before not in _FUSED_HF:
                 result.library[name] = str(before)
@@ -519,9 +523,9 @@ def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: It
     for name in blocks:
         if name in mhas:
             continue
-        _install_block_rewrite(name, modules[name], result)
+        _install_block_rewrite(name, modules[name], result, warn=warn)
         result.blocks.append(name)
-    if not result.mha and not result.blocks and not result.library and not already:
+    if warn and not result.mha and not result.blocks and not result.library and not already:
         warnings.warn(
             "use_fused_attention: nothing to change: " + (
                 f"the MultiheadAttention modules {result.kept} use their attention weights" if result.kept else
@@ -884,7 +888,7 @@ def _combine_masks(masks: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch
     return total
 
 
-def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention) -> None:
+def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention, *, warn: bool = True) -> None:
     result.fused_calls[name] = 0
     modes: list[_AttentionRewrite] = []
     warned = [False]
@@ -906,9 +910,10 @@ def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttention)
             warned[0] = True
             reason = mode.broken or "no matmul(q, k^T) -> softmax -> matmul(p, v) ran in the block"
             result.not_fired[name] = reason
-            warnings.warn(f"use_fused_attention: the rewrite of {name or 'the model'!r} ({type(mod).__name__}) did "
-                          f"not fire in its forward: {reason}. The block runs unchanged; fix: {ATTENTION_FIX}.",
-                          UserWarning, stacklevel=2)
+            if warn:
+                warnings.warn(f"use_fused_attention: the rewrite of {name or 'the model'!r} ({type(mod).__name__}) "
+                              f"did not fire in its forward: {reason}. The block runs unchanged; fix: "
+                              f"{ATTENTION_FIX}.", UserWarning, stacklevel=2)
         # a placeholder that the fused call did not consume is computed here: nothing half-done leaves the block
         return _materialize_all(output, keep_fused=True)
 

@@ -504,6 +504,18 @@ class Autopilot(Callback):
                 record.reason = (check.reason if check is not None and not check.ok
                                  else "numerics guard failed on another rank")
                 return False, None, current_rates, reference
+            void: str | None = None
+            try:
+                void = candidate.changed_nothing(run)
+            except Exception as err:  # noqa: BLE001
+                error = err
+            ok, failure = self._agree(run, void is None, error)
+            if failure is not None:
+                record.reason = f"failed in the numerics probe: {failure}"
+                return False, None, current_rates, reference
+            if not ok:
+                record.reason = void or "changed nothing on another rank"
+                return False, None, current_rates, reference
             window = self._measure(run, candidate.warmup_steps)
             rates = [window.samples_per_sec]
             record.samples_per_sec = window.samples_per_sec

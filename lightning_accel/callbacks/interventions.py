@@ -95,6 +95,11 @@ class Intervention:
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
         return [], []
 
+    def changed_nothing(self, run: Run) -> str | None:
+        """Asked after the numerics probe ran training steps with the change: why it turned out to change nothing
+        (it is then rejected without being measured), or ``None``."""
+        return None
+
     def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
         """An extra condition for keeping the change once it measured faster (``None``: none)."""
         return None
@@ -523,8 +528,9 @@ def _attention_blocks(model: nn.Module) -> list[str]:
 
 
 class FusedAttention(Intervention):
-    """``use_fused_attention``: the hand-written ``softmax(q @ k.T) @ v`` of the model's attention blocks runs as
-    one ``F.scaled_dot_product_attention`` call. Rejected when no block matched the pattern."""
+    """``use_fused_attention``: Hugging Face models on eager attention switch to the library's SDPA path, and the
+    hand-written ``softmax(q @ k.T) @ v`` of other attention blocks runs as one ``F.scaled_dot_product_attention``
+    call. Rejected without measuring when the probe's steps fused nothing (the attention already calls SDPA)."""
 
     name = "fused_attention"
     kind = "reorder"
@@ -541,24 +547,34 @@ class FusedAttention(Intervention):
 
         blocks = self.params.get("blocks") or _attention_blocks(run.module)
         self.params = {"blocks": list(blocks)}
-        self._result = use_fused_attention(run.module, blocks=blocks)
+        # the table reports what fused and what did not: no warning per block that already calls SDPA
+        self._result = use_fused_attention(run.module, blocks=blocks, warn=False)
 
     def revert(self, run: Run) -> None:
         self._result.restore()
 
-    def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
-        fused = sum(self._result.fused_calls.values())
-        if fused == 0:
-            return False, "no attention call matched the fused pattern (nothing changed)"
-        return None
+    def changed_nothing(self, run: Run) -> str | None:
+        result = self._result
+        if result.library or result.mha or sum(result.fused_calls.values()):
+            return None
+        return "no attention call matched the fused pattern (nothing changed)" + (
+            f"; {next(iter(result.not_fired.values()))}" if result.not_fired else "")
 
     def describe(self, run: Run) -> str:
+        result = getattr(self, "_result", None)
+        if result is not None and result.library:
+            switched = ", ".join(f"{name or 'model'} {before} → sdpa" for name, before in result.library.items())
+            return f"use_fused_attention: Hugging Face attn_implementation {switched}"
         blocks = self.params.get("blocks") or []
         shown = ", ".join(blocks[:2]) + (f" +{len(blocks) - 2}" if len(blocks) > 2 else "")
         return f"use_fused_attention({shown or 'attention blocks'})"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
-        return [], [f"la.use_fused_attention(model, blocks={self.params['blocks']!r})"]
+        line = f"la.use_fused_attention(model, blocks={self.params['blocks']!r})"
+        result = getattr(self, "_result", None)
+        if result is not None and result.library:  # what it does there: the library's own setting
+            line += "  # Hugging Face: the same as building the model with attn_implementation='sdpa'"
+        return [], [line]
 
 
 class ActivationCheckpointingWithLargerBatch(Intervention):

@@ -111,3 +111,41 @@ def test_flops_counted_once_under_checkpointing_with_a_one_batch_warmup():
     monitor = la.MFUMonitor(window=2, warmup_batches=2, peak_flops=PEAK, print_summary=False)
     fit(task, [monitor, la.ActivationCheckpointing(modules=[fam.block()])], steps=5)
     check_flops(task, monitor)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "litgpt", "nanogpt"])
+def test_autopilot_searches_on_the_model_and_trains_on_what_it_kept(name):
+    fam = family(name)
+    # Hugging Face models as their eager attention: the smell the Autopilot must act on (switch to the library's
+    # sdpa); litgpt already runs SDPA, nanoGPT's manual path is rewritten
+    model = fam.build("eager") if fam.needs == "transformers" else None
+    task = Task(fam, model=model, batch_size=2)
+    autopilot = la.Autopilot(warmup_steps=2, measure_steps=6, budget_seconds=90, freeze=["compile"], save_plan=False,
+                             print_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[autopilot])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task)
+    # the table reports what fused and what did not; no warning per block that already calls SDPA
+    assert not [w for w in caught if str(w.message).startswith("use_fused_attention")]
+    assert autopilot.plan is not None and autopilot.plan.baseline_samples_per_sec > 0
+    assert autopilot.records, "nothing was tried"
+    broken = [r for r in autopilot.records if r.reason.startswith(("failed", "could not"))]
+    assert not broken, broken  # every fix applies to, measures on and reverts from this model
+    for record in autopilot.records:
+        if record.kept and record.numerics is not None:
+            assert record.numerics["ok"], record
+    if fam.needs == "transformers" or name == "nanogpt":  # hand-written attention: the fused one is trialled
+        fused = [r for r in autopilot.records if r.name == "fused_attention"]
+        assert fused and fused[0].numerics is not None and fused[0].numerics["ok"], autopilot.records
+        assert fused[0].numerics["grad_cosine"] > 0.999
+        if fam.needs == "transformers":  # through the library's own switch, not a rewrite
+            assert "attn_implementation" in fused[0].change and "sdpa" in fused[0].change
+    if name == "litgpt":  # its attention already calls SDPA: rejected after the probe, without measuring
+        fused = [r for r in autopilot.records if r.name == "fused_attention"]
+        assert all(r.samples_per_sec is None and "nothing changed" in r.reason for r in fused), fused
+    # the training after the search: the global batch held (2 x 2), finite losses, the steps all counted
+    assert task.batch_size * trainer.accumulate_grad_batches == 4
+    assert trainer.global_step == 3 and all(math.isfinite(x) for x in task.losses)
