@@ -32,6 +32,17 @@ def _no_leaked_launch_variables():
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """Destroy the process group an in-process Trainer started (``strategy="ddp"`` with ``devices=1`` starts a
+    one-process gloo group and leaves it): later tests would see a distributed run, and gloo's threads left to the
+    end of the session can abort pytest's own exit (exit -6) after every test passed."""
+    yield
+    from lightning_accel.strategies.shutdown import destroy_process_groups
+
+    destroy_process_groups()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from lightning_accel._imports import is_available
 
