@@ -56,8 +56,8 @@ class Autopilot(Callback):
        stages (data wait, transfer, forward, backward, optimizer) with its :class:`StageTimer`. The two windows'
        spread is the run's own noise floor (A/A).
     2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`) and
-       its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, the smells, then the stage
-       holding the run back, then the other stages by share, name the fixes to try
+       its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, a larger micro-batch
+       where ``accumulate_grad_batches > 1`` leaves room for one, the smells, then the stage holding the run back, then the other stages by share, name the fixes to try
        (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
        ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
        global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another
@@ -115,7 +115,8 @@ class Autopilot(Callback):
             measured noise raises it.
         warmup_steps / measure_steps: untimed and timed optimizer steps per window.
         probe_steps: optimizer steps' worth of batches in the numerics probe.
-        patience: stop after this many candidates in a row that were not kept.
+        patience: stop after this many measured candidates in a row that were not kept (a change rejected before
+            measuring, by the numerics guard or as void, costs only its probe and does not count).
         freeze: settings never to touch: intervention names (``"dataloader"``, ``"precision"``, ...) or knobs
             (``"num_workers"``, ``"batch_size"``, ``"accumulate_grad_batches"``, ``"optimizer"``, ...).
         interventions: extra :class:`Intervention` objects to trial (fixes of your own), tried after the built-in
@@ -379,8 +380,10 @@ class Autopilot(Callback):
                 ctx = self._context(run)
                 diagnosis = diagnose(shares, ctx)
                 bottleneck = holding_back(shares, diagnosis.findings)
-                # the measured findings first, then the doctor's code smells of the current configuration
-                rules = [f.rule for f in diagnosis.findings] + self._smells(run, ctx)
+                # the measured findings first, then a larger micro-batch where accumulation leaves room for one,
+                # then the doctor's code smells of the current configuration
+                rules = [f.rule for f in diagnosis.findings]
+                rules += ["accumulation"] * (run.config.accumulate > 1) + self._smells(run, ctx)
                 names = propose(rules, bottleneck, candidates, tried, shares, self.threshold)
                 names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
                 candidate = None
@@ -414,10 +417,10 @@ class Autopilot(Callback):
                     if candidate.repeatable and candidate.name in INTERVENTIONS:  # e.g. the micro-batch once more
                         tried.discard(candidate.name)
                         candidates[candidate.name] = INTERVENTIONS[candidate.name]()
-                else:
+                elif self.records[-1].samples_per_sec is not None:  # a measured miss (not a void or broken one)
                     misses += 1
                     if misses >= self.patience:
-                        stopped = f"{misses} candidates in a row without a gain"
+                        stopped = f"{misses} measured candidate(s) in a row without a gain"
                         break
             plan.stopped = stopped
             plan.final_samples_per_sec = statistics.median(current_rates)

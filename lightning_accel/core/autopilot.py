@@ -279,6 +279,9 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
     "math_sdpa": ("fused_attention",),
     "hf_eager_attention": ("fused_attention",),
     "memory": ("activation_checkpointing",),
+    # not a rule of the doctor: the Autopilot's own, when accumulate_grad_batches > 1 (the playbook's batch lever:
+    # the same global batch in fewer, larger calls, tried before the smells' fixes)
+    "accumulation": ("micro_batch",),
 }
 
 #: Fixes for the stage holding the run back when no rule names one (e.g. a compute-bound step: the playbook's

@@ -277,6 +277,45 @@ def test_a_change_that_raises_is_reverted_and_reported() -> None:
     assert not torch.equal(initial["layer.weight"], model.state_dict()["layer.weight"])  # it did train
 
 
+class ChangesNothing(Intervention):
+    name, kind = "changes_nothing", "exact"
+
+    def apply(self, run) -> None:
+        self.applied = True
+
+    def revert(self, run) -> None:
+        self.reverted = True
+
+    def changed_nothing(self, run) -> str | None:
+        return "no call matched (nothing changed)"
+
+
+class Sleeps(Intervention):
+    """Slows every training step: measured, and not kept."""
+
+    name, kind = "sleeps", "exact"
+
+    def apply(self, run) -> None:
+        self.handle = run.module.layer.register_forward_pre_hook(lambda m, a: time.sleep(0.002))
+
+    def revert(self, run) -> None:
+        self.handle.remove()
+
+
+def test_a_void_change_is_rejected_unmeasured_and_does_not_use_up_the_patience() -> None:
+    model = Model(sleep_s=0.0)
+    void, slow = ChangesNothing(), Sleeps()
+    autopilot = Autopilot(**FAST, patience=1, only=[], interventions=[void, slow], save_plan=False)
+    _trainer([autopilot], max_steps=1).fit(model, _loader(sleep_s=0.0))
+    rows = {r.name: r for r in autopilot.records}
+    assert rows["changes_nothing"].reason == "no call matched (nothing changed)" and void.reverted
+    assert rows["changes_nothing"].samples_per_sec is None and not rows["changes_nothing"].kept
+    # patience=1: the void change did not count as a miss, so the next one was still measured
+    assert rows["sleeps"].samples_per_sec is not None and not rows["sleeps"].kept
+    assert autopilot.plan.stopped == "1 measured candidate(s) in a row without a gain"
+    assert not model.layer._forward_pre_hooks
+
+
 def test_frozen_settings_are_never_touched() -> None:
     model = Model()
     autopilot = Autopilot(**{**FAST, "freeze": ["compile", "num_workers"]}, save_plan=False)

@@ -146,6 +146,9 @@ def test_autopilot_searches_on_the_model_and_trains_on_what_it_kept(name):
     if name == "litgpt":  # its attention already calls SDPA: rejected after the probe, without measuring
         fused = [r for r in autopilot.records if r.name == "fused_attention"]
         assert all(r.samples_per_sec is None and "nothing changed" in r.reason for r in fused), fused
+    # accumulation 2: the larger micro-batch with the same global batch is tried (before the smells' fixes)
+    assert any(r.name == "micro_batch" and r.samples_per_sec is not None for r in autopilot.records), \
+        autopilot.records
     # the training after the search: the global batch held (2 x 2), finite losses, the steps all counted
     assert task.batch_size * trainer.accumulate_grad_batches == 4
     assert trainer.global_step == 3 and all(math.isfinite(x) for x in task.losses)
