@@ -20,6 +20,7 @@ straight to ``fit``), ``compute`` (the demo GPT on memory-mapped tokens: nothing
 
     python benchmarks/bench_autopilot.py                 # all scenarios (~10 minutes on 2 cores)
     python benchmarks/bench_autopilot.py --scenarios data micro_batch --rounds 1
+    python benchmarks/bench_autopilot.py --scenarios attention --verbose   # + every trial of every round
 """
 
 from __future__ import annotations
@@ -295,7 +296,8 @@ def label(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.items())
 
 
-def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float) -> dict[str, Any]:
+def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verbose: bool = False
+                 ) -> dict[str, Any]:
     configs = grid(scenario)
     rates: dict[str, list[float]] = {label(c): [] for c in configs}
     auto_rates: list[float] = []
@@ -311,6 +313,11 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float) -> d
                 auto_rates.append(rate)
                 searches.append(autopilot.plan.search_seconds or 0.0)
                 kept = [k["change"] for k in autopilot.plan.kept]
+                if verbose:  # the Autopilot's own table of this round: every trial with its reason
+                    for rec in autopilot.records:
+                        rate_s = f"{rec.samples_per_sec:9.1f}" if rec.samples_per_sec else " " * 9
+                        print(f"    round {r}: {rec.index:2d} {rec.name:22s} {rate_s} {'kept' if rec.kept else '    '}"
+                              f"  {rec.reason}")
                 if losses["autopilot"] is None:
                     losses["autopilot"] = scenario.heldout(model)
                 continue
@@ -329,6 +336,7 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--verbose", action="store_true", help="print the Autopilot's trials of every round")
     parser.add_argument("--rounds", type=int, default=2, help="runs per configuration, alternating (default 2)")
     parser.add_argument("--skip", type=int, default=10, help="warm-up batches not timed (default 10)")
     parser.add_argument("--budget", type=float, default=30.0,
@@ -340,7 +348,7 @@ def main() -> None:
     rows = []
     for name in args.scenarios:
         t0 = time.perf_counter()
-        row = run_scenario(SCENARIOS[name], args.rounds, args.skip, args.budget)
+        row = run_scenario(SCENARIOS[name], args.rounds, args.skip, args.budget, args.verbose)
         rows.append(row)
         print(f"\n[{name}] {row['what']}  ({time.perf_counter() - t0:.0f} s)")
         for config, rate in row["grid"].items():

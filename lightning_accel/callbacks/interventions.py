@@ -324,6 +324,8 @@ class OptimizerImplementation(Intervention):
                 return f"{type(opt).__name__} has no `{self.flag}` implementation"
             if all(g.get(self.flag) is True for g in opt.param_groups):
                 return f"{type(opt).__name__} already runs with {self.flag}=True"
+            if self.flag == "foreach" and all(g.get("fused") is True for g in opt.param_groups):
+                return f"{type(opt).__name__} already runs its fused step (one kernel for all tensors)"
         if self.flag == "fused":
             devices = {p.device.type for opt in run.trainer.optimizers for g in opt.param_groups for p in g["params"]}
             from lightning_accel._compat import fused_optimizer_devices

@@ -495,6 +495,9 @@ def test_optimizer_bound_run_tries_the_fused_and_foreach_steps() -> None:
         assert group["foreach"] is True and not group["fused"]
     elif "optimizer_fused" in kept:
         assert group["fused"] is True and group["foreach"] is False
+        # once the fused step runs, foreach (a step back from one kernel) is not trialled
+        foreach = [r for r in rows if r.name == "optimizer_foreach"]
+        assert all(r.samples_per_sec is None and "fused step" in r.reason for r in foreach), foreach
     else:  # reverted: the user's own flags
         assert group["foreach"] is False and not group["fused"]
 
