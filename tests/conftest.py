@@ -38,9 +38,10 @@ def _no_process_group_left():
     one-process gloo group and leaves it): later tests would see a distributed run, and gloo's threads left to the
     end of the session can abort pytest's own exit (exit -6) after every test passed."""
     yield
-    from lightning_accel.strategies.shutdown import destroy_process_groups
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # no /proc scan after every test
+        from lightning_accel.strategies.shutdown import destroy_process_groups
 
-    destroy_process_groups()
+        destroy_process_groups()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -57,7 +57,8 @@ class Autopilot(Callback):
        spread is the run's own noise floor (A/A).
     2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`) and
        its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, a larger micro-batch
-       where ``accumulate_grad_batches > 1`` leaves room for one, the smells, then the stage holding the run back, then the other stages by share, name the fixes to try
+       where ``accumulate_grad_batches > 1`` leaves room for one, the smells, then the stage holding the run back,
+       then the other stages by share, name the fixes to try
        (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
        ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
        global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another

@@ -85,13 +85,11 @@ def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tm
     assert r0["fit"]["seconds"]["train"] > 0 and r0["fit"]["wall"] >= r0["fit"]["seconds"]["train"]
 
 
-WRAPPERS_SCRIPT = """
-import json
+#: the model both scripts below train: one linear layer, one bucket per step
+LINEAR_MODEL = """
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-import lightning_accel  # registers the strategy strings
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 
 
 class Model(pl.LightningModule):
@@ -107,6 +105,13 @@ class Model(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+"""
+
+WRAPPERS_SCRIPT = LINEAR_MODEL + """
+import json
+import lightning_accel  # registers the strategy strings
+from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 
 
 doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False)
@@ -133,11 +138,8 @@ def test_doctor_wraps_the_hook_of_the_ddp_compression_strategies(ddp_script, tmp
         assert sum(out["shares"].values()) == pytest.approx(1.0)
 
 
-BROKEN_RANK_SCRIPT = """
+BROKEN_RANK_SCRIPT = LINEAR_MODEL + """
 import json, os
-import torch
-import lightning.pytorch as pl
-from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.core.stages import StageMachine
 
@@ -145,21 +147,6 @@ if os.environ.get("LOCAL_RANK") == "1":  # rank 1's measuring breaks at its firs
     def broken(self, **kwargs):
         raise RuntimeError("planted failure on rank 1")
     StageMachine.close_window = broken
-
-
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(16, 16)
-
-    def training_step(self, batch, i):
-        return self.net(batch[0]).pow(2).mean()
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(256, 16)), batch_size=8)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False)
