@@ -638,7 +638,8 @@ class BottleneckDoctor(Callback):
                 self._break(f"closing a window: {err!r}")
         row = self._local_row(window)
         # one process: no collective, and no tensor round trip (~50 µs of the flush)
-        rows = [row] if trainer.world_size <= 1 else gather_floats(trainer, self._device, row).tolist()
+        rows = ([row] if trainer.world_size <= 1
+                else gather_floats(trainer, self._device, row, what="BottleneckDoctor window").tolist())
         self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)
