@@ -86,19 +86,19 @@ def exit_distributed(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-_exit_code = {"code": 0}
+_exit_code: dict[str, object] = {"code": 0, "known": False}
 _original_exit = sys.exit
 _original_excepthook = sys.excepthook
 
 
 def _recording_exit(code: object = None) -> NoReturn:
     """``sys.exit`` that remembers the code, for :func:`_at_interpreter_exit`'s ``os._exit``."""
-    _exit_code["code"] = code
+    _exit_code.update(code=code, known=True)
     _original_exit(code)
 
 
 def _recording_excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-    _exit_code["code"] = 1  # an uncaught exception: Python's exit status 1
+    _exit_code.update(code=1, known=True)  # an uncaught exception: Python's exit status 1
     _original_excepthook(kind, value, tb)  # type: ignore[arg-type]
 
 
@@ -114,6 +114,10 @@ def _at_interpreter_exit() -> None:
     """The ``atexit`` handler of :func:`register_clean_exit`."""
     if not destroy_process_groups():
         return  # the groups' threads are joined: the interpreter's own teardown is safe
+    if not _exit_code["known"] and "_pytest" in sys.modules:
+        # `python -m pytest` ends with `raise SystemExit(status)`, which no hook sees: never turn a failing test
+        # run into exit 0; leave through the interpreter's teardown (as without this handler)
+        return
     # backend threads outlive the groups (DeepSpeed): run the other exit handlers, flush, and leave before teardown
     atexit.unregister(_at_interpreter_exit)
     atexit._run_exitfuncs()
@@ -133,13 +137,17 @@ def register_clean_exit() -> None:
     are sometimes destroyed while joinable and abort the finished process with -6); if backend threads outlive
     them (DeepSpeed keeps references), it runs the remaining exit handlers, flushes logging and the standard
     streams and leaves with ``os._exit`` and the script's exit status (0, ``sys.exit(n)``'s ``n``, or 1 after an
-    uncaught exception; ``raise SystemExit(n)`` by hand is seen as 0 there). Idempotent; each call moves the
+    uncaught exception; a bare ``raise SystemExit(n)`` is not seen by any hook and counts as 0 there, so end such
+    a script with ``sys.exit(n)``; under pytest, whose ``-m`` entry raises SystemExit, an unseen status leaves
+    through the normal teardown instead). Idempotent; each call moves the
     handler to the end of the ``atexit`` list, so that it runs first and the others, run from it, run once
     (a handler registered after the last call would run twice on that DeepSpeed path).
     """
     atexit.unregister(_at_interpreter_exit)
     atexit.register(_at_interpreter_exit)
+    global _original_exit
     if sys.exit is not _recording_exit:
+        _original_exit = sys.exit  # whatever is installed now (another library may have wrapped it too)
         sys.exit = _recording_exit
     if sys.excepthook is _original_excepthook:
         sys.excepthook = _recording_excepthook

@@ -116,6 +116,22 @@ def test_registered_clean_exit_destroys_the_group_and_reports_an_uncaught_except
     assert "group destroyed: True" in proc.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_an_exit_status_no_hook_saw_is_never_replaced_under_pytest():
+    # `python -m pytest` ends with `raise SystemExit(status)`: with threads outliving the group the handler must not
+    # os._exit(0) over a failing run's status
+    proc = _run("""
+        import _pytest  # noqa: F401
+        from lightning_accel.strategies import shutdown
+        real = shutdown.destroy_process_groups
+        # as if threads outlived the groups (they do not here: the real call joins them, so teardown stays safe)
+        shutdown.destroy_process_groups = lambda: (real(), True)[1]
+        shutdown.register_clean_exit()
+        raise SystemExit(5)
+    """, _free_port())
+    assert proc.returncode == 5, proc.stderr
+
+
 def _bench_clean_exit():
     spec = importlib.util.spec_from_file_location("bench_clean_exit", REPO / "benchmarks" / "bench_clean_exit.py")
     module = importlib.util.module_from_spec(spec)
