@@ -12,7 +12,10 @@ Checks:
 4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference;
 5. the Autopilot on CUDA: the demo GPT in fp32 (``AutoMixedPrecision(dtype="fp32")``), ``num_workers=0``, a
    micro-batch of 8 × accumulation 4: what it kept (expected: bf16, workers or prefetch, a larger micro-batch),
-   its speed-up over the baseline and its search seconds.
+   its speed-up over the baseline and its search seconds;
+6. NVTX: a short fit with ``BottleneckDoctor(nvtx=True)`` and ``NsysCapture(start_step=5, stop_step=10)``, under
+   ``nsys profile --capture-range=cudaProfilerApi -t cuda,nvtx`` when nsys is on the PATH: which of the doctor's
+   stages appear as ranges of the ``lightning_accel`` domain in ``nsys stats --report nvtx_sum``.
 """
 
 from __future__ import annotations
@@ -174,8 +177,65 @@ def check_autopilot(args: argparse.Namespace) -> list[Row]:
              f"after the search; rejected: {rejected or 'none'}")]
 
 
+NVTX_CHILD = r"""
+import sys
+import torch
+import lightning.pytorch as pl
+import lightning_accel as la
+
+class Task(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    def training_step(self, batch, i):
+        return self.net(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+gpu = sys.argv[1] == "gpu"
+data = torch.utils.data.TensorDataset(torch.randn(640, 512))
+trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=20, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[la.BottleneckDoctor(nvtx=True, window=5, warmup_batches=1, report_path=False,
+                                                    print_report=False, warn=False),
+                                la.NsysCapture(start_step=5, stop_step=10)])
+trainer.fit(Task(), torch.utils.data.DataLoader(data, batch_size=32))
+print("captured", trainer.callbacks[1].captured if gpu else "cpu")
+"""
+
+
+def check_nvtx(args: argparse.Namespace) -> list[Row]:
+    import shutil
+
+    gpu = not args.smoke
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "nvtx_child.py"
+        script.write_text(NVTX_CHILD)
+        env_cmd = [sys.executable, str(script), "gpu" if gpu else "cpu"]
+        nsys = shutil.which("nsys")
+        if not (gpu and nsys):
+            proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+            last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+            return [("nvtx stages in nsys", "ran without nsys" if proc.returncode == 0 else "ERROR",
+                     f"{last}; nsys {'not on PATH' if gpu else 'not used in --smoke'} (exit {proc.returncode})")]
+        out = Path(tmp) / "timeline"
+        proc = subprocess.run([nsys, "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+                               "-t", "cuda,nvtx", "-o", str(out), "--force-overwrite=true", *env_cmd],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        report = ""
+        for name in ("nvtx_sum", "nvtxsum"):  # the report's name before nsys 2023.4
+            stats = subprocess.run([nsys, "stats", "--report", name, "--format", "csv", f"{out}.nsys-rep"],
+                                   capture_output=True, text=True, timeout=120)
+            if stats.returncode == 0 and "forward" in stats.stdout:
+                report = stats.stdout
+                break
+        found = [s for s in ("data", "transfer", "forward", "backward", "optimizer") if s in report]
+        return [("nvtx stages in nsys", f"{len(found)}/5 stages", f"{', '.join(found) or 'none'}; profile exit "
+                 f"{proc.returncode}; lightning_accel domain {'seen' if 'lightning_accel' in report else 'not seen'}")]
+
+
 CHECKS = [("gpu tests", check_gpu_tests), ("gpt mfu", check_gpt_mfu), ("dali", check_dali),
-          ("stage timer", check_stage_timer), ("autopilot", check_autopilot)]
+          ("stage timer", check_stage_timer), ("autopilot", check_autopilot), ("nvtx", check_nvtx)]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

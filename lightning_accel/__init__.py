@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteGuard": "lightning_accel.callbacks.non_finite_guard",
     "TorchCompile": "lightning_accel.callbacks.torch_compile",
     "ActivationCheckpointing": "lightning_accel.callbacks.activation_checkpointing",
+    "NsysCapture": "lightning_accel.callbacks.nsys_capture",
     # precision
     "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
     # data
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "Thresholds": "lightning_accel.core.rules",
     "diagnose": "lightning_accel.core.rules",
     "timed_comm_hook": "lightning_accel.core.comm",
+    "nvtx_range": "lightning_accel.core.nvtx",
     "find_batch_size": "lightning_accel.core.search",
     "estimate_zero_memory": "lightning_accel.core.memory",
     "project_scaling": "lightning_accel.core.scaling",

@@ -184,7 +184,7 @@ def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException |
     in the collective forever."""
     from lightning_accel.callbacks._trainer import gather_floats
 
-    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0])
+    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0], what=who)
     if error is not None:
         raise error
     if bool(rows[:, 1].any()):

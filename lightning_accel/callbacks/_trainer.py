@@ -47,11 +47,20 @@ def sync_fn(device: torch.device) -> Any:
     return lambda: None
 
 
-def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float]) -> torch.Tensor:
-    """Every rank's ``values`` as a ``(world_size, len(values))`` float64 tensor on the CPU (one collective)."""
+def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float],
+                  what: str = "lightning_accel") -> torch.Tensor:
+    """Every rank's ``values`` as a ``(world_size, len(values))`` float64 tensor on the CPU (one collective).
+
+    Bounded: a rank that died or hangs makes this raise ``core.collectives.RankFailure`` naming it (on gloo) within
+    ``LIGHTNING_ACCEL_COLLECTIVE_TIMEOUT_S`` (300 s), instead of waiting for the process group's 30 minutes.
+    """
     local = torch.tensor(values, dtype=torch.float64, device=device)
     if trainer.world_size <= 1:
         return local.unsqueeze(0).cpu()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from lightning_accel.core.collectives import all_gather_bounded
+
+        return all_gather_bounded(local, what=what).reshape(trainer.world_size, len(values)).cpu()
     gathered = trainer.strategy.all_gather(local)
     return gathered.reshape(trainer.world_size, len(values)).cpu()
 

@@ -162,6 +162,8 @@ class BottleneckDoctor(Callback):
         utilisation: sample CPU (psutil) and GPU (NVML, when installed and a GPU is used) utilisation per window.
         smells: look for code smells at the start of training (a fraction of a second: the optimizer preview and
             the loading of one batch are timed).
+        nvtx: emit the stages (data, transfer, forward, backward, optimizer, and each bucket's communication) as
+            NVTX ranges in the ``lightning_accel`` domain, for an ``nsys`` timeline (see ``core/nvtx.py``).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class BottleneckDoctor(Callback):
         print_report: bool = True,
         utilisation: bool = True,
         smells: bool = True,
+        nvtx: bool = False,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"BottleneckDoctor(window={window!r}): window must be a positive number of batches, "
@@ -216,6 +219,9 @@ class BottleneckDoctor(Callback):
         self.print_report = print_report
         self.utilisation = utilisation
         self.smells = smells
+        if not isinstance(nvtx, bool):
+            raise ValueError(f"BottleneckDoctor(nvtx={nvtx!r}): use True to emit the stages as NVTX ranges, or False")
+        self.nvtx = nvtx
         self.report: DoctorReport | None = None
         #: files written at the end of the last fit (JSON, PNG)
         self.files: list[Path] = []
@@ -258,6 +264,7 @@ class BottleneckDoctor(Callback):
         self._grads_checked = not self.smells
         self._find_unused: bool | None = None
         self._epoch_paused = False
+        self._ranges: Any = None
         self._in_validation = False
 
     def _break(self, what: str) -> None:
@@ -326,6 +333,18 @@ class BottleneckDoctor(Callback):
         self._restore.extend(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
         if self._comm is None and trainer.world_size > 1:
             self._comm = install_comm_timer(trainer, self._device.type == "cuda", self._notes)
+        if self._comm is not None:
+            self._comm.ranges = self._nvtx_ranges()
+
+    def _nvtx_ranges(self) -> Any:
+        """The fit's NVTX emitter (``nvtx=True``), shared by the stage machine and the comm recorder; else None."""
+        if not self.nvtx:
+            return None
+        if self._ranges is None:
+            from lightning_accel.core.nvtx import StageRanges
+
+            self._ranges = StageRanges()
+        return self._ranges
 
     def _transfer_begin(self) -> bool:
         machine = self._machine
@@ -471,7 +490,8 @@ class BottleneckDoctor(Callback):
                 self._find_smells(trainer, pl_module, loader)
             except Exception as err:  # noqa: BLE001 - smells are advice: never stop training for them
                 self._notes.append(f"code smells not checked: {err!r}")
-        self._machine = StageMachine(clock=self._clock, warmup_batches=self._skip, device=self._device)
+        self._machine = StageMachine(clock=self._clock, warmup_batches=self._skip, device=self._device,
+                                     ranges=self._nvtx_ranges())
         if self._skip == 0:
             self._start_measuring()
 
@@ -618,7 +638,8 @@ class BottleneckDoctor(Callback):
                 self._break(f"closing a window: {err!r}")
         row = self._local_row(window)
         # one process: no collective, and no tensor round trip (~50 µs of the flush)
-        rows = [row] if trainer.world_size <= 1 else gather_floats(trainer, self._device, row).tolist()
+        rows = ([row] if trainer.world_size <= 1
+                else gather_floats(trainer, self._device, row, what="BottleneckDoctor window").tolist())
         self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)

@@ -63,6 +63,9 @@ class CommRecorder:
         self._n_passes = 0
         #: bucket hooks run since construction (proof that the hook is installed and ran)
         self.buckets = 0
+        #: a :class:`~lightning_accel.core.nvtx.StageRanges`: each bucket's exchange becomes a "communication"
+        #: NVTX range from launch to completion (None: off)
+        self.ranges: Any = None
 
     def _mark(self) -> Any:
         if self.cuda:
@@ -71,15 +74,19 @@ class CommRecorder:
             return event
         return self._clock()
 
-    def launch(self) -> None:
-        """A bucket's all-reduce starts (called by the hook before it starts the collective)."""
+    def launch(self) -> Any:
+        """A bucket's all-reduce starts (called by the hook before it starts the collective); returns the handle
+        of its NVTX range (None without ranges), for :meth:`complete`."""
         mark = self._mark()
         with self._lock:
             self._launches.append(mark)
             self.buckets += 1
+        return self.ranges.start("communication") if self.ranges is not None else None
 
-    def complete(self) -> None:
+    def complete(self, handle: Any = None) -> None:
         """A bucket's all-reduce finished (called from the future's completion callback)."""
+        if handle is not None:
+            self.ranges.end(handle)
         mark = self._mark()
         with self._lock:
             self._completions.append(mark)
@@ -135,11 +142,11 @@ def timed_comm_hook(hook: CommHook, recorder: CommRecorder) -> CommHook:
 
     @functools.wraps(hook)
     def timed(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        recorder.launch()
+        handle = recorder.launch()
         fut = hook(state, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            recorder.complete()
+            recorder.complete(handle)
             return f.value()
 
         return fut.then(done)

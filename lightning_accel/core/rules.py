@@ -235,8 +235,9 @@ def _rule_communication(shares: Mapping[str, float], ctx: RunContext, th: Thresh
     bf16 = ctx.device_type == "cuda" and ctx.device_capability is not None and ctx.device_capability[0] >= 8
     first = "strategy='ddp_bf16_compress'" if bf16 else "strategy='ddp_fp16_compress'"
     fix = (f"send fewer bytes: {first} (2x less traffic) or strategy='ddp_powersgd' (low-rank, 10-100x less on "
-           "slow networks; check convergence); all-reduce less often with gradient accumulation "
-           "(accumulate_grad_batches=N: one all-reduce per N micro-batches).")
+           "slow networks; check convergence); on a slow link with few ranks also 'ddp_qsgd' (4-bit, ~7x) or "
+           "'ddp_topk' (1 % of the entries, ~50x; by all-gather: pays while density < 1/ranks); all-reduce less "
+           "often with gradient accumulation (accumulate_grad_batches=N: one all-reduce per N micro-batches).")
     return Finding("communication", "communication", evidence, fix, comm)
 
 

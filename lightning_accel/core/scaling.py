@@ -28,6 +28,10 @@ strategy               traffic and what hides it
 ``ddp_bf16_compress``  the same with 2-byte gradients (also ``ddp_fp16_compress``)
 ``ddp_powersgd``       all-reduce of ``Ψ·g / ratio`` (two all-reduces, P and Q, per bucket); compression compute
                        is not modelled
+``ddp_topk``           all-gather per bucket of every rank's ``ρ·Ψ`` values + int32 indices: ``N · 8ρΨ`` gathered
+                       bytes, so the traffic per rank grows with ``N`` (pays while ``ρ < 1/N`` where bandwidth
+                       dominates); compression compute not modelled
+``ddp_qsgd``           all-gather per bucket of every rank's ``Ψ·(bits/8 + 4/chunk)`` packed codes (``N`` × that)
 ``zero1``, ``zero2``   reduce-scatter ``Ψ·g`` in buckets overlapped with backward, then all-gather ``Ψ·p`` after
                        the optimizer step (exposed)
 ``zero3``              per unit (transformer block; FSDP2 likewise): all-gather ``Ψ·p`` prefetched under forward,
@@ -108,7 +112,8 @@ INTERCONNECTS: dict[str, Interconnect] = {
 }
 
 #: Strategies :func:`project_scaling` models.
-STRATEGIES = ("ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "zero1", "zero2", "zero3", "tp")
+STRATEGIES = ("ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "ddp_topk", "ddp_qsgd", "zero1",
+              "zero2", "zero3", "tp")
 
 
 def get_interconnect(name: str | Interconnect) -> Interconnect:
@@ -215,6 +220,8 @@ class ScalingWorkload:
         n_layers, hidden_size, tokens_per_step, activation_bytes: for ``tp``: transformer layers, model width,
             tokens per step of one model replica, bytes per activation element.
         units: ZeRO-3 / FSDP units, each gathered and reduce-scattered separately (0: ``n_layers``, or 1).
+        topk_density: ``ddp_topk``'s fraction of entries sent (default 0.01, the strategy's).
+        qsgd_bits, qsgd_chunk: ``ddp_qsgd``'s bits per entry and entries per fp32 norm (default 4 and 128).
     """
 
     compute_s: float
@@ -229,6 +236,9 @@ class ScalingWorkload:
     tokens_per_step: int = 0
     activation_bytes: int = 4
     units: int = 0
+    topk_density: float = 0.01
+    qsgd_bits: int = 4
+    qsgd_chunk: int = 128
 
     def __post_init__(self) -> None:
         if not self.compute_s > 0:
@@ -316,6 +326,15 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
         elif strategy == "ddp_powersgd":
             size, calls = grads / w.powersgd_ratio, 2
         comm, last = _bucketed_allreduce(size, n, link, w.bucket_bytes, calls)
+        exposed = 0.0 if n == 1 else max(comm - t_bwd, last)
+    elif strategy in ("ddp_topk", "ddp_qsgd"):
+        # bytes each rank contributes per gradient byte; the all-gather delivers every rank's contribution
+        per_grad_byte = (w.topk_density * 8 / w.grad_bytes if strategy == "ddp_topk"
+                         else (w.qsgd_bits / 8 + 4 / w.qsgd_chunk) / w.grad_bytes)
+        buckets, rest = int(grads // w.bucket_bytes), grads % w.bucket_bytes
+        one = allgather_seconds(n * w.bucket_bytes * per_grad_byte, n, link)
+        comm = buckets * one + (allgather_seconds(n * rest * per_grad_byte, n, link) if rest else 0.0)
+        last = one if buckets else comm
         exposed = 0.0 if n == 1 else max(comm - t_bwd, last)
     elif strategy in ("zero1", "zero2"):
         buckets = max(1, math.ceil(grads / w.bucket_bytes))

@@ -91,14 +91,17 @@ class StageMachine:
         warmup_batches: batches at the start that are not measured.
         device: the device the step runs on (CUDA → device stages timed with CUDA events).
         timer: a :class:`~lightning_accel.core.timing.StageTimer` to use instead of a new one.
+        ranges: a :class:`~lightning_accel.core.nvtx.StageRanges` to emit every stage as an NVTX range from the
+            switch below (None: no NVTX, no cost but one test per switch).
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter, warmup_batches: int = 0,
-                 device: Any = None, timer: StageTimer | None = None) -> None:
+                 device: Any = None, timer: StageTimer | None = None, ranges: Any = None) -> None:
         if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
             raise ValueError(f"StageMachine(warmup_batches={warmup_batches!r}): use a number of batches >= 0")
         self.clock = clock
         self.timer = timer if timer is not None else StageTimer(device, clock=clock)
+        self.ranges = ranges
         self.warmup_batches = warmup_batches
         #: the open stage, or ``None``
         self.stage: str | None = None
@@ -206,6 +209,8 @@ class StageMachine:
     def cancel(self) -> None:
         """Drop the open stage (an exception inside a step)."""
         self.timer.cancel()
+        if self.ranges is not None:
+            self.ranges.close_all()
         self.stage, self._data_start, self.awaiting_batch = None, None, False
 
     # ------------------------------------------------------------------ windows
@@ -285,6 +290,8 @@ class StageMachine:
                 self.timer.stop(old)
         self.awaiting_batch = False
         self.stage = stage
+        if self.ranges is not None:  # the one place NVTX stage ranges are emitted (core/nvtx.py)
+            self.ranges.switch(old, stage)
         if stage == "data":
             self._data_start = now
         elif stage is not None:

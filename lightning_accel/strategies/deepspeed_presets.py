@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_accel import _compat
 from lightning_accel._imports import require
 from lightning_accel.core.memory import ZeroMemoryEstimate, count_model_params, estimate_zero_memory
+from lightning_accel.strategies.shutdown import register_clean_exit
 
 _compat.require_versions("the DeepSpeed strategies")
 
@@ -293,7 +294,14 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
+
+    @override
     def setup_environment(self) -> None:
+        # a finished script ends cleanly on its own: DeepSpeed's references outlive destroy_process_group
+        register_clean_exit()
         if not self._on_cpu:
             super().setup_environment()
             self._prepare_for_device()

@@ -53,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.strategies.parallel_plan import ParallelPlan, apply_plan, derive_plan
+from lightning_accel.strategies.shutdown import register_clean_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -131,6 +132,12 @@ class AutoParallelStrategy(ModelParallelStrategy):
             rank_zero_warn(f"strategy {self.mode!r} on a single device shards nothing; use strategy='auto' on one "
                            "device, or devices >= 2")
         super().setup_environment()
+        register_clean_exit()  # a finished script ends cleanly without calling anything of ours
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
 
     # ----------------------------------------------------------------------------------------- plan
     def _apply_auto_plan(self) -> None:

@@ -22,6 +22,8 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
     "ddp_fp16_compress": (_DDP, "ddp_fp16_compress", "DDP, gradients all-reduced in fp16 (half the bytes)"),
     "ddp_bf16_compress": (_DDP, "ddp_bf16_compress", "DDP, gradients all-reduced in bf16 (half the bytes)"),
     "ddp_powersgd": (_DDP, "ddp_powersgd", "DDP with PowerSGD low-rank gradient compression"),
+    "ddp_topk": (_DDP, "ddp_topk", "DDP with Top-K gradient sparsification (1 %) and error feedback"),
+    "ddp_qsgd": (_DDP, "ddp_qsgd", "DDP with QSGD stochastic gradient quantisation (4 bits per entry)"),
     "deepspeed_zero1": (_DS, "deepspeed_zero1", "DeepSpeed ZeRO-1 (optimizer states sharded), CUDA or CPU"),
     "deepspeed_zero2": (_DS, "deepspeed_zero2", "DeepSpeed ZeRO-2 (+ gradients sharded), CUDA or CPU"),
     "deepspeed_zero2_offload": (_DS, "deepspeed_zero2_offload", "DeepSpeed ZeRO-2, optimizer offloaded to CPU"),

@@ -11,6 +11,10 @@ until the interpreter tears the objects down: the same random abort, measured af
 (10 such threads alive in rank 0 after the call). :func:`exit_distributed` then ends the process without the
 interpreter's teardown, once the exit handlers have run and the standard streams are flushed; where nothing
 outlives the groups it is a plain ``sys.exit``.
+
+A user's script should not have to call it: every strategy of the collection calls :func:`register_clean_exit`
+when it sets up and again when it tears down, which arranges the same at interpreter exit through ``atexit``.
+Measured before (2-process CPU ``ddp_powersgd``): about 1 in 25 finished runs aborted with -6.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["backend_threads_alive", "destroy_process_groups", "exit_distributed"]
+__all__ = ["backend_threads_alive", "destroy_process_groups", "exit_distributed", "register_clean_exit"]
 
 #: thread names of the communication backends' C++ threads (gloo's worker and transport loops, the TCP store)
 _BACKEND_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_tcpstore")
@@ -80,3 +84,70 @@ def exit_distributed(code: int = 0) -> NoReturn:
         except (OSError, ValueError, AttributeError):  # closed or replaced stream
             pass
     os._exit(code)
+
+
+_exit_code: dict[str, object] = {"code": 0, "known": False}
+_original_exit = sys.exit
+_original_excepthook = sys.excepthook
+
+
+def _recording_exit(code: object = None) -> NoReturn:
+    """``sys.exit`` that remembers the code, for :func:`_at_interpreter_exit`'s ``os._exit``."""
+    _exit_code.update(code=code, known=True)
+    _original_exit(code)
+
+
+def _recording_excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    _exit_code.update(code=1, known=True)  # an uncaught exception: Python's exit status 1
+    _original_excepthook(kind, value, tb)  # type: ignore[arg-type]
+
+
+def _status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # sys.exit("message"): Python prints it and exits 1
+
+
+def _at_interpreter_exit() -> None:
+    """The ``atexit`` handler of :func:`register_clean_exit`."""
+    if not destroy_process_groups():
+        return  # the groups' threads are joined: the interpreter's own teardown is safe
+    if not _exit_code["known"] and "_pytest" in sys.modules:
+        # `python -m pytest` ends with `raise SystemExit(status)`, which no hook sees: never turn a failing test
+        # run into exit 0; leave through the interpreter's teardown (as without this handler)
+        return
+    # backend threads outlive the groups (DeepSpeed): run the other exit handlers, flush, and leave before teardown
+    atexit.unregister(_at_interpreter_exit)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(_status(_exit_code["code"]))
+
+
+def register_clean_exit() -> None:
+    """Arrange a clean end for this process at interpreter exit, without the script calling anything.
+
+    At exit the handler destroys the process groups (torch's advice: left to interpreter teardown, gloo's threads
+    are sometimes destroyed while joinable and abort the finished process with -6); if backend threads outlive
+    them (DeepSpeed keeps references), it runs the remaining exit handlers, flushes logging and the standard
+    streams and leaves with ``os._exit`` and the script's exit status (0, ``sys.exit(n)``'s ``n``, or 1 after an
+    uncaught exception; a bare ``raise SystemExit(n)`` is not seen by any hook and counts as 0 there, so end such
+    a script with ``sys.exit(n)``; under pytest, whose ``-m`` entry raises SystemExit, an unseen status leaves
+    through the normal teardown instead). Idempotent; each call moves the
+    handler to the end of the ``atexit`` list, so that it runs first and the others, run from it, run once
+    (a handler registered after the last call would run twice on that DeepSpeed path).
+    """
+    atexit.unregister(_at_interpreter_exit)
+    atexit.register(_at_interpreter_exit)
+    global _original_exit
+    if sys.exit is not _recording_exit:
+        _original_exit = sys.exit  # whatever is installed now (another library may have wrapped it too)
+        sys.exit = _recording_exit
+    if sys.excepthook is _original_excepthook:
+        sys.excepthook = _recording_excepthook

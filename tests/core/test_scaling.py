@@ -164,3 +164,19 @@ def test_bad_input_names_the_value_and_the_fix():
         ScalingWorkload(compute_s=0, params=10)
     with pytest.raises(ValueError, match="bandwidth=-1"):
         Interconnect("x", -1, 0)
+
+
+def test_topk_and_qsgd_are_all_gathers_that_pay_on_few_ranks_over_slow_links_and_lose_at_scale():
+    from lightning_accel.core.scaling import ScalingWorkload, allgather_seconds, get_interconnect, project_scaling
+
+    w = ScalingWorkload(compute_s=0.3, params=100_000_000, bucket_bytes=4e8)  # one bucket: exact arithmetic
+    link = get_interconnect("25gbe")
+    by = {(p.strategy, p.n): p for p in project_scaling(w, link, n=(2, 8, 512),
+                                                        strategies=("ddp", "ddp_topk", "ddp_qsgd"))}
+    # Top-K: each rank contributes 8 bytes per kept entry (fp32 value + int32 index), the all-gather delivers N of them
+    assert by["ddp_topk", 8].comm_s == pytest.approx(allgather_seconds(8 * 0.01 * 1e8 * 8, 8, link))
+    # QSGD: 4 bits + one fp32 norm per 128 entries, per rank
+    assert by["ddp_qsgd", 8].comm_s == pytest.approx(allgather_seconds(8 * 1e8 * (0.5 + 4 / 128), 8, link))
+    for strategy, fewer in (("ddp_topk", 40), ("ddp_qsgd", 7)):
+        assert by[strategy, 2].comm_s < by["ddp", 2].comm_s / fewer  # few ranks: far fewer bytes
+        assert by[strategy, 512].comm_s > by["ddp", 512].comm_s  # all-gather bytes grow with N: a loss at scale

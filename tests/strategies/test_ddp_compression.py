@@ -152,18 +152,19 @@ def test_compression_strings_train_count_bytes_accumulate_and_resume(ddp_script,
         assert out["ddp_powersgd"]["logged"]["comm/compression_rate"] == pytest.approx(compressed_rate)
         # accumulation: 6 optimizer steps of 2 micro-batches communicate 6 times
         assert out["accumulate"]["stats"]["steps"] == 6
-        # resume: the counter continues from 8, stats are cumulative, PowerSGD compressed after the rebuild steps
+        # resume: the counter continues from 8, stats are cumulative, PowerSGD compresses from the first step on
         assert out["psgd_first"]["powersgd_iter"] == 8
         resumed = out["psgd_resumed"]
         assert resumed["powersgd_iter"] == 14
         assert resumed["stats"]["steps"] == 14
-        assert resumed["stats"]["powersgd_steps"] == out["psgd_first"]["stats"]["powersgd_steps"] + 6 - 2
-        # resumed training goes on improving, close to an uninterrupted run (error feedback restarts from zero)
+        assert resumed["stats"]["powersgd_steps"] == out["psgd_first"]["stats"]["powersgd_steps"] + 6
+        # a max_steps stop is mid-epoch: the loader restarts its epoch on resume (plain DDP differs too), so this
+        # is close, not equal (within 5 %; measured 4.4 %); the epoch-boundary resume of
+        # tests/strategies/test_compression_hooks_ddp.py is bit-exact
         assert resumed["eval_loss"] < out["psgd_first"]["eval_loss"]
         straight = out["psgd_straight"]["eval_loss"]
-        # (mid-curve, 6 steps after the restart: within 5 %; measured 2.7 %)
         assert abs(resumed["eval_loss"] - straight) <= 0.05 * straight, (resumed["eval_loss"], straight)
-        assert "powersgd_iter" in out["checkpoint_key"] and "comm_stats" in out["checkpoint_key"]
+        assert {"powersgd_iter", "comm_stats", "ranks", "world_size"} <= set(out["checkpoint_key"])
     assert ranks[0]["ddp_powersgd"]["eval_loss"] == pytest.approx(ranks[1]["ddp_powersgd"]["eval_loss"])
 
 

@@ -1,5 +1,6 @@
 """exit_distributed: a finished multi-process script ends without the interpreter-teardown abort, and loses nothing."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -78,3 +79,80 @@ def test_without_a_process_group_it_is_a_plain_exit():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 5, proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_registered_clean_exit_leaves_with_the_scripts_code_when_threads_outlive_the_group(tmp_path):
+    # the strategies call register_clean_exit(); the script itself ends with a plain sys.exit(3)
+    out = tmp_path / "result.txt"
+    proc = _run(f"""
+        from lightning_accel.strategies.shutdown import register_clean_exit
+        held = dist.group.WORLD  # as DeepSpeed holds it
+        register_clean_exit()
+        register_clean_exit()  # idempotent: one handler
+        with open({str(out)!r}, "w") as f:
+            f.write("done")
+        print("unflushed", end="")
+        sys.exit(3)
+    """, _free_port())
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.count("atexit handler ran") == 1  # the other handlers ran, once
+    assert proc.stdout.startswith("unflushed")
+    assert out.read_text() == "done"
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_registered_clean_exit_destroys_the_group_and_reports_an_uncaught_exception():
+    proc = _run("""
+        from lightning_accel.strategies.shutdown import register_clean_exit
+        # registered before the strategy's handler: runs after it
+        atexit.register(lambda: print("group destroyed:", not dist.is_initialized(), flush=True))
+        register_clean_exit()
+        raise RuntimeError("user error")
+    """, _free_port())
+    assert proc.returncode == 1
+    assert "RuntimeError: user error" in proc.stderr
+    assert "group destroyed: True" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+def test_an_exit_status_no_hook_saw_is_never_replaced_under_pytest():
+    # `python -m pytest` ends with `raise SystemExit(status)`: with threads outliving the group the handler must not
+    # os._exit(0) over a failing run's status
+    proc = _run("""
+        import _pytest  # noqa: F401
+        from lightning_accel.strategies import shutdown
+        real = shutdown.destroy_process_groups
+        # as if threads outlived the groups (they do not here: the real call joins them, so teardown stays safe)
+        shutdown.destroy_process_groups = lambda: (real(), True)[1]
+        shutdown.register_clean_exit()
+        raise SystemExit(5)
+    """, _free_port())
+    assert proc.returncode == 5, proc.stderr
+
+
+def _bench_clean_exit():
+    spec = importlib.util.spec_from_file_location("bench_clean_exit", REPO / "benchmarks" / "bench_clean_exit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp_topk", "fsdp2"])
+def test_a_plain_user_script_ends_with_exit_code_0(strategy, tmp_path):
+    # one run each here; benchmarks/bench_clean_exit.py loops 50 runs per strategy
+    proc = _bench_clean_exit().run_user_script(strategy, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 finished" in proc.stdout and "rank 1 finished" in proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_a_user_script_under_deepspeed_keeps_its_exit_code(tmp_path):
+    # ZeRO-3 keeps the group referenced: the strategy's exit handler leaves with os._exit and the script's code
+    proc = _bench_clean_exit().run_user_script("deepspeed_zero3", tmp_path, exit_code=3)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 0 finished" in proc.stdout and "rank 1 finished" in proc.stdout
+    assert "terminate called" not in proc.stderr

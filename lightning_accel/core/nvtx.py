@@ -1,0 +1,162 @@
+"""NVTX ranges for the doctor's stages, in a ``lightning_accel`` domain, so an nsys timeline shows which stage
+launched each kernel (framework-free: torch and, when installed, NVIDIA's ``nvtx`` package).
+
+One emitter, :class:`StageRanges`, is called at the stage boundaries only: the
+:class:`~lightning_accel.core.stages.StageMachine`'s switch (data wait, transfer, forward, backward, optimizer:
+one open at a time, so a push when a stage opens and a pop when it closes) and the
+:class:`~lightning_accel.core.comm.CommRecorder`'s bucket launch / completion (communication: asynchronous,
+overlapping the backward range and completing on the backend's thread, so a start/end range per bucket).
+:func:`nvtx_range` is the same emitter as a context manager, for the Autopilot's trials or any other block.
+
+* Opt-in: nothing is emitted unless a :class:`StageRanges` is given (``BottleneckDoctor(nvtx=True)``); off, the
+  stage machine pays one ``is None`` test per switch.
+* Skipped inside compiled regions (``torch.compiler.is_compiling()``), as DeepSpeed's instrumentation does: a
+  range pushed while dynamo traces would be a graph break or a stale call.
+* Backend: the ``nvtx`` package (``pip install nvtx``), whose ranges carry the ``lightning_accel`` domain that
+  ``nsys`` shows as its own row; without it ``torch.cuda.nvtx`` (no domains: names are prefixed
+  ``lightning_accel/``). Both are no-ops, at about a microsecond a call, when no profiler is attached.
+
+Usage with nsys (capture only the steps between ``cudaProfilerStart`` and ``cudaProfilerStop``, which
+:class:`~lightning_accel.callbacks.nsys_capture.NsysCapture` calls)::
+
+    nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o timeline python train.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["DOMAIN", "NvtxBackend", "StageRanges", "nvtx_range"]
+
+#: the NVTX domain of every range this package emits
+DOMAIN = "lightning_accel"
+
+
+class NvtxBackend(Protocol):
+    """What :class:`StageRanges` calls (the ``nvtx`` package's functions, or a mock in tests)."""
+
+    def push_range(self, message: str, domain: str) -> None: ...
+    def pop_range(self, domain: str) -> None: ...
+    def start_range(self, message: str, domain: str) -> Any: ...
+    def end_range(self, handle: Any) -> None: ...
+
+
+class _NvtxPackage:
+    """NVIDIA's ``nvtx`` package: ranges in a named domain."""
+
+    def __init__(self, module: Any) -> None:
+        self._nvtx = module
+
+    def push_range(self, message: str, domain: str) -> None:
+        self._nvtx.push_range(message, domain=domain)
+
+    def pop_range(self, domain: str) -> None:
+        self._nvtx.pop_range(domain=domain)
+
+    def start_range(self, message: str, domain: str) -> Any:
+        return self._nvtx.start_range(message, domain=domain)
+
+    def end_range(self, handle: Any) -> None:
+        self._nvtx.end_range(handle)
+
+
+class _TorchNvtx:
+    """``torch.cuda.nvtx`` (no domains: the domain becomes a name prefix)."""
+
+    def push_range(self, message: str, domain: str) -> None:
+        torch.cuda.nvtx.range_push(f"{domain}/{message}")
+
+    def pop_range(self, domain: str) -> None:
+        torch.cuda.nvtx.range_pop()
+
+    def start_range(self, message: str, domain: str) -> Any:
+        return torch.cuda.nvtx.range_start(f"{domain}/{message}")
+
+    def end_range(self, handle: Any) -> None:
+        torch.cuda.nvtx.range_end(handle)
+
+
+def _default_backend() -> NvtxBackend:
+    try:
+        import nvtx
+    except ImportError:
+        return _TorchNvtx()
+    return _NvtxPackage(nvtx)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+class StageRanges:
+    """Emits the doctor's stages as NVTX ranges (see the module docstring).
+
+    Args:
+        domain: the NVTX domain (default ``"lightning_accel"``).
+        backend: where the calls go (default: the ``nvtx`` package, else ``torch.cuda.nvtx``); tests pass a mock.
+    """
+
+    def __init__(self, *, domain: str = DOMAIN, backend: NvtxBackend | None = None) -> None:
+        if not isinstance(domain, str) or not domain:
+            raise ValueError(f"StageRanges(domain={domain!r}): give a non-empty name, e.g. 'lightning_accel'")
+        self.domain = domain
+        self.backend = backend if backend is not None else _default_backend()
+        self._open: list[str] = []  # pushed and not popped yet (what a cancel or a finish pops)
+
+    def switch(self, old: str | None, new: str | None) -> None:
+        """A stage boundary: close ``old``'s range (if this emitter opened it), open ``new``'s."""
+        if _compiling():
+            return
+        if old is not None and self._open and self._open[-1] == old:
+            self._open.pop()
+            self.backend.pop_range(self.domain)
+        if new is not None:
+            self.backend.push_range(new, self.domain)
+            self._open.append(new)
+
+    def close_all(self) -> None:
+        """Pop every range still open (a cancelled step, the end of the fit): the pushes and pops stay balanced."""
+        while self._open:
+            self._open.pop()
+            self.backend.pop_range(self.domain)
+
+    def start(self, name: str) -> Any:
+        """Open a range that may end on another thread (a bucket's all-reduce); returns its handle (or None)."""
+        if _compiling():
+            return None
+        return self.backend.start_range(name, self.domain)
+
+    def end(self, handle: Any) -> None:
+        """Close a range opened by :meth:`start` (a ``None`` handle is ignored)."""
+        if handle is not None:
+            self.backend.end_range(handle)
+
+    @property
+    def open_ranges(self) -> list[str]:
+        """The pushed ranges not popped yet, outermost first."""
+        return list(self._open)
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str, ranges: StageRanges | None = None) -> Iterator[None]:
+    """``with nvtx_range("autopilot/trial compile"):`` — one NVTX range around a block (the Autopilot's trials).
+
+    Args:
+        name: the range's name.
+        ranges: the emitter to use (default: a new one in the ``lightning_accel`` domain); ``None`` handling is
+            the caller's: pass an emitter only when NVTX is on.
+    """
+    emitter = ranges if ranges is not None else StageRanges()
+    if _compiling():
+        yield
+        return
+    emitter.backend.push_range(name, emitter.domain)
+    try:
+        yield
+    finally:
+        emitter.backend.pop_range(emitter.domain)
