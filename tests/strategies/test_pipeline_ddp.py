@@ -124,11 +124,12 @@ STEPS = 10
 out = {}
 # (kind, schedule, accumulate); "pp" with the strategy's defaults for the first one
 RUNS = [("demo", None, 1), ("demo", "gpipe", 2), ("llama", "1f1b", 1), ("llama", "gpipe", 2), ("gpt2", "1f1b", 1),
-        ("litgpt", "1f1b", 2)]
+        ("litgpt", "1f1b", 2), ("demo", "interleaved_1f1b", 1)]
 for kind, schedule, accumulate in RUNS:
     if kind not in KINDS:
         continue
-    strategy = "pp" if schedule is None else PipelineStrategy(schedule=schedule, microbatches=4)
+    stages = 4 if schedule == "interleaved_1f1b" else None  # 2 stages on each rank, looped
+    strategy = "pp" if schedule is None else PipelineStrategy(schedule=schedule, microbatches=4, stages=stages)
     t = trainer(strategy, STEPS, accumulate=accumulate)
     task = Task(kind)
     t.fit(task)
@@ -203,13 +204,74 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         for rank in ranks:  # every rank's own parameters: the stages' weights after 10 steps
             assert rank[name]["dw"] <= 1e-4, (name, rank[name]["dw"])
         assert ranks[0][name]["n"] > 0 and ranks[1][name]["n"] > 0
-        assert ranks[0][name]["plan"] == [[0, 1], [2, 3]]  # 4 equal blocks: 2 each
+        # 4 equal blocks: 2 on each stage; interleaved: 4 stages of 1, stages 0 and 2 on rank 0
+        assert ranks[0][name]["plan"] == ([[0], [1], [2], [3]] if "interleaved" in name else [[0, 1], [2, 3]])
         assert 0.0 <= ranks[0][name]["bubble"] <= 1.0
     assert ranks[0]["demo_None_1"]["expected"] == pytest.approx(1 / 3)  # "pp" defaults: 2 micro-batches
     assert ranks[0]["demo_gpipe_2"]["expected"] == pytest.approx(1 / 5)
+    assert ranks[0]["demo_interleaved_1f1b_1"]["expected"] == pytest.approx(1 / 9)  # (P-1)/(V·m+P-1), V=2, m=4
     for rank in ranks:
         assert rank["resume_dw"] <= 1e-5
         assert rank["consolidated_dw"] <= 1e-5
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
         assert rank["hook_ok"] == 2
         assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+
+
+STALL = COMMON + r"""
+import time
+
+
+class Stall(pl.Callback):  # rank 1 stops answering at the third step (a deadlocked or hung peer)
+    def on_train_batch_start(self, trainer, module, batch, i):
+        if i == 2 and trainer.global_rank == 1:
+            time.sleep(25)
+            os._exit(0)  # never comes back to the schedule
+
+
+t = trainer(PipelineStrategy(timeout=8), 6, callbacks=[Stall()])
+try:
+    t.fit(Task("demo"))
+    error = "no error"
+except RuntimeError as err:
+    error = str(err)
+with open(f"stall_rank{t.global_rank}.json", "w") as fh:
+    json.dump({"error": error, "step": t.global_step}, fh)
+os._exit(0)
+"""
+
+
+@pytest.mark.distributed
+def test_a_peer_that_stops_answering_times_out_naming_rank_and_stage(ddp_script, tmp_path):
+    ddp_script(STALL, timeout=120)
+    import json
+
+    rank0 = json.loads((tmp_path / "stall_rank0.json").read_text())
+    assert rank0["step"] == 2
+    assert "pipeline rank 0 (stage 0 of 2)" in rank0["error"] and "stopped answering" in rank0["error"]
+
+
+PP_DDP = COMMON + r"""
+STEPS = 10
+monitor = Losses()
+t = trainer("pp_ddp", STEPS, devices=4, callbacks=[monitor])
+task = Task("demo")
+t.fit(task)
+s = t.strategy
+out = {"dw": max_dw(task, reference("demo", STEPS, size=2 * BATCH)), "sizes": [s.pp_size, s.dp_size],
+       "coords": [s.pp_rank, s.dp_rank], "losses": monitor.losses}
+with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_path):
+    ddp_script(PP_DDP, timeout=300)
+    ranks = read_rank_json(tmp_path, "ppddp", world_size=4)
+    assert [r["coords"] for r in ranks] == [[0, 0], [0, 1], [1, 0], [1, 1]]  # consecutive ranks: replicas
+    assert all(r["sizes"] == [2, 2] for r in ranks)
+    for r in ranks:  # each replica trained on its half of the batch of 8; averaged: the one-process weights
+        assert r["dw"] <= 1e-4
+    assert ranks[0]["losses"] == ranks[2]["losses"]  # a pipeline's stages report its loss
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # the replicas saw different data

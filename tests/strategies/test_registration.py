@@ -24,7 +24,7 @@ def test_import_registers_strings_without_importing_strategy_modules():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "13"
+    assert proc.stdout.strip() == "15"
 
 
 def test_demo_strategy_flag_is_validated_and_used():
