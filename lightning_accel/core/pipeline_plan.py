@@ -20,7 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "StagePlan", "bubble_fraction", "check_schedule", "plan_stages", "stage_ranks"]
+from lightning_accel.core.findings import Finding
+
+__all__ = ["SCHEDULES", "StagePlan", "bubble_finding", "bubble_fraction", "check_schedule", "plan_stages",
+           "stage_ranks"]
 
 #: schedule name -> (torch class name, whether it runs several stages per rank)
 SCHEDULES: dict[str, tuple[str, bool]] = {
@@ -187,3 +190,37 @@ def bubble_fraction(pipeline_ranks: int, microbatches: int, stages_per_rank: int
         raise ValueError(f"bubble_fraction needs positive sizes, got P={pipeline_ranks}, m={microbatches}, "
                          f"V={stages_per_rank}")
     return (pipeline_ranks - 1) / (stages_per_rank * microbatches + pipeline_ranks - 1)
+
+
+def bubble_finding(bubbles: Sequence[float | None], *, pipeline_ranks: int, microbatches: int,
+                   stages_per_rank: int = 1, schedule: str = "1f1b", threshold: float = 0.2) -> Finding | None:
+    """The ``pipeline_bubble`` finding when the idle share of a pipeline step is above ``threshold`` on any rank.
+
+    Args:
+        bubbles: each rank's measured idle share (1 - its stages' compute time / the step's wall time).
+        pipeline_ranks / microbatches / stages_per_rank: ``P``, ``m``, ``V`` of the run.
+        schedule: the schedule's name, for the fix.
+        threshold: the idle share above which the bubble is reported.
+
+    The fix named: more micro-batches (the bubble falls to ``(P-1)/(2V·m+P-1)`` with twice as many), interleaving
+    (``V = 2``), and, when the measured bubble is well above the formula, balancing the stages (the slowest stage
+    sets the pace) or fewer, larger point-to-point messages.
+    """
+    known = [b for b in bubbles if b is not None]
+    if not known or max(known) <= threshold:
+        return None
+    expected = bubble_fraction(pipeline_ranks, microbatches, stages_per_rank)
+    per_rank = ", ".join(f"rank {r}: {b:.0%}" if b is not None else f"rank {r}: ?" for r, b in enumerate(bubbles))
+    evidence = (f"the pipeline bubble (ranks idle waiting for other stages) is {per_rank} of the step; "
+                f"(P-1)/(V·m+P-1) = {expected:.0%} for P={pipeline_ranks} ranks, m={microbatches} micro-batches, "
+                f"V={stages_per_rank} stages per rank.")
+    fixes = [f"more micro-batches: PipelineStrategy(microbatches={2 * microbatches}) (bubble "
+             f"{bubble_fraction(pipeline_ranks, 2 * microbatches, stages_per_rank):.0%}; needs a batch divisible by "
+             f"it: raise the batch size or accumulate less)"]
+    if stages_per_rank == 1 and schedule != "interleaved_1f1b":
+        fixes.append(f"interleave: schedule='interleaved_1f1b', stages={2 * pipeline_ranks} (bubble "
+                     f"{bubble_fraction(pipeline_ranks, microbatches, 2):.0%})")
+    if max(known) > expected + 0.15:
+        fixes.append("the measured bubble is well above the formula: balance the stages (blocks_per_stage=...; the "
+                     "slowest stage sets the pace) or the point-to-point sends dominate (larger micro-batches)")
+    return Finding("pipeline_bubble", "forward", evidence, "; ".join(fixes) + ".", max(known))

@@ -25,9 +25,11 @@ gradients are summed before every optimizer step.
 
 **The loss.** The batch is ``(inputs, targets)`` (next-token targets already shifted), or token ids alone
 (``ids``, ``(ids,)`` or ``{"input_ids": ids}``: the targets are the ids shifted by one, as Hugging Face's
-``labels=ids`` does); the last stage computes the token cross-entropy. On the first batch the module's own
-``training_step`` runs once on the whole (unsplit) network, in eval mode without gradients, and its loss must equal
-the pipeline's loss on that batch (also eval mode), or the strategy stops with both numbers. Modules that need
+``labels=ids`` does); the last stage computes the token cross-entropy. On the first batch (when the strategy moves
+it to the device, before any callback's ``on_train_batch_start``, so MFUMonitor's count and the doctor's step time
+exclude it) the module's own ``training_step`` runs once on the whole (unsplit) network in eval mode without
+gradients, and its loss must equal the pipeline's on that batch (one schedule step in eval mode, its gradients
+discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Modules that need
 something else implement either or both hooks::
 
     def pipeline_batch(self, batch) -> tuple[Tensor, Tensor]:   # (what goes into stage 0, the last stage's target)
@@ -708,18 +710,13 @@ class PipelineStrategy(DDPStrategy):
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         batch = args[0] if args else kwargs.get("batch")
         inputs, targets = self._pipeline_batch(batch)
-        if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"pipeline: a batch of {inputs.shape[0]} does not divide into microbatches="
-                             f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} "
-                             "(drop_last=True for a short last batch), or other microbatches")
+        self._check_divides(inputs)
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         self._loss_divisor = float(self.microbatches * accumulate)
         with self.precision_plugin.train_step_context():
-            if not self._checked and self.check_loss:
-                self._check_first_batch(module, args, kwargs, inputs, targets)
-            self._checked = True
-            self._offstage = {}  # checked: the other stages' modules are no longer needed on this rank
+            if not self._checked:  # not seen by batch_to_device (a loop that bypasses it)
+                self._first_batch(module, args, kwargs, inputs, targets)
             # Lightning zeroes the gradients between training_step and backward (its Closure: step, zero_grad,
             # backward), or keeps them while it accumulates: the schedule runs on cleared gradients, the earlier ones
             # go back for Lightning to zero or keep, and the schedule's are added in backward()
@@ -737,29 +734,78 @@ class PipelineStrategy(DDPStrategy):
                 p.grad = grad
         return loss
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        from lightning_accel._compat import module_trainer
+
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        module = self.lightning_module
+        trainer = module_trainer(module) if module is not None else None
+        if not self._checked and trainer is not None and trainer.training and self._schedule is not None:
+            # the first training batch, before any callback's on_train_batch_start: the check and the schedule's
+            # set-up run outside what MFUMonitor counts and BottleneckDoctor times as the step
+            inputs, targets = self._pipeline_batch(batch)
+            self._check_divides(inputs)
+            with self.precision_plugin.train_step_context():
+                self._first_batch(module, (batch, 0), {}, inputs, targets)
+        return batch
+
+    def _check_divides(self, inputs: torch.Tensor) -> None:
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(f"pipeline: a batch of {inputs.shape[0]} does not divide into microbatches="
+                             f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} "
+                             "(drop_last=True for a short last batch), or other microbatches")
+
+    def _first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
+                     targets: torch.Tensor) -> None:
+        self._check_first_batch(module, args, kwargs, inputs, targets)
+        self._checked = True
+        self._offstage = {}  # checked: the other stages' modules are no longer needed on this rank
+
     def _check_first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
                            targets: torch.Tensor) -> None:
-        """The module's own ``training_step`` on the whole network vs the pipeline's loss, both in eval mode."""
+        """The module's own ``training_step`` on the whole network vs the pipeline's loss, both in eval mode (with
+        ``check_loss=False`` only the pipeline's step, which sets up the schedule)."""
+        from lightning_accel._compat import suspended_dispatch_modes
+
         was = module.training
         module.eval()
         try:
-            self._loss_divisor, divisor = 1.0, self._loss_divisor
-            piped = float(self._run(inputs, targets, train=False))
-            self._loss_divisor = divisor
-            device = self.root_device
-            swapped = self._restore_offstage()
-            try:
-                if device.type != "cpu":
-                    module.to("cpu")
-                cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
-                with torch.no_grad():
-                    out = module.training_step(*cpu_args[0], **cpu_args[1])
-            finally:
-                self._remove_offstage(swapped)
-                if device.type != "cpu":
-                    module.to(device)
+            # not model FLOPs of the step: a FLOP counter around it (MFUMonitor's first batch) does not see the check
+            with suspended_dispatch_modes():
+                self._check_losses(module, args, kwargs, inputs, targets)
         finally:
             module.train(was)
+
+    def _check_losses(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> None:
+        # a whole schedule step (its backward sets up the schedule's buffers, which must not happen under a FLOP
+        # counter's module tracking: torch 2.13 refuses that autograd.grad), its gradients discarded
+        params = list(module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        divisor, self._loss_divisor = self._loss_divisor, 1.0
+        try:
+            piped = float(self._run(inputs, targets, train=True))
+        finally:
+            self._loss_divisor = divisor
+            for p, grad in zip(params, earlier):
+                p.grad = grad
+        if not self.check_loss:
+            return
+        device = self.root_device
+        swapped = self._restore_offstage()
+        try:
+            if device.type != "cpu":  # the whole network does not fit the device: it runs once on the host
+                module.to("cpu")
+            cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
+            with torch.no_grad():
+                out = module.training_step(*cpu_args[0], **cpu_args[1])
+        finally:
+            self._remove_offstage(swapped)
+            if device.type != "cpu":
+                module.to(device)
         own = out["loss"] if isinstance(out, dict) else out
         if not isinstance(own, torch.Tensor):
             raise ValueError("pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
@@ -828,6 +874,25 @@ class PipelineStrategy(DDPStrategy):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(self.dp_size)
+
+    def bubble_per_rank(self, skip: int = 1) -> list[float | None]:
+        """Every rank's measured bubble (a collective: call it on all ranks)."""
+        import torch.distributed as dist
+
+        mine = self.stats.bubble(skip)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    def bubble_finding(self, skip: int = 1, threshold: float = 0.2) -> Any:
+        """The ``pipeline_bubble`` finding of this run (a collective), or ``None`` below ``threshold``."""
+        from lightning_accel.core.pipeline_plan import bubble_finding
+
+        return bubble_finding(self.bubble_per_rank(skip), pipeline_ranks=self.pp_size,
+                              microbatches=self.microbatches, stages_per_rank=self.stats.stages_per_rank,
+                              schedule=self.schedule_name, threshold=threshold)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     @override

@@ -172,3 +172,16 @@ def test_strings_are_registered():
 
     assert "pp" in StrategyRegistry and "pp_ddp" in StrategyRegistry
     assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"
+
+
+def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
+    from lightning_accel.core.pipeline_plan import bubble_finding
+
+    assert bubble_finding([0.1, 0.12], pipeline_ranks=2, microbatches=8) is None  # under the threshold
+    f = bubble_finding([0.36, 0.29], pipeline_ranks=2, microbatches=4)
+    assert f is not None and f.rule == "pipeline_bubble" and f.value == pytest.approx(0.36)
+    assert "rank 0: 36%, rank 1: 29%" in f.evidence and "= 20% for P=2 ranks, m=4" in f.evidence
+    assert "microbatches=8) (bubble 11%" in f.fix and "stages=4 (bubble 11%)" in f.fix
+    assert "balance the stages" in f.fix  # 36% is well above the formula's 20%
+    g = bubble_finding([0.5, None], pipeline_ranks=2, microbatches=1, stages_per_rank=1, schedule="gpipe")
+    assert g is not None and "rank 1: ?" in g.evidence and "balance" not in g.fix

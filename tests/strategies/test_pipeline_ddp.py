@@ -186,6 +186,21 @@ try:
     out["divide"] = "no error"
 except ValueError as err:
     out["divide"] = str(err)
+
+# measuring: MFUMonitor counts each rank's own stages (per device); BottleneckDoctor reports the bubble per rank
+from lightning_accel.callbacks import BottleneckDoctor, MFUMonitor
+from lightning_accel.core.flops import FlopCounter
+
+monitor = MFUMonitor(window=2, warmup_batches=1, peak_flops=1e12, print_summary=False)
+doctor = BottleneckDoctor(window=2, warmup_batches=1, print_report=False)
+t = trainer(PipelineStrategy(schedule="gpipe", microbatches=1), 6, callbacks=[monitor, doctor],
+            default_root_dir=".")
+t.fit(Task("demo"))
+counter = FlopCounter()
+counter.start()
+loss_of("demo", build("demo"), batch_of("demo", 0, BATCH)).backward()
+out["flops"] = {"mine": monitor.summary.get("flops_per_batch"), "total": counter.stop()}
+out["doctor"] = [[f.rule, f.evidence, f.fix] for f in doctor.report.findings]
 with open(f"pp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -199,7 +214,7 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
     ddp_script(SCRIPT, timeout=500, args=[",".join(KINDS)])
     ranks = read_rank_json(tmp_path, "pp")
     for name, result in ranks[0].items():
-        if not isinstance(result, dict):
+        if not (isinstance(result, dict) and "dw" in result):
             continue
         for rank in ranks:  # every rank's own parameters: the stages' weights after 10 steps
             assert rank[name]["dw"] <= 1e-4, (name, rank[name]["dw"])
@@ -216,6 +231,13 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
         assert rank["hook_ok"] == 2
         assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+        # each rank counts the FLOPs its own stage ran; together they are the one-process step's
+        assert 0 < rank["flops"]["mine"] < rank["flops"]["total"]
+        bubble = [f for f in rank["doctor"] if f[0] == "pipeline_bubble"]
+        assert bubble and "rank 0:" in bubble[0][1] and "rank 1:" in bubble[0][1] and "= 50% for P=2" in bubble[0][1]
+        assert "microbatches=2" in bubble[0][2] and "interleaved_1f1b" in bubble[0][2]
+    assert ranks[0]["flops"]["mine"] + ranks[1]["flops"]["mine"] == pytest.approx(ranks[0]["flops"]["total"],
+                                                                                 rel=1e-6)
 
 
 STALL = COMMON + r"""
