@@ -762,6 +762,24 @@ class PipelineStrategy(DDPStrategy):
         self._checked = True
         self._offstage = {}  # checked: the other stages' modules are no longer needed on this rank
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The pipeline's loss on the batch (forward only), logged as ``val_loss`` (the network is split: the
+        module's own ``validation_step`` cannot run)."""
+        module = self.lightning_module
+        assert module is not None
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        inputs, targets = self._pipeline_batch(args[0] if args else kwargs.get("batch"))
+        self._check_divides(inputs)
+        divisor, self._loss_divisor = self._loss_divisor, 1.0
+        try:
+            with self.precision_plugin.val_step_context():
+                loss = self._run(inputs, targets, train=False)
+        finally:
+            self._loss_divisor = divisor
+        module.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=inputs.shape[0])
+        return loss
+
     def _check_first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
                            targets: torch.Tensor) -> None:
         """The module's own ``training_step`` on the whole network vs the pipeline's loss, both in eval mode (with
@@ -800,9 +818,12 @@ class PipelineStrategy(DDPStrategy):
             if device.type != "cpu":  # the whole network does not fit the device: it runs once on the host
                 module.to("cpu")
             cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
+            # the check is not a step: what training_step logs is not logged (Lightning also refuses logging here)
+            module.log, module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
             with torch.no_grad():
                 out = module.training_step(*cpu_args[0], **cpu_args[1])
         finally:
+            del module.log, module.log_dict
             self._remove_offstage(swapped)
             if device.type != "cpu":
                 module.to(device)
@@ -940,6 +961,10 @@ class PipelineStrategy(DDPStrategy):
         self._schedule = None
         self._stages = []
         super().teardown()
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -185,3 +185,22 @@ def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
     assert "balance the stages" in f.fix  # 36% is well above the formula's 20%
     g = bubble_finding([0.5, None], pipeline_ranks=2, microbatches=1, stages_per_rank=1, schedule="gpipe")
     assert g is not None and "rank 1: ?" in g.evidence and "balance" not in g.fix
+
+
+def test_the_scaling_model_projects_pp_x_tp_x_dp_with_the_bubble_and_point_to_point_bytes():
+    from lightning_accel.core.scaling import ScalingWorkload, get_interconnect, project_scaling
+
+    w = ScalingWorkload(compute_s=8.0, params=10**9, grad_bytes=2, n_layers=32, hidden_size=4096,
+                        tokens_per_step=32768, activation_bytes=2)
+    link = get_interconnect("infiniband_ndr")
+    (pp,) = project_scaling(w, link, n=[64], strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)
+    assert (pp.pp_size, pp.tp_size) == (4, 8)
+    slot = 8.0 / (8 * 4 * 16)
+    assert pp.bubble_s == pytest.approx(3 * slot)  # (P-1) idle slots of one micro-batch's stage compute
+    act = 32768 / 16 * 4096 * 2  # one micro-batch's activations cross each stage boundary, forward and backward
+    assert pp.p2p_s == pytest.approx((16 + 3) * 2 * (link.latency + act / link.bandwidth))
+    assert pp.efficiency < 16 / 19  # never better than the bubble allows: m / (m + P - 1)
+    more = project_scaling(w, link, n=[64], strategies=["pp"], tp_size=8, pp_size=4, microbatches=64)[0]
+    assert more.efficiency > pp.efficiency  # more micro-batches: a smaller bubble
+    with pytest.raises(ValueError, match=r"pp_size=4 x tp_size=8 does not divide n=48"):
+        project_scaling(w, link, n=[48], strategies=["pp"], tp_size=8, pp_size=4)
