@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 CPU processes: the measured bubble vs (P-1)/(m+P-1), and the step time vs one process.
 
     python benchmarks/bench_pipeline.py [--steps 14] [--layers 8] [--width 256]
+    python benchmarks/bench_pipeline.py --projection     # the 70B-class projection only (no processes)
 
 Trains the demo GPT (``--layers`` blocks of width ``--width``, batch 16 x 64 tokens) with ``strategy="pp"``
 (GPipe, 2 stages, one torch thread per process) for m in {1, 2, 4, 8} micro-batches, and reads each rank's bubble
@@ -59,12 +60,38 @@ class Times(pl.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
+def projection() -> None:
+    """What ``project_scaling`` says for a 70B-class model (Llama-2-70B shape) on 64 and 512 H100s."""
+    from lightning_accel.core.scaling import ScalingWorkload, project_scaling
+
+    params, tokens = 70 * 10**9, 8 * 4096  # 8 sequences of 4096 tokens per model replica per step
+    # one device's step at 40 % MFU of the H100's 989 TFLOP/s dense bf16 (6 FLOPs per parameter and token)
+    compute = 6 * params * tokens / (989e12 * 0.4)
+    w = ScalingWorkload(compute_s=compute, params=params, grad_bytes=2, param_bytes=2, n_layers=80,
+                        hidden_size=8192, tokens_per_step=tokens, activation_bytes=2)
+    print(f"70B-class projection (80 layers, hidden 8192, bf16, {tokens} tokens per replica step, "
+          f"InfiniBand NDR between nodes, NVLink inside): efficiency = ideal / projected step")
+    print(f"{'strategy':<34} {'N=64':>7} {'N=512':>7}")
+    rows = [("TP 8 x DP (no PP)", dict(strategies=["tp"], tp_size=8)),
+            ("ZeRO-3 (no PP)", dict(strategies=["zero3"])),
+            ("PP 4 x TP 8 x DP, m=16", dict(strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)),
+            ("PP 8 x TP 8 x DP, m=32", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=32)),
+            ("PP 8 x TP 8 x DP, m=8", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=8))]
+    for name, kw in rows:
+        points = project_scaling(w, "infiniband_ndr", n=[64, 512], **kw)
+        print(f"{name:<34} " + " ".join(f"{p.efficiency:>7.2f}" for p in points))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--projection", action="store_true", help="print the 70B-class projection and stop")
     args = parser.parse_args()
+    if args.projection:
+        projection()
+        return
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=args.layers, n_head=4, d_model=args.width)
     data = torch.randint(0, VOCAB, (BATCH * args.steps, SEQ + 1), generator=torch.Generator().manual_seed(0))

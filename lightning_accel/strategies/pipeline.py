@@ -436,6 +436,7 @@ class PipelineStrategy(DDPStrategy):
         self._tied: list[tuple[str, str]] = []
         self._tie_group: Any = None
         self._checked = False
+        self._split_module: nn.Module | None = None
         self._compute = 0.0
         self._loss_divisor = 1.0
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
@@ -606,9 +607,15 @@ class PipelineStrategy(DDPStrategy):
             raise ValueError(f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
                              "stage would compute over its own parameters only; use gradient_clip_algorithm='value'")
         self.accelerator.setup(trainer)
-        self._make_groups()
-        self._broadcast_weights(module)
-        self._split(module)
+        if self._split_module is not module:  # a validate/test after fit reuses this Trainer's split
+            if any(isinstance(m, _Offstage) for m in module.modules()):
+                raise ValueError(f"pipeline: this {type(module).__name__} was split by another pp Trainer (its other "
+                                 "stages' modules are gone on this rank); build the module again, or load the "
+                                 "consolidated checkpoint into a fresh one")
+            self._make_groups()
+            self._broadcast_weights(module)
+            self._split(module)
+            self._split_module = module
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._build_schedule(trainer)

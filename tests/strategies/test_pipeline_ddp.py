@@ -139,6 +139,21 @@ for kind, schedule, accumulate in RUNS:
                                              "bubble": t.strategy.stats.bubble(),
                                              "expected": t.strategy.stats.expected_bubble}
 
+# validation runs the pipeline's forward-only loss (val_loss), also as trainer.validate after fit
+t = trainer("pp", 3, limit_val_batches=1)
+task = Task("demo")
+task.val_dataloader = lambda: DataLoader(TensorDataset(IDS[:8, :-1], IDS[:8, 1:]), batch_size=BATCH)
+t.fit(task)
+(metrics,) = t.validate(task, verbose=False)
+ref3 = reference("demo", 3)
+with torch.no_grad():
+    out["val"] = {"got": metrics["val_loss"], "want": float(loss_of("demo", ref3, batch_of("demo", 0, BATCH)))}
+try:
+    trainer("pp", 1).fit(task)
+    out["resplit"] = "no error"
+except ValueError as err:
+    out["resplit"] = str(err)
+
 # checkpoint: save after 4 steps, resume for 3 more == 7 uninterrupted (the loader restarts: batches 0-2 again)
 t = trainer("pp", 4)
 task = Task("demo")
@@ -226,6 +241,8 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
     assert ranks[0]["demo_gpipe_2"]["expected"] == pytest.approx(1 / 5)
     assert ranks[0]["demo_interleaved_1f1b_1"]["expected"] == pytest.approx(1 / 9)  # (P-1)/(V·m+P-1), V=2, m=4
     for rank in ranks:
+        assert rank["val"]["got"] == pytest.approx(rank["val"]["want"], rel=1e-5)
+        assert "was split by another pp Trainer" in rank["resplit"]
         assert rank["resume_dw"] <= 1e-5
         assert rank["consolidated_dw"] <= 1e-5
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
