@@ -108,8 +108,9 @@ def check_schedule(schedule: str, *, num_stages: int, pipeline_ranks: int, micro
                          f"(got microbatches={microbatches}); give microbatches={pipeline_ranks} or more (the bubble "
                          f"shrinks with more), or schedule='gpipe'")
     if multi and microbatches % pipeline_ranks:
+        up = pipeline_ranks * -(-microbatches // pipeline_ranks)
         raise ValueError(f"pipeline schedule={schedule!r}: microbatches={microbatches} must be a multiple of the "
-                         f"{pipeline_ranks} pipeline ranks; give microbatches={pipeline_ranks * -(-microbatches // pipeline_ranks)}")
+                         f"{pipeline_ranks} pipeline ranks; give microbatches={up}")
 
 
 def plan_stages(block_costs: Sequence[float], num_stages: int, *, pipeline_ranks: int | None = None,

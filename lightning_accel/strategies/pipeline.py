@@ -299,7 +299,8 @@ def find_layout(net: nn.Module) -> _Layout:
             continue
         token = _child(holder, _TOKEN, nn.Embedding)
         blocks = _child(holder, _BLOCKS, nn.ModuleList)
-        head = _child(net, _HEAD) or (_child(holder, _HEAD) and prefix + _child(holder, _HEAD))  # type: ignore[operator]
+        inner_head = _child(holder, _HEAD)
+        head = _child(net, _HEAD) or (prefix + inner_head if inner_head else None)
         if token and blocks and head:
             return _NanoGPT(net, prefix, token, _child(holder, _POSITION, nn.Embedding),
                             _child(holder, ("drop", "dropout"), nn.Dropout), blocks, _child(holder, _NORM), head)
@@ -481,7 +482,6 @@ class PipelineStrategy(DDPStrategy):
             group = dist.new_group(ranks) if self.dp_size > 1 else None
             if p == self.pp_rank:
                 self._dp_group = group
-        self._tie_groups = []
         for d in range(self.dp_size):
             ranks = [d, (self.pp_size - 1) * self.dp_size + d]
             group = dist.new_group(ranks) if self.pp_size > 1 else None
@@ -771,8 +771,8 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The pipeline's loss on the batch (forward only), logged as ``val_loss`` (the network is split: the
-        module's own ``validation_step`` cannot run)."""
+        """The pipeline's loss on the batch (forward only), logged as ``val_loss``: the network is split, so the
+        module's own ``validation_step`` (which Lightning requires to exist to run validation) is not called."""
         module = self.lightning_module
         assert module is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
