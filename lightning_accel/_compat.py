@@ -146,6 +146,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T, ("attention.py:SDPABackendRecorder",)),
     PrivateName("torch.utils._python_dispatch", "_get_current_dispatch_mode", _T,
                 ("callbacks/torch_compile.py:_dispatch_mode_active",)),
+    PrivateName("torch.utils._python_dispatch", "_disable_current_modes", _T,
+                ("strategies/pipeline.py:PipelineStrategy._check_first_batch",)),
     PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention.py:_Lazy",)),
     PrivateName("torch._C", "DisableTorchFunctionSubclass", _T, ("attention.py:_Lazy", "attention.py:_WeightsProbe")),
     PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention.py:_FusedOpCounter",),
@@ -249,6 +251,14 @@ def current_dispatch_mode() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+def suspended_dispatch_modes() -> Any:
+    """Context manager: every active ``TorchDispatchMode`` of this thread off (a FLOP counter does not count what
+    runs inside), restored on exit."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def disable_torch_function_subclass() -> Any:

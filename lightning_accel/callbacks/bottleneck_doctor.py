@@ -789,6 +789,11 @@ class BottleneckDoctor(Callback):
         except Exception as err:  # noqa: BLE001 - a report problem must not fail a finished fit
             warnings.warn(f"BottleneckDoctor: could not build the report ({err!r})", stacklevel=2)
             return
+        bubble = getattr(trainer.strategy, "bubble_finding", None)  # pp / pp_ddp: the pipeline bubble per rank
+        if callable(bubble):
+            finding = bubble(skip=min(self._skip, max(0, self._batches_seen - 1)))
+            if finding is not None:
+                self.report.findings.insert(0, finding)
         if not trainer.is_global_zero:
             return
         if self.print_report:

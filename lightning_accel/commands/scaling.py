@@ -24,7 +24,7 @@ ORDER = 35
 #: the cost model's name for a strategy string (None: not modelled)
 _MODELLED = {"ddp": "ddp", "ddp_fp16_compress": "ddp_fp16_compress", "ddp_bf16_compress": "ddp_bf16_compress",
              "ddp_powersgd": "ddp_powersgd", "deepspeed_zero1": "zero1", "deepspeed_zero2": "zero2",
-             "deepspeed_zero3": "zero3", "fsdp2": "zero3", "tp": "tp"}
+             "deepspeed_zero3": "zero3", "fsdp2": "zero3", "tp": "tp", "pp": "pp"}
 _SIZES = (2**12, 2**16, 2**20, 2**22)  # fp32 elements of the all-reduce probe: 16 KiB ... 16 MiB
 
 
@@ -150,13 +150,15 @@ def scaling_report(one: dict[str, Any], many: dict[str, Any], *, project: list[i
     modelled = _MODELLED.get(strategy)
     if many.get("allreduce") and modelled:
         link = fit_interconnect(many["allreduce"]["sizes"], many["allreduce"]["seconds"], n)
-        (at_n,) = project_scaling(workload, link, n=[n], strategies=[modelled], tp_size=n, tp_interconnect=link)
+        # the measured pp run: n stages, n micro-batches (the strategy's default), no TP
+        sizes = {"tp_size": 1, "pp_size": n, "microbatches": n} if modelled == "pp" else {"tp_size": n}
+        (at_n,) = project_scaling(workload, link, n=[n], strategies=[modelled], tp_interconnect=link, **sizes)
         out["measured_link"] = {"bandwidth_gbs": link.bandwidth / 1e9, "latency_us": link.latency * 1e6}
         out["predicted_efficiency"] = at_n.efficiency
         out["predicted_exposed_s"] = at_n.exposed_s
         if many.get("comm_share") is not None:
             out["measured_exposed_s"] = many["comm_share"] * many["step_s"]
-    names = ["ddp", "ddp_bf16_compress", "ddp_powersgd", "zero1", "zero2", "zero3", "tp"]
+    names = ["ddp", "ddp_bf16_compress", "ddp_powersgd", "zero1", "zero2", "zero3", "tp", "pp"]
     points = project_scaling(workload, interconnect, n=project, strategies=names, tp_size=tp_size)
     out["projection"] = [{"strategy": p.strategy, "n": p.n, "tp_size": p.tp_size, "step_s": p.step_s,
                           "exposed_share": p.exposed_share, "efficiency": p.efficiency} for p in points]
@@ -202,6 +204,7 @@ def _fixes(out: dict[str, Any], workload: Any, interconnect: Any, project: list[
             hint = {"ddp_bf16_compress": "strategy='ddp_bf16_compress' (half the bytes)",
                     "ddp_powersgd": "strategy='ddp_powersgd' (low-rank gradients; compare the loss curve once)",
                     "tp": f"tensor parallelism inside the node (strategy='fsdp2_tp', TP {tp_size})",
+                    "pp": f"pipeline parallelism across nodes x TP {tp_size} inside (strategy='pp_ddp')",
                     "zero1": "strategy='deepspeed_zero1'", "zero2": "strategy='deepspeed_zero2'",
                     "zero3": "strategy='deepspeed_zero3'"}[best["strategy"]]
             fixes.append(f"at {big} devices ddp projects {ddp:.0%}; {hint} projects {best['efficiency']:.0%}")

@@ -176,7 +176,7 @@ class Finding:
     Attributes:
         rule: stable rule id. Step rules (:func:`~lightning_accel.core.rules.diagnose`): ``data_wait``,
             ``gpu_utilisation``, ``transfer``, ``fp32_compute``, ``optimizer``, ``communication``, ``memory``,
-            ``launch_bound``, ``math_sdpa``, ``straggler``, ``step_variability``; fit rules
+            ``launch_bound``, ``math_sdpa``, ``straggler``, ``step_variability``, ``pipeline_bubble`` (pp strategies); fit rules
             (:func:`~lightning_accel.core.phases.diagnose_fit`): ``validation_heavy``, ``checkpoint_heavy``; code
             smells (:func:`~lightning_accel.core.smells.find_smells`): see :data:`~lightning_accel.core.smells.SMELLS`.
         stage: the stage it holds back (one of :data:`STAGES`), or for a fit finding the fit phase

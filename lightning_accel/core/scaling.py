@@ -40,11 +40,18 @@ strategy               traffic and what hides it
 ``tp``                 tensor parallel of size ``T`` inside the node (Megatron-LM: 2 all-reduces of the activations
                        in forward and 2 in backward per transformer layer, on the critical path) × DDP over
                        ``N/T`` replicas for the remaining ``Ψ·g/T`` gradient bytes
+``pp``                 pipeline of ``P`` stages across nodes × TP ``T`` inside the node × DP over ``N/(P·T)``
+                       replicas: ``m`` micro-batches run in ``m + P - 1`` slots (the bubble, GPipe / 1F1B), each
+                       slot one micro-batch's compute of one stage, its TP all-reduces and two point-to-point
+                       sends (activation forward, its gradient backward: ``tokens/m × hidden`` elements) on the
+                       critical path; then the DP all-reduce of ``Ψ·g/(P·T)`` (its last bucket exposed)
 =====================  ==========================================================================================
 
 Weak scaling: every device keeps its batch (a tensor-parallel group shares one), so
 
     efficiency = throughput_N / (N · throughput_1) = compute / (T · step_N),   step_N = compute / T + exposed
+
+(for ``pp``: ``compute / (P · T · step_N)``, the bubble counted in ``exposed``).
 
 The projection is a model: it ignores stragglers, congestion, optimizer-step time changes and kernel slow-down
 from overlapping communication. Validate it on 2 devices (``lightning-accel scaling``) before trusting 512.
@@ -113,7 +120,7 @@ INTERCONNECTS: dict[str, Interconnect] = {
 
 #: Strategies :func:`project_scaling` models.
 STRATEGIES = ("ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "ddp_topk", "ddp_qsgd", "zero1",
-              "zero2", "zero3", "tp")
+              "zero2", "zero3", "tp", "pp")
 
 
 def get_interconnect(name: str | Interconnect) -> Interconnect:
@@ -287,6 +294,9 @@ class ScalingPoint:
     comm_s: float
     exposed_s: float
     efficiency: float
+    pp_size: int = 1
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0
 
     @property
     def exposed_share(self) -> float:
@@ -311,6 +321,30 @@ def _bucketed_allreduce(size: float, n: int, link: Interconnect, bucket: float, 
         return calls_per_bucket * allreduce_seconds(b / calls_per_bucket, n, link) if b > 0 else 0.0
 
     return full * one(bucket) + one(rest), one(min(bucket, size))
+
+
+def _pp_point(w: ScalingWorkload, n: int, link: Interconnect, t: int, p: int, m: int,
+              tp_link: Interconnect) -> ScalingPoint:
+    """PP x TP x DP (the ``pp`` row of the module table)."""
+    if n % (t * p):
+        raise ValueError(f"project_scaling: pp_size={p} x tp_size={t} does not divide n={n}; use device counts "
+                         f"that are multiples of {t * p}")
+    dp = n // (t * p)
+    slot_compute = w.compute_s / (t * p * m)  # one micro-batch through one stage
+    act = w.tokens_per_step / m * w.hidden_size * w.activation_bytes  # one micro-batch's activations
+    tp_slot = 4 * (w.n_layers / p) * allreduce_seconds(act, t, tp_link) if t > 1 else 0.0
+    p2p_slot = 2 * (link.latency + act / link.bandwidth) if p > 1 else 0.0
+    slots = m + p - 1
+    pipeline = slots * (slot_compute + tp_slot + p2p_slot)
+    grads = w.params * w.grad_bytes / (t * p)
+    dp_comm, last = _bucketed_allreduce(grads, dp, link, w.bucket_bytes)
+    dp_exposed = 0.0 if dp == 1 else max(dp_comm - slot_compute * w.backward_fraction, last)
+    ideal = w.compute_s / (t * p)
+    step = pipeline + dp_exposed
+    return ScalingPoint(strategy="pp", n=n, tp_size=t, step_s=step, compute_s=ideal,
+                        comm_s=slots * (tp_slot + p2p_slot) + dp_comm, exposed_s=step - ideal,
+                        efficiency=ideal / step, pp_size=p, bubble_s=(p - 1) * slot_compute,
+                        p2p_s=slots * p2p_slot)
 
 
 def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_size: int,
@@ -374,7 +408,8 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
 def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect, *,
                     n: Iterable[int] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                     strategies: Iterable[str] = ("ddp", "ddp_bf16_compress", "zero2", "zero3"),
-                    tp_size: int = 8, tp_interconnect: str | Interconnect = "nvlink") -> list[ScalingPoint]:
+                    tp_size: int = 8, tp_interconnect: str | Interconnect = "nvlink", pp_size: int = 4,
+                    microbatches: int | None = None) -> list[ScalingPoint]:
     """Project step time and efficiency of ``workload`` at each device count under each strategy.
 
     Args:
@@ -386,6 +421,8 @@ def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect,
         tp_size: tensor-parallel size for ``tp`` (inside a node; ``min(tp_size, n)`` is used, and ``tp`` needs
             ``n_layers``, ``hidden_size`` and ``tokens_per_step`` in the workload).
         tp_interconnect: link inside the tensor-parallel group (default NVLink).
+        pp_size: pipeline stages for ``pp`` (``min(pp_size, n // T)`` is used; TP is ``min(tp_size, n)``).
+        microbatches: micro-batches per step for ``pp`` (default ``4 × pp_size``).
 
     Returns:
         One :class:`ScalingPoint` per strategy and device count, strategies in the given order.
@@ -397,11 +434,22 @@ def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect,
         if s not in STRATEGIES:
             raise ValueError(f"project_scaling: unknown strategy {s!r}; use one of {', '.join(STRATEGIES)}")
     _check_n(tp_size, "tp_size")
-    if "tp" in names and not (workload.n_layers > 0 and workload.hidden_size > 0 and workload.tokens_per_step > 0):
-        raise ValueError("project_scaling: 'tp' needs the workload's n_layers, hidden_size and tokens_per_step "
-                         f"(got {workload.n_layers}, {workload.hidden_size}, {workload.tokens_per_step})")
-    return [_point(s, workload, x, link, min(tp_size, x) if s == "tp" else 1, tp_link)
-            for s in names for x in counts]
+    _check_n(pp_size, "pp_size")
+    for s in ("tp", "pp"):
+        if s in names and not (workload.n_layers > 0 and workload.hidden_size > 0 and workload.tokens_per_step > 0):
+            raise ValueError(f"project_scaling: {s!r} needs the workload's n_layers, hidden_size and tokens_per_step "
+                             f"(got {workload.n_layers}, {workload.hidden_size}, {workload.tokens_per_step})")
+    out = []
+    for s in names:
+        for x in counts:
+            if s == "pp":
+                t = min(tp_size, x)
+                p = max(1, min(pp_size, x // t, workload.n_layers))
+                m = microbatches if microbatches is not None else 4 * p
+                out.append(_pp_point(workload, x, link, t, p, _check_n(m, "microbatches"), tp_link))
+            else:
+                out.append(_point(s, workload, x, link, min(tp_size, x) if s == "tp" else 1, tp_link))
+    return out
 
 
 def fit_interconnect(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int, *,

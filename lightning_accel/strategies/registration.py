@@ -16,6 +16,7 @@ __all__ = ["STRATEGIES", "register_strategies"]
 _DDP = "lightning_accel.strategies.ddp_compression"
 _DS = "lightning_accel.strategies.deepspeed_presets"
 _MP = "lightning_accel.strategies.model_parallel"
+_PP = "lightning_accel.strategies.pipeline"
 
 #: name -> (module, factory function in it, description).
 STRATEGIES: dict[str, tuple[str, str, str]] = {
@@ -37,6 +38,8 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
     "fsdp2": (_MP, "fsdp2", "FSDP2 (fully_shard) over all devices, automatic plan without configure_model"),
     "tp": (_MP, "tp", "tensor parallelism over all devices, automatic plan (HF tp_plan or module structure)"),
     "fsdp2_tp": (_MP, "fsdp2_tp", "tensor parallelism inside the node x FSDP2 across nodes, automatic plan"),
+    "pp": (_PP, "pp", "pipeline parallelism: the model's blocks split over the ranks automatically, 1F1B schedule"),
+    "pp_ddp": (_PP, "pp_ddp", "pipeline parallelism x data parallelism on a 2-D mesh (stages x replicas)"),
 }
 
 

@@ -38,12 +38,25 @@ def test_report_efficiency_validation_and_projection():
     assert report["predicted_efficiency"] == pytest.approx(expected.efficiency)
     assert report["measured_exposed_s"] == pytest.approx(0.2 * 0.2133)
     strategies = {p["strategy"] for p in report["projection"]}
-    assert strategies == {"ddp", "ddp_bf16_compress", "ddp_powersgd", "zero1", "zero2", "zero3", "tp"}
+    assert strategies == {"ddp", "ddp_bf16_compress", "ddp_powersgd", "zero1", "zero2", "zero3", "tp", "pp"}
     assert {p["n"] for p in report["projection"]} == {8, 64}
     # 20 % of the step is exposed all-reduce, of 25 % lost: communication it is, and the fixes say how
     assert report["fixes"][0].startswith("measured efficiency 75% at 2 processes: the 2-process step is 25% longer, "
                                          "mostly exposed all-reduce (20% of the step)")
     assert "ddp_bf16_compress" in report["fixes"][0]
+
+
+def test_a_pp_run_is_checked_against_the_pipeline_model_at_n():
+    one, many = _runs(100.0, 80.0, 0.16, 0.2, None)
+    many["strategy"] = "pp"
+    report = scaling_report(one, many, project=[8], interconnect=INTERCONNECTS["infiniband_ndr"], tp_size=8,
+                            n_layer=4, d_model=1024, tokens_per_step=2048)
+    link = fit_interconnect(many["allreduce"]["sizes"], many["allreduce"]["seconds"], 2)
+    (expected,) = project_scaling(ScalingWorkload(compute_s=0.16, params=report["params"], n_layers=4,
+                                                  hidden_size=1024, tokens_per_step=2048), link, n=[2],
+                                  strategies=["pp"], tp_size=1, pp_size=2, microbatches=2)
+    assert expected.pp_size == 2 and expected.tp_size == 1
+    assert report["predicted_efficiency"] == pytest.approx(expected.efficiency)
 
 
 def test_low_efficiency_without_communication_blames_compute_or_a_straggler():

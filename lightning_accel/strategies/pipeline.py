@@ -1,0 +1,1012 @@
+"""Pipeline parallelism for the Lightning Trainer: ``strategy="pp"`` and ``"pp_ddp"``, no change to the module.
+
+The network's repeated blocks are divided over the pipeline ranks (:func:`~lightning_accel.core.pipeline_plan.
+plan_stages`: contiguous runs balanced by parameter count, the embedding with the first stage, the final norm, head
+and loss with the last), each rank keeps only its stage(s), and every training step runs one
+``torch.distributed.pipelining`` schedule over the batch cut into micro-batches:
+
+=====================  ==========================================================================================
+schedule               what it does
+=====================  ==========================================================================================
+``"1f1b"`` (default)   one forward, one backward (PipeDream-flush): at most ``P`` micro-batches' activations alive
+``"gpipe"``            all forwards, then all backwards: ``m`` micro-batches' activations alive
+``"interleaved_1f1b"`` ``stages = V·P`` virtual stages, ``V`` per rank (looped): the bubble shrinks by ``V``
+=====================  ==========================================================================================
+
+**What it splits** (the network is the LightningModule's one child module that holds parameters, or
+``network="attr"``): Hugging Face decoder LMs (``LlamaForCausalLM``-shaped: ``model.embed_tokens`` →
+``model.layers`` → ``model.norm`` → ``lm_head``, rotary position embeddings recomputed on every stage; and
+``GPT2LMHeadModel``), litgpt ``GPT``, and nanoGPT-shaped models (token and position embeddings → an
+``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`). Before
+the first step the split is checked: the stages run in sequence in one process reproduce the network's own forward
+on a synthetic batch, or the strategy refuses with what to give instead (``pipeline_layout``, below). Tied input and
+output embeddings (GPT-2, nanoGPT, the demo GPT) stay tied: the first and last stage each hold the weight and their
+gradients are summed before every optimizer step.
+
+**The loss.** The batch is ``(inputs, targets)`` (next-token targets already shifted), or token ids alone
+(``ids``, ``(ids,)`` or ``{"input_ids": ids}``: the targets are the ids shifted by one, as Hugging Face's
+``labels=ids`` does); the last stage computes the token cross-entropy. On the first batch (when the strategy moves
+it to the device, before any callback's ``on_train_batch_start``, so MFUMonitor's count and the doctor's step time
+exclude it) the module's own ``training_step`` runs once on the whole (unsplit) network in eval mode without
+gradients, and its loss must equal the pipeline's on that batch (one schedule step in eval mode, its gradients
+discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Modules that need
+something else implement either or both hooks::
+
+    def pipeline_batch(self, batch) -> tuple[Tensor, Tensor]:   # (what goes into stage 0, the last stage's target)
+    def pipeline_loss(self, logits, targets) -> Tensor:          # the loss of one micro-batch (a mean)
+    def pipeline_layout(self) -> PipelineLayout:                 # a structure the strategy does not recognise
+
+After the first batch ``training_step`` is not called: the step's loss (the mean over micro-batches) is what
+Lightning receives, so it reaches ``on_train_batch_end(outputs=...)`` and the progress bar; log it there.
+
+**Micro-batches and the loss scale.** Each micro-batch's loss is a mean; the schedule sums the micro-batches'
+gradients and divides by ``m`` once (torch's ``scale_grads``), and with ``accumulate_grad_batches = k`` each loss is
+divided by ``k`` (what Lightning does to the loss it backpropagates), so the weights equal a one-process run of the
+same global batch. The batch size must be a multiple of ``microbatches``.
+
+**pp_ddp** (``data_parallel_size > 1``): ranks form a ``(pipeline, data_parallel)`` mesh, consecutive ranks being
+replicas of the same stage; each replica gets its own share of the data (``distributed_sampler_kwargs``) and the
+stages' gradients are averaged over the replicas before the optimizer step.
+
+**Faults.** Peers that stop answering (a dead rank, a deadlocked schedule) raise after ``timeout`` (the process
+group's, default 30 min) with this rank and its stage(s) named, instead of hanging.
+
+**Checkpoints.** ``trainer.save_checkpoint`` gathers every stage on rank 0 and writes one ordinary Lightning file
+whose ``state_dict`` is the whole unsplit model's (``module.load_state_dict(torch.load(path)["state_dict"])`` loads
+it into the unsplit LightningModule: that is the consolidation), and ``optimizer_states`` one list per pipeline
+rank. ``fit(ckpt_path=...)`` resumes with the same number of pipeline ranks and stages.
+
+Measuring: :attr:`PipelineStrategy.stats` keeps each step's wall time and the time this rank computed in its
+stages; ``BottleneckDoctor`` reports the idle share (the bubble) against ``(P - 1) / (V·m + P - 1)``, and
+``MFUMonitor`` counts the FLOPs each rank's stages run (per device).
+
+Args:
+    schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"``.
+    microbatches: micro-batches per step (default: the pipeline ranks for 1F1B/GPipe, 2·P for interleaved).
+    stages: total stages (default: the pipeline ranks; ``V·P`` for interleaved, default ``2·P``).
+    data_parallel_size: replicas of each stage (``pp``: 1; ``pp_ddp``: ``"auto"`` = world ÷ pipeline ranks).
+    pipeline_size: ranks per pipeline (``"auto"``: world ÷ data_parallel_size).
+    blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
+    network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
+    check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
+    **kwargs: passed to Lightning's ``DDPStrategy`` (``timeout``, ``process_group_backend``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_accel.core.pipeline_plan import SCHEDULES, StagePlan, bubble_fraction, check_schedule, plan_stages
+from lightning_accel.strategies.shutdown import register_clean_exit
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "pp", "pp_ddp"]
+
+
+# ------------------------------------------------------------------------------------------------------ layouts
+@dataclass
+class PipelineLayout:
+    """How a network runs as a pipeline, for a structure the strategy does not recognise.
+
+    ``embed(inputs) -> hidden``, each ``block(hidden) -> hidden`` of ``blocks``, ``head(hidden) -> logits``; all three
+    must be submodules of the network, and together they must be the network's forward. Return it from a
+    ``pipeline_layout(self)`` method of the LightningModule.
+    """
+
+    embed: nn.Module
+    blocks: nn.ModuleList
+    head: nn.Module
+
+
+class _Layout:
+    """A recognised structure: module paths (relative to the network) and how each piece is called."""
+
+    name = "layout"
+
+    def __init__(self, net: nn.Module, first: list[str], blocks: str, last: list[str]) -> None:
+        self.net, self.first, self.blocks, self.last = net, first, blocks, last
+
+    def block_list(self) -> nn.ModuleList:
+        return self.net.get_submodule(self.blocks)  # type: ignore[return-value]
+
+    def vocab(self) -> int:
+        emb = self.net.get_submodule(self.first[0])
+        return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else 16
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def context(self, h: torch.Tensor) -> dict[str, Any]:
+        return {}
+
+    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        out = block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _HFLlama(_Layout):
+    name = "Hugging Face decoder (embed_tokens → layers → norm → lm_head)"
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net, ["model.embed_tokens"], "model.layers", ["model.norm", "lm_head"])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net.model.embed_tokens(ids)
+
+    def context(self, h: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.net.model
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        ctx: dict[str, Any] = {"position_ids": position_ids, "attention_mask": create_causal_mask(
+            config=base.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids)}
+        if getattr(base, "rotary_emb", None) is not None:
+            ctx["position_embeddings"] = base.rotary_emb(h, position_ids=position_ids)
+        return ctx
+
+    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        out = block(h, **ctx)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.net.lm_head(self.net.model.norm(h))
+
+
+class _HFGPT2(_Layout):
+    name = "Hugging Face GPT-2 (wte + wpe → h → ln_f → lm_head)"
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net, ["transformer.wte", "transformer.wpe"], "transformer.h", ["transformer.ln_f", "lm_head"])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.net.transformer
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return t.drop(t.wte(ids) + t.wpe(pos))
+
+    def context(self, h: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        return {"attention_mask": create_causal_mask(config=self.net.config, inputs_embeds=h, attention_mask=None,
+                                                     cache=None, position_ids=position_ids)}
+
+    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        out = block(h, **ctx)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.net.lm_head(self.net.transformer.ln_f(h))
+
+
+class _LitGPT(_Layout):
+    name = "litgpt GPT (wte → h → ln_f → lm_head)"
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net, ["transformer.wte"], "transformer.h", ["transformer.ln_f", "lm_head"])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.net.transformer.wte(ids)
+        if self.net.config.scale_embeddings:
+            x = x * torch.tensor(self.net.config.n_embd ** 0.5, dtype=x.dtype)
+        return x
+
+    def context(self, h: torch.Tensor) -> dict[str, Any]:
+        t = h.shape[1]
+        return {"cos": self.net.cos[:t].unsqueeze(0), "sin": self.net.sin[:t].unsqueeze(0)}
+
+    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        return block(h, ctx["cos"], ctx["sin"], None, None, None)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.net.lm_head(self.net.transformer.ln_f(h))
+        cap = self.net.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+_TOKEN = ("tok_emb", "wte", "embed_tokens", "tok_embeddings", "token_embedding", "embedding")
+_POSITION = ("pos_emb", "wpe", "position_embedding", "pos_embedding")
+_BLOCKS = ("blocks", "h", "layers")
+_NORM = ("ln_f", "norm", "final_norm", "norm_f")
+_HEAD = ("head", "lm_head", "output")
+
+
+class _NanoGPT(_Layout):
+    name = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
+
+    def __init__(self, net: nn.Module, prefix: str, token: str, position: str | None, drop: str | None,
+                 blocks: str, norm: str | None, head: str) -> None:
+        first = [prefix + token] + ([prefix + position] if position else [])
+        last = ([prefix + norm] if norm else []) + [head]
+        super().__init__(net, first, prefix + blocks, last)
+        self.position = prefix + position if position else None
+        self.drop = prefix + drop if drop else None
+        self.norm = prefix + norm if norm else None
+        self.head_path = head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.net.get_submodule(self.first[0])(ids)
+        if self.position:
+            x = x + self.net.get_submodule(self.position)(torch.arange(ids.shape[1], device=ids.device))
+        return self.net.get_submodule(self.drop)(x) if self.drop else x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.norm:
+            h = self.net.get_submodule(self.norm)(h)
+        return self.net.get_submodule(self.head_path)(h)
+
+
+class _UserLayout(_Layout):
+    name = "pipeline_layout()"
+
+    def __init__(self, net: nn.Module, layout: PipelineLayout) -> None:
+        names = {id(m): n for n, m in net.named_modules()}
+        paths = [names.get(id(m)) for m in (layout.embed, layout.blocks, layout.head)]
+        if None in paths or "" in paths:
+            raise ValueError("pipeline_layout(): embed, blocks and head must each be a submodule of the network "
+                             f"(found paths {paths})")
+        super().__init__(net, [paths[0]], paths[1], [paths[2]])  # type: ignore[list-item]
+        self.user = layout
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.user.embed(ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.user.head(h)
+
+
+def _child(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...] = nn.Module) -> str | None:
+    for name in names:
+        sub = getattr(module, name, None)
+        if isinstance(sub, kind):
+            return name
+    return None
+
+
+def find_layout(net: nn.Module) -> _Layout:
+    """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead."""
+    cls = type(net).__name__
+    base = getattr(net, "model", None)
+    if (isinstance(getattr(net, "lm_head", None), nn.Module) and isinstance(base, nn.Module)
+            and isinstance(getattr(base, "embed_tokens", None), nn.Embedding)
+            and isinstance(getattr(base, "layers", None), nn.ModuleList)
+            and isinstance(getattr(base, "norm", None), nn.Module) and hasattr(base, "config")):
+        return _HFLlama(net)
+    tr = getattr(net, "transformer", None)
+    if cls.startswith("GPT2") and tr is not None and hasattr(net, "config"):
+        return _HFGPT2(net)
+    if type(net).__module__.startswith("litgpt") and tr is not None and hasattr(net, "cos"):
+        if getattr(net.config, "rope_indices", None) is not None:
+            raise ValueError(f"pipeline: litgpt {cls} with config.rope_indices (per-block rotary slices) is not "
+                             "split automatically; describe it with pipeline_layout()")
+        return _LitGPT(net)
+    for prefix, holder in (("", net), ("transformer.", tr)):
+        if not isinstance(holder, nn.Module):
+            continue
+        token = _child(holder, _TOKEN, nn.Embedding)
+        blocks = _child(holder, _BLOCKS, nn.ModuleList)
+        inner_head = _child(holder, _HEAD)
+        head = _child(net, _HEAD) or (prefix + inner_head if inner_head else None)
+        if token and blocks and head:
+            return _NanoGPT(net, prefix, token, _child(holder, _POSITION, nn.Embedding),
+                            _child(holder, ("drop", "dropout"), nn.Dropout), blocks, _child(holder, _NORM), head)
+    raise ValueError(
+        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or a "
+        "token embedding + an nn.ModuleList of blocks named blocks/h/layers + a head named head/lm_head/output). "
+        "Give a `pipeline_layout(self)` method on the LightningModule returning "
+        "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)")
+
+
+# ------------------------------------------------------------------------------------------------------ stages
+class _Offstage(nn.Module):
+    """Stands in for a module another pipeline rank holds (keeps the original names of this rank's parameters)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module lives on another pipeline stage")
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: its blocks, plus the embedding (first) or the final norm and head (last)."""
+
+    def __init__(self, layout: _Layout, blocks: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "layout", layout)  # not a submodule: only this stage's parts are
+        self.first, self.last = first, last
+        allb = layout.block_list()
+        self.blocks = nn.ModuleList(allb[i] for i in blocks)
+        self.parts = nn.ModuleList(([layout.net.get_submodule(p) for p in layout.first] if first else [])
+                                   + ([layout.net.get_submodule(p) for p in layout.last] if last else []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layout.embed(x) if self.first else x
+        ctx = self.layout.context(h)
+        for block in self.blocks:
+            h = self.layout.call_block(block, h, ctx)
+        return self.layout.head(h) if self.last else h
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the network returned {type(output).__name__}, not logits")
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens (``-100`` targets ignored), in fp32 like Hugging Face's LM loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+
+
+def _shift_targets(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of ``ids`` at full length: position ``i`` predicts ``ids[i+1]``, the last is ignored."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def default_pipeline_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of a batch: ``(x, y)`` as given; ``ids`` / ``(ids,)`` / ``{"input_ids": ids}``: the ids
+    and the ids shifted by one (Hugging Face's ``labels=ids``)."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
+        return ids, _shift_targets(labels)
+    if isinstance(batch, torch.Tensor):
+        return batch, _shift_targets(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], torch.Tensor):
+        return batch[0], _shift_targets(batch[0])
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(b, torch.Tensor) for b in batch):
+        return batch[0], batch[1]
+    raise ValueError(f"pipeline: cannot read (inputs, targets) from a batch of type {type(batch).__name__}; give the "
+                     "LightningModule a `pipeline_batch(self, batch)` method returning (inputs, targets)")
+
+
+@dataclass
+class PipelineStats:
+    """Per-step timing of this rank: wall time of the schedule and the time its stages computed (seconds)."""
+
+    step_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    pipeline_ranks: int = 1
+    microbatches: int = 1
+    stages_per_rank: int = 1
+
+    @property
+    def expected_bubble(self) -> float:
+        return bubble_fraction(self.pipeline_ranks, self.microbatches, self.stages_per_rank)
+
+    def bubble(self, skip: int = 1) -> float | None:
+        """The measured idle share of the steps after ``skip`` warm-up steps: 1 - compute / wall."""
+        step, comp = self.step_s[skip:], self.compute_s[skip:]
+        if not step or sum(step) <= 0:
+            return None
+        return max(0.0, 1.0 - sum(comp) / sum(step))
+
+
+# ------------------------------------------------------------------------------------------------------ strategy
+class PipelineStrategy(DDPStrategy):
+    __doc__ = __doc__
+
+    def __init__(self, *, schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+                 microbatches: int | None = None, stages: int | None = None,
+                 data_parallel_size: Literal["auto"] | int = 1, pipeline_size: Literal["auto"] | int = "auto",
+                 blocks_per_stage: list[int] | None = None, network: str | None = None, check_loss: bool = True,
+                 print_plan: bool = True, **kwargs: Any) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"PipelineStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
+        for name, value in (("microbatches", microbatches), ("stages", stages)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"PipelineStrategy({name}={value!r}) must be an integer >= 1 (or None: automatic)")
+        for name, value in (("data_parallel_size", data_parallel_size), ("pipeline_size", pipeline_size)):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"PipelineStrategy({name}={value!r}) must be 'auto' or an integer >= 1")
+        if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
+            kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+        super().__init__(**kwargs)
+        self.schedule_name = schedule
+        self._microbatches_arg, self._stages_arg = microbatches, stages
+        self._dp_arg, self._pp_arg = data_parallel_size, pipeline_size
+        self.blocks_per_stage = blocks_per_stage
+        self.network_attr = network
+        self.check_loss = check_loss
+        self.print_plan = print_plan
+        #: the stage split (after setup)
+        self.plan: StagePlan | None = None
+        self.stats = PipelineStats()
+        self.pp_size = self.dp_size = 1
+        self.pp_rank = self.dp_rank = 0
+        self.microbatches = 1
+        self._stages: list[Any] = []
+        self._stage_modules: list[_Stage] = []
+        self._schedule: Any = None
+        self._offstage: dict[str, nn.Module] = {}
+        self._tied: list[tuple[str, str]] = []
+        self._tie_group: Any = None
+        self._checked = False
+        self._split_module: nn.Module | None = None
+        self._compute = 0.0
+        self._loss_divisor = 1.0
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._layout: _Layout | None = None
+
+    # ----------------------------------------------------------------------------------------- sizes and groups
+    def resolve_sizes(self, world: int) -> tuple[int, int]:
+        """``(pipeline ranks, data-parallel replicas)`` on ``world`` processes."""
+        dp, p = self._dp_arg, self._pp_arg
+        if dp == "auto" and p == "auto":
+            dp = 1 if world < 4 else 2
+        if p == "auto":
+            p = world // dp if world % dp == 0 else 0  # type: ignore[operator]
+        if dp == "auto":
+            dp = world // p if p and world % p == 0 else 0
+        if not (p and dp) or p * dp != world:  # type: ignore[operator]
+            raise ValueError(f"pipeline: pipeline_size={self._pp_arg} × data_parallel_size={self._dp_arg} does not "
+                             f"fit {world} processes; give sizes whose product is {world}")
+        return int(p), int(dp)  # type: ignore[arg-type]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of a pipeline reads the same batch (stage 0 its inputs, the last its targets)
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def _make_groups(self) -> None:
+        import torch.distributed as dist
+
+        world, rank = self.world_size, self.global_rank
+        self.pp_size, self.dp_size = self.resolve_sizes(world)
+        self.pp_rank, self.dp_rank = rank // self.dp_size, rank % self.dp_size
+        self._pp_group = self._dp_group = None
+        # every rank creates every group, in the same order (torch's new_group contract)
+        for d in range(self.dp_size):
+            ranks = [r * self.dp_size + d for r in range(self.pp_size)]
+            group = dist.new_group(ranks) if self.pp_size < world else dist.group.WORLD
+            if d == self.dp_rank:
+                self._pp_group, self._pp_ranks = group, ranks
+        for p in range(self.pp_size):
+            ranks = [p * self.dp_size + d for d in range(self.dp_size)]
+            group = dist.new_group(ranks) if self.dp_size > 1 else None
+            if p == self.pp_rank:
+                self._dp_group = group
+        for d in range(self.dp_size):
+            ranks = [d, (self.pp_size - 1) * self.dp_size + d]
+            group = dist.new_group(ranks) if self.pp_size > 1 else None
+            if d == self.dp_rank:
+                self._tie_group = group
+
+    # ----------------------------------------------------------------------------------------- the split
+    def _network(self, module: nn.Module) -> tuple[str, nn.Module]:
+        if self.network_attr is not None:
+            net = getattr(module, self.network_attr, None)
+            if not isinstance(net, nn.Module):
+                raise ValueError(f"pipeline: network={self.network_attr!r} is not a module attribute of "
+                                 f"{type(module).__name__}")
+            return self.network_attr, net
+        children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(children) != 1:
+            raise ValueError(f"pipeline: {type(module).__name__} has {len(children)} child modules with parameters "
+                             f"({', '.join(n for n, _ in children) or 'none'}); keep the network in one attribute "
+                             "or name it with PipelineStrategy(network='attr')")
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(f"pipeline: {type(module).__name__} registers parameters directly on the "
+                             "LightningModule; the split cannot place them: move them into the network")
+        return children[0]
+
+    def _split(self, module: pl.LightningModule) -> None:
+        attr, net = self._network(module)
+        hook = getattr(module, "pipeline_layout", None)
+        layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net)
+        self._layout, self._net_attr = layout, attr
+        blocks = layout.block_list()
+        num_stages = self._stages_arg or (self.pp_size * (2 if SCHEDULES[self.schedule_name][1] else 1))
+        m = self._microbatches_arg or (num_stages if SCHEDULES[self.schedule_name][1] else self.pp_size)
+        check_schedule(self.schedule_name, num_stages=num_stages, pipeline_ranks=self.pp_size, microbatches=m)
+        self.microbatches = m
+        self._check_split(layout)
+        # every parameter must belong to the embedding, a block or the head
+        placed = {id(p) for path in layout.first + layout.last + [layout.blocks]
+                  for p in net.get_submodule(path).parameters()}
+        stray = [n for n, p in net.named_parameters() if id(p) not in placed]
+        if stray:
+            raise ValueError(f"pipeline: parameters outside the embedding, the blocks and the head cannot be placed "
+                             f"on a stage: {', '.join(f'{attr}.{n}' for n in stray[:5])}; describe the network with "
+                             "pipeline_layout()")
+        first_ids = {id(p): n for path in layout.first for n, p in net.get_submodule(path).named_parameters(
+            prefix=path, remove_duplicate=False)}
+        self._tied = [(first_ids[id(p)], n) for path in layout.last
+                      for n, p in net.get_submodule(path).named_parameters(prefix=path, remove_duplicate=False)
+                      if id(p) in first_ids]
+        costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+        first_cost = float(sum(p.numel() for path in layout.first for p in net.get_submodule(path).parameters()))
+        last_cost = float(sum(p.numel() for path in layout.last for p in net.get_submodule(path).parameters()))
+        plan = plan_stages(costs, num_stages, pipeline_ranks=self.pp_size, first_cost=first_cost,
+                           last_cost=last_cost, blocks_per_stage=self.blocks_per_stage)
+        self.plan = plan
+        local = plan.stages_of(self.pp_rank)
+        self._stage_modules = [_Stage(layout, plan.blocks[s], first=s == 0, last=s == num_stages - 1)
+                               for s in local]
+        # what this rank does not run is replaced by a placeholder (the names of what it runs stay the original's)
+        keep_blocks = {i for s in local for i in plan.blocks[s]}
+        self._offstage = {}
+        for i in range(len(blocks)):
+            if i not in keep_blocks:
+                self._offstage[f"{layout.blocks}.{i}"] = blocks[i]
+                blocks[i] = _Offstage()
+        for paths, keep in ((layout.first, 0 in local), (layout.last, num_stages - 1 in local)):
+            if not keep:
+                for path in paths:
+                    self._offstage[path] = net.get_submodule(path)
+                    _set_submodule(net, path, _Offstage())
+        self.stats = PipelineStats(pipeline_ranks=self.pp_size, microbatches=m, stages_per_rank=len(local))
+        if self.print_plan:
+            rank_zero_info(f"pp plan for {type(net).__name__} ({layout.name}), {self.schedule_name}, {m} micro-"
+                           f"batches, {self.pp_size} pipeline ranks x {self.dp_size} data-parallel:\n"
+                           f"{plan.describe(f'{attr}.{layout.blocks}')}"
+                           + (f"\n  tied across first and last stage: {self._tied}" if self._tied else ""))
+
+    def _check_split(self, layout: _Layout) -> None:
+        """The stages in sequence must be the network's own forward (on a synthetic batch, in eval mode)."""
+        net = layout.net
+        was = net.training
+        net.eval()
+        try:
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, layout.vocab(), (2, 8), generator=gen)
+            with torch.no_grad():
+                want = _logits(net(ids))
+                h = layout.embed(ids)
+                ctx = layout.context(h)
+                for block in layout.block_list():
+                    h = layout.call_block(block, h, ctx)
+                got = layout.head(h)
+        except Exception as err:  # noqa: BLE001 - any failure means the structure is not the one assumed
+            raise ValueError(f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
+                             "it with pipeline_layout()") from err
+        finally:
+            net.train(was)
+        diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("inf")
+        if not diff <= 1e-4 * max(1.0, want.float().abs().max().item()):
+            raise ValueError(f"pipeline: {type(net).__name__} run as {layout.name} does not reproduce its own forward "
+                             f"(max |difference| {diff:.3g}): its forward does more than embed → blocks → head; "
+                             "describe it with pipeline_layout()")
+
+    def _broadcast_weights(self, module: nn.Module) -> None:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+    # ----------------------------------------------------------------------------------------- setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        register_clean_exit()  # a finished script ends cleanly without calling anything of ours
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning_accel._compat import optimizers_to_device
+
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        assert module is not None
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("pipeline: precision with a gradient scaler (16-mixed) is not supported: the scaler "
+                             "would have to see the loss inside the schedule; use precision='bf16-mixed' or 32")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise ValueError(f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
+                             "stage would compute over its own parameters only; use gradient_clip_algorithm='value'")
+        self.accelerator.setup(trainer)
+        if self._split_module is not module:  # a validate/test after fit reuses this Trainer's split
+            if any(isinstance(m, _Offstage) for m in module.modules()):
+                raise ValueError(f"pipeline: this {type(module).__name__} was split by another pp Trainer (its other "
+                                 "stages' modules are gone on this rank); build the module again, or load the "
+                                 "consolidated checkpoint into a fresh one")
+            self._make_groups()
+            self._broadcast_weights(module)
+            self._split(module)
+            self._split_module = module
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._build_schedule(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            for opt in self.optimizers:
+                if isinstance(opt, torch.optim.LBFGS):
+                    raise ValueError("pipeline: LBFGS re-evaluates the loss inside its step and searches lines on "
+                                     "each stage's parameters separately; use a first-order optimizer")
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def configure_ddp(self) -> None:  # no DDP wrapper: the stages' gradients are reduced by hand
+        pass
+
+    def _build_schedule(self, trainer: pl.Trainer) -> None:
+        from torch.distributed import pipelining
+
+        assert self.plan is not None
+        local = self.plan.stages_of(self.pp_rank)
+        self._stages = []
+        for s, mod in zip(local, self._stage_modules):
+            stage = pipelining.PipelineStage(mod, s, self.plan.num_stages, self.root_device, group=self._pp_group)
+            self._time_stage(stage)
+            self._stages.append(stage)
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
+        multi = SCHEDULES[self.schedule_name][1]
+        self._schedule = cls(self._stages if multi else self._stages[0], n_microbatches=self.microbatches,
+                             loss_fn=self._loss_fn, scale_grads=False)
+
+    def _time_stage(self, stage: Any) -> None:
+        """Add the stage's forward and backward compute times to the step's (torch 2.13: ``forward_one_chunk`` /
+        ``backward_one_chunk`` are the stage's per-micro-batch entry points)."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            inner = getattr(stage, name, None)
+            if inner is None:
+                continue
+
+            def timed(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self._compute += time.perf_counter() - start
+
+            setattr(stage, name, timed)
+
+    # ----------------------------------------------------------------------------------------- the step
+    def _pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        module = self.lightning_module
+        hook = getattr(module, "pipeline_batch", None)
+        return hook(batch) if callable(hook) else default_pipeline_batch(batch)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        hook = getattr(self.lightning_module, "pipeline_loss", None)
+        loss = hook(output, target) if callable(hook) else token_cross_entropy(output, target)
+        return loss / self._loss_divisor
+
+    @property
+    def _has_first(self) -> bool:
+        return any(s.is_first for s in self._stages)
+
+    @property
+    def _has_last(self) -> bool:
+        return any(s.is_last for s in self._stages)
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> torch.Tensor:
+        import torch.distributed as dist
+
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self._has_first else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self._has_last else {}
+        try:
+            if train:
+                self._schedule.step(*args, **kwargs)
+            else:
+                self._schedule.eval(*args, **kwargs)
+        except Exception as err:
+            stages = [s.stage_index for s in self._stages]
+            raise RuntimeError(f"pipeline rank {self.global_rank} (stage {', '.join(map(str, stages))} of "
+                               f"{self.plan.num_stages if self.plan else '?'}): the {self.schedule_name} schedule "
+                               f"failed, a peer stage died or stopped answering (timeout {self._timeout}): "
+                               f"{err}") from err
+        last_rank = self._pp_ranks[self.plan.ranks[-1]] if self.plan else 0
+        if self._has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean() * self._loss_divisor
+        else:
+            loss = torch.zeros((), device=self.root_device)
+        if self.pp_size > 1:
+            dist.broadcast(loss, src=last_rank, group=self._pp_group)
+        return loss
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        batch = args[0] if args else kwargs.get("batch")
+        inputs, targets = self._pipeline_batch(batch)
+        self._check_divides(inputs)
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        self._loss_divisor = float(self.microbatches * accumulate)
+        with self.precision_plugin.train_step_context():
+            if not self._checked:  # not seen by batch_to_device (a loop that bypasses it)
+                self._first_batch(module, args, kwargs, inputs, targets)
+            # Lightning zeroes the gradients between training_step and backward (its Closure: step, zero_grad,
+            # backward), or keeps them while it accumulates: the schedule runs on cleared gradients, the earlier ones
+            # go back for Lightning to zero or keep, and the schedule's are added in backward()
+            params = list(module.parameters())
+            earlier = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self._compute = 0.0
+            start = time.perf_counter()
+            loss = self._run(inputs, targets, train=True)
+            self.stats.step_s.append(time.perf_counter() - start)
+            self.stats.compute_s.append(self._compute)
+            self._grads = {p: p.grad for p in params if p.grad is not None}
+            for p, grad in zip(params, earlier):
+                p.grad = grad
+        return loss
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        from lightning_accel._compat import module_trainer
+
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        module = self.lightning_module
+        trainer = module_trainer(module) if module is not None else None
+        if not self._checked and trainer is not None and trainer.training and self._schedule is not None:
+            # the first training batch, before any callback's on_train_batch_start: the check and the schedule's
+            # set-up run outside what MFUMonitor counts and BottleneckDoctor times as the step
+            inputs, targets = self._pipeline_batch(batch)
+            self._check_divides(inputs)
+            with self.precision_plugin.train_step_context():
+                self._first_batch(module, (batch, 0), {}, inputs, targets)
+        return batch
+
+    def _check_divides(self, inputs: torch.Tensor) -> None:
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(f"pipeline: a batch of {inputs.shape[0]} does not divide into microbatches="
+                             f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} "
+                             "(drop_last=True for a short last batch), or other microbatches")
+
+    def _first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
+                     targets: torch.Tensor) -> None:
+        self._check_first_batch(module, args, kwargs, inputs, targets)
+        self._checked = True
+        self._offstage = {}  # checked: the other stages' modules are no longer needed on this rank
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The pipeline's loss on the batch (forward only), logged as ``val_loss``: the network is split, so the
+        module's own ``validation_step`` (which Lightning requires to exist to run validation) is not called."""
+        module = self.lightning_module
+        assert module is not None
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        inputs, targets = self._pipeline_batch(args[0] if args else kwargs.get("batch"))
+        self._check_divides(inputs)
+        divisor, self._loss_divisor = self._loss_divisor, 1.0
+        try:
+            with self.precision_plugin.val_step_context():
+                loss = self._run(inputs, targets, train=False)
+        finally:
+            self._loss_divisor = divisor
+        module.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=inputs.shape[0])
+        return loss
+
+    def _check_first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
+                           targets: torch.Tensor) -> None:
+        """The module's own ``training_step`` on the whole network vs the pipeline's loss, both in eval mode (with
+        ``check_loss=False`` only the pipeline's step, which sets up the schedule)."""
+        from lightning_accel._compat import suspended_dispatch_modes
+
+        was = module.training
+        module.eval()
+        try:
+            # not model FLOPs of the step: a FLOP counter around it (MFUMonitor's first batch) does not see the check
+            with suspended_dispatch_modes():
+                self._check_losses(module, args, kwargs, inputs, targets)
+        finally:
+            module.train(was)
+
+    def _check_losses(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> None:
+        # a whole schedule step (its backward sets up the schedule's buffers, which must not happen under a FLOP
+        # counter's module tracking: torch 2.13 refuses that autograd.grad), its gradients discarded
+        params = list(module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        divisor, self._loss_divisor = self._loss_divisor, 1.0
+        try:
+            piped = float(self._run(inputs, targets, train=True))
+        finally:
+            self._loss_divisor = divisor
+            for p, grad in zip(params, earlier):
+                p.grad = grad
+        if not self.check_loss:
+            return
+        device = self.root_device
+        swapped = self._restore_offstage()
+        try:
+            if device.type != "cpu":  # the whole network does not fit the device: it runs once on the host
+                module.to("cpu")
+            cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
+            # the check is not a step: what training_step logs is not logged (Lightning also refuses logging here)
+            module.log, module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
+            with torch.no_grad():
+                out = module.training_step(*cpu_args[0], **cpu_args[1])
+        finally:
+            del module.log, module.log_dict
+            self._remove_offstage(swapped)
+            if device.type != "cpu":
+                module.to(device)
+        own = out["loss"] if isinstance(out, dict) else out
+        if not isinstance(own, torch.Tensor):
+            raise ValueError("pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
+                             "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)")
+        own_f = float(own)
+        if abs(own_f - piped) > 1e-4 * max(1.0, abs(own_f)):
+            hooks = "your pipeline_loss / pipeline_batch" if hasattr(module, "pipeline_loss") else (
+                "the token cross-entropy of the network's logits against the targets (batch (inputs, targets), or "
+                "ids shifted by one)")
+            raise ValueError(f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
+                             f"{type(module).__name__}.training_step's ({own_f:.6g}); define "
+                             "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
+                             "LightningModule so that they compute your loss")
+
+    def _restore_offstage(self) -> dict[str, nn.Module]:
+        assert self._layout is not None
+        net = self._layout.net
+        swapped = {}
+        for path, original in self._offstage.items():
+            swapped[path] = net.get_submodule(path)
+            _set_submodule(net, path, original)
+        return swapped
+
+    def _remove_offstage(self, swapped: dict[str, nn.Module]) -> None:
+        assert self._layout is not None
+        for path, placeholder in swapped.items():
+            _set_submodule(self._layout.net, path, placeholder)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # the schedule ran the backward inside training_step; its gradients (set aside there) go back now, between
+        # the hooks a backward runs (on_before_backward / on_after_backward)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in self._grads.items():
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._grads = {}
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            out = closure()
+            self._reduce_gradients()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def _reduce_gradients(self) -> None:
+        """Sum the tied embedding's gradients of the first and last stage; average over data-parallel replicas."""
+        import torch.distributed as dist
+
+        module = self.lightning_module
+        params = dict(module.named_parameters(remove_duplicate=False))
+        if self._tied and self._tie_group is not None:
+            prefix = self._net_attr + "."
+            for first, last in self._tied:
+                name = prefix + (first if self._has_first else last)
+                p = params.get(name)
+                if p is not None and (self._has_first or self._has_last):
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    dist.all_reduce(grad, group=self._tie_group)
+                    p.grad = grad
+        if self._dp_group is not None:
+            for p in module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self._dp_group)
+                    p.grad.div_(self.dp_size)
+
+    def bubble_per_rank(self, skip: int = 1) -> list[float | None]:
+        """Every rank's measured bubble (a collective: call it on all ranks)."""
+        import torch.distributed as dist
+
+        mine = self.stats.bubble(skip)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    def bubble_finding(self, skip: int = 1, threshold: float = 0.2) -> Any:
+        """The ``pipeline_bubble`` finding of this run (a collective), or ``None`` below ``threshold``."""
+        from lightning_accel.core.pipeline_plan import bubble_finding
+
+        return bubble_finding(self.bubble_per_rank(skip), pipeline_ranks=self.pp_size,
+                              microbatches=self.microbatches, stages_per_rank=self.stats.stages_per_rank,
+                              schedule=self.schedule_name, threshold=threshold)
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Gather every stage's weights and optimizer states on rank 0; write one file there (see module doc)."""
+        import torch.distributed as dist
+
+        def cpu(x: Any) -> Any:
+            return _to_cpu(x)
+
+        mine = {"pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "state_dict": cpu(checkpoint.get("state_dict", {})),
+                "optimizer_states": cpu(checkpoint.get("optimizer_states", []))}
+        gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
+        dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
+        if not self.is_global_zero:
+            return
+        state: dict[str, Any] = {}
+        optim: list[Any] = [None] * self.pp_size
+        for part in gathered:
+            if part["dp_rank"] == 0:
+                state.update(part["state_dict"])
+                optim[part["pp_rank"]] = part["optimizer_states"]
+        checkpoint = {**checkpoint, "state_dict": state, "optimizer_states": optim,
+                      "pipeline": {"pipeline_ranks": self.pp_size, "stages": self.plan.num_stages if self.plan else 1,
+                                   "schedule": self.schedule_name}}
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        from lightning_accel._compat import optimizers_to_device
+
+        meta = checkpoint.get("pipeline")
+        if meta is None or meta["pipeline_ranks"] != self.pp_size or (
+                self.plan is not None and meta["stages"] != self.plan.num_stages):
+            raise ValueError(f"pipeline: the checkpoint was written with {meta and meta['pipeline_ranks']} pipeline "
+                             f"ranks and {meta and meta['stages']} stages, this run has {self.pp_size} and "
+                             f"{self.plan.num_stages if self.plan else '?'}; resume with the same sizes (its "
+                             "state_dict alone loads into any run)")
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"][self.pp_rank]):
+            opt.load_state_dict(state)
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        self._schedule = None
+        self._stages = []
+        super().teardown()
+        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    if isinstance(owner, nn.ModuleList) and name.isdigit():
+        owner[int(name)] = module
+    else:
+        setattr(owner, name, module)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items()) if not hasattr(obj, "_fields") else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj) if not hasattr(obj, "_fields") else obj
+    return obj
+
+
+def pp(**kwargs: Any) -> PipelineStrategy:
+    """``Trainer(strategy="pp")``: every rank one pipeline stage (1F1B, micro-batches = ranks)."""
+    return PipelineStrategy(**kwargs)
+
+
+def pp_ddp(**kwargs: Any) -> PipelineStrategy:
+    """``Trainer(strategy="pp_ddp")``: pipelines of ``pipeline_size`` ranks replicated data-parallel (default 2
+    replicas from 4 processes on)."""
+    kwargs.setdefault("data_parallel_size", "auto")
+    return PipelineStrategy(**kwargs)

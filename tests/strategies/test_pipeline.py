@@ -1,0 +1,206 @@
+"""The stage planner, the schedule checks, the recognised structures and the argument errors of ``pp``, in one
+process (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.core.pipeline_plan import bubble_fraction, check_schedule, plan_stages
+from lightning_accel.demo.model import GPT, GPTConfig
+from lightning_accel.strategies.pipeline import (PipelineLayout, PipelineStrategy, _Stage, _UserLayout,
+                                                 default_pipeline_batch, find_layout)
+
+
+def test_blocks_are_balanced_with_the_embedding_on_the_first_stage_and_the_head_on_the_last():
+    plan = plan_stages([1.0] * 4, 2)
+    assert [list(r) for r in plan.blocks] == [[0, 1], [2, 3]] and plan.ranks == (0, 1)
+    # a heavy embedding: the first stage gets fewer blocks (max cost 3 instead of 4)
+    plan = plan_stages([1.0] * 4, 2, first_cost=2.0)
+    assert [list(r) for r in plan.blocks] == [[0], [1, 2, 3]] and plan.costs == (3.0, 3.0)
+    plan = plan_stages([1.0] * 6, 3, last_cost=2.0)
+    assert [len(r) for r in plan.blocks] == [3, 2, 1] or max(plan.costs) == 3.0
+    assert max(plan.costs) == 3.0
+    # looped placement for two stages per rank
+    assert plan_stages([1.0] * 4, 4, pipeline_ranks=2).ranks == (0, 1, 0, 1)
+    assert plan_stages([1.0] * 4, 2, blocks_per_stage=[3, 1]).blocks == (range(0, 3), range(3, 4))
+    assert "stage 0 (rank 0): blocks 0-1 + embedding" in plan_stages([1.0] * 4, 2).describe()
+
+
+def test_planner_errors_name_the_value_and_the_fix():
+    with pytest.raises(ValueError, match=r"stages=5 but the model has 4 repeated blocks.*stages <= 4"):
+        plan_stages([1.0] * 4, 5)
+    with pytest.raises(ValueError, match=r"blocks_per_stage=\[2, 1\] must give 2 positive block counts"):
+        plan_stages([1.0] * 4, 2, blocks_per_stage=[2, 1])
+
+
+def test_schedule_checks():
+    check_schedule("1f1b", num_stages=2, pipeline_ranks=2, microbatches=2)
+    check_schedule("interleaved_1f1b", num_stages=4, pipeline_ranks=2, microbatches=4)
+    with pytest.raises(ValueError, match=r"schedule='nope': use one of gpipe, 1f1b, interleaved_1f1b"):
+        check_schedule("nope", num_stages=2, pipeline_ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"runs several stages per rank.*give stages=4"):
+        check_schedule("interleaved_1f1b", num_stages=2, pipeline_ranks=2, microbatches=4)
+    with pytest.raises(ValueError, match=r"needs microbatches >= the 4 pipeline ranks \(got microbatches=2\)"):
+        check_schedule("1f1b", num_stages=4, pipeline_ranks=4, microbatches=2)
+    with pytest.raises(ValueError, match=r"runs one stage per rank.*schedule='interleaved_1f1b'"):
+        check_schedule("gpipe", num_stages=4, pipeline_ranks=2, microbatches=2)
+    check_schedule("gpipe", num_stages=4, pipeline_ranks=4, microbatches=1)  # GPipe runs any m
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(2, 1) == pytest.approx(1 / 2)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4, stages_per_rank=2) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 4) == 0.0
+
+
+def _strategy() -> PipelineStrategy:
+    return PipelineStrategy(print_plan=False)
+
+
+def _models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    models: dict[str, nn.Module] = {"demo": GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16))}
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        models["llama"] = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=2, num_attention_heads=2,
+                                                       num_key_value_heads=1, max_position_embeddings=32))
+        models["gpt2"] = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+    except ImportError:
+        pass
+    try:
+        from litgpt import GPT as LitGPT
+        from litgpt import Config
+
+        models["litgpt"] = LitGPT(Config(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32,
+                                         padded_vocab_size=32))
+    except ImportError:
+        pass
+    return models
+
+
+@pytest.mark.parametrize("kind", ["demo", "llama", "gpt2", "litgpt"])
+def test_recognised_structures_reproduce_the_forward_stage_by_stage(kind):
+    models = _models()
+    if kind not in models:
+        pytest.skip(f"{kind} needs its library (transformers / litgpt)")
+    net = models[kind].eval()
+    layout = find_layout(net)
+    _strategy()._check_split(layout)  # the composed forward equals the model's own
+    first = _Stage(layout, range(0, 1), first=True, last=False)
+    last = _Stage(layout, range(1, 2), first=False, last=True)
+    ids = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        want = net(ids)
+        got = last(first(ids))
+    want = want if isinstance(want, torch.Tensor) else want.logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each stage holds only its part: first has the embedding and block 0, last block 1 and the head
+    names = {n for n, _ in first.named_parameters()}
+    assert not any("1." in n.split("blocks.")[-1][:2] for n in names if n.startswith("blocks.1"))
+    assert sum(p.numel() for p in first.parameters()) + sum(p.numel() for p in last.parameters()) >= sum(
+        p.numel() for p in net.parameters())
+
+
+def test_a_structure_it_cannot_split_is_refused_with_what_to_give_instead():
+    with pytest.raises(ValueError, match=r"cannot split Sequential: no recognised structure.*pipeline_layout"):
+        find_layout(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+
+    class Scaled(GPT):  # a forward that does more than embed -> blocks -> head
+        def forward(self, idx):
+            return 2 * super().forward(idx)
+
+    layout = find_layout(Scaled(GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)))
+    with pytest.raises(ValueError, match=r"does not reproduce its own forward.*pipeline_layout"):
+        _strategy()._check_split(layout)
+
+
+def test_a_user_layout_describes_an_unrecognised_model():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.body = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.body:
+                x = b(x)
+            return self.out(x)
+
+    net = Net()
+    layout = _UserLayout(net, PipelineLayout(embed=net.inp, blocks=net.body, head=net.out))
+    assert layout.first == ["inp"] and layout.blocks == "body" and layout.last == ["out"]
+    x = torch.randn(2, 4)
+    stages = [_Stage(layout, range(0, 2), first=True, last=False), _Stage(layout, range(2, 3), first=False,
+                                                                          last=True)]
+    torch.testing.assert_close(stages[1](stages[0](x)), net(x))
+    with pytest.raises(ValueError, match="must each be a submodule of the network"):
+        _UserLayout(net, PipelineLayout(embed=nn.Linear(1, 1), blocks=net.body, head=net.out))
+
+
+def test_batches_become_inputs_and_targets():
+    ids = torch.arange(6).view(2, 3)
+    x, y = default_pipeline_batch((ids,))
+    assert torch.equal(x, ids) and y.tolist() == [[1, 2, -100], [4, 5, -100]]  # shifted like labels=ids
+    assert default_pipeline_batch({"input_ids": ids})[1].tolist() == y.tolist()
+    a, b = default_pipeline_batch((ids, ids + 1))
+    assert torch.equal(b, ids + 1)
+    with pytest.raises(ValueError, match="pipeline_batch"):
+        default_pipeline_batch([ids, ids, ids])
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match=r"schedule='zb'"):
+        PipelineStrategy(schedule="zb")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"microbatches=0\) must be an integer >= 1"):
+        PipelineStrategy(microbatches=0)
+    with pytest.raises(ValueError, match=r"pipeline_size=3 × data_parallel_size=1 does not fit 4 processes"):
+        PipelineStrategy(pipeline_size=3).resolve_sizes(4)
+    assert PipelineStrategy(data_parallel_size="auto").resolve_sizes(4) == (2, 2)
+    assert PipelineStrategy().resolve_sizes(4) == (4, 1)
+
+
+def test_strings_are_registered():
+    import lightning_accel  # noqa: F401
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "pp" in StrategyRegistry and "pp_ddp" in StrategyRegistry
+    assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"
+
+
+def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
+    from lightning_accel.core.pipeline_plan import bubble_finding
+
+    assert bubble_finding([0.1, 0.12], pipeline_ranks=2, microbatches=8) is None  # under the threshold
+    f = bubble_finding([0.36, 0.29], pipeline_ranks=2, microbatches=4)
+    assert f is not None and f.rule == "pipeline_bubble" and f.value == pytest.approx(0.36)
+    assert "rank 0: 36%, rank 1: 29%" in f.evidence and "= 20% for P=2 ranks, m=4" in f.evidence
+    assert "microbatches=8) (bubble 11%" in f.fix and "stages=4 (bubble 11%)" in f.fix
+    assert "balance the stages" in f.fix  # 36% is well above the formula's 20%
+    g = bubble_finding([0.5, None], pipeline_ranks=2, microbatches=1, stages_per_rank=1, schedule="gpipe")
+    assert g is not None and "rank 1: ?" in g.evidence and "balance" not in g.fix
+
+
+def test_the_scaling_model_projects_pp_x_tp_x_dp_with_the_bubble_and_point_to_point_bytes():
+    from lightning_accel.core.scaling import ScalingWorkload, get_interconnect, project_scaling
+
+    w = ScalingWorkload(compute_s=8.0, params=10**9, grad_bytes=2, n_layers=32, hidden_size=4096,
+                        tokens_per_step=32768, activation_bytes=2)
+    link = get_interconnect("infiniband_ndr")
+    (pp,) = project_scaling(w, link, n=[64], strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)
+    assert (pp.pp_size, pp.tp_size) == (4, 8)
+    slot = 8.0 / (8 * 4 * 16)
+    assert pp.bubble_s == pytest.approx(3 * slot)  # (P-1) idle slots of one micro-batch's stage compute
+    act = 32768 / 16 * 4096 * 2  # one micro-batch's activations cross each stage boundary, forward and backward
+    assert pp.p2p_s == pytest.approx((16 + 3) * 2 * (link.latency + act / link.bandwidth))
+    assert pp.efficiency < 16 / 19  # never better than the bubble allows: m / (m + P - 1)
+    more = project_scaling(w, link, n=[64], strategies=["pp"], tp_size=8, pp_size=4, microbatches=64)[0]
+    assert more.efficiency > pp.efficiency  # more micro-batches: a smaller bubble
+    with pytest.raises(ValueError, match=r"pp_size=4 x tp_size=8 does not divide n=48"):
+        project_scaling(w, link, n=[48], strategies=["pp"], tp_size=8, pp_size=4)

@@ -1,0 +1,323 @@
+"""2 CPU processes (gloo): ``strategy="pp"`` trains the demo GPT, a Hugging Face Llama and GPT-2, and a litgpt GPT
+without any pipeline code in the module, to the weights of a one-process run of the same global batch (GPipe and
+1F1B, with and without accumulation); a checkpoint resumes identically and loads into the unsplit model; a loss the
+strategy cannot reproduce, and a batch the micro-batches do not divide, are refused; a dead peer times out naming
+the rank and stage. 4 processes: ``pp_ddp`` (2 stages x 2 replicas)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.conftest import read_rank_json
+
+COMMON = r"""
+import json, os, sys
+import torch
+import torch.nn.functional as F
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_accel  # registers "pp"
+from lightning_accel.strategies.pipeline import PipelineStrategy
+
+torch.set_num_threads(1)
+SEQ, BATCH, VOCAB = 16, 4, 64
+IDS = torch.randint(0, VOCAB, (96, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+
+def build(kind):
+    torch.manual_seed(0)
+    if kind == "demo":
+        from lightning_accel.demo.model import GPT, GPTConfig
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=4, n_head=2, d_model=32))
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64))
+    if kind == "gpt2":  # tied embeddings (GPT-2's default)
+        from transformers import GPT2Config, GPT2LMHeadModel
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    from litgpt import GPT, Config
+    return GPT(Config(n_layer=4, n_head=4, n_query_groups=2, n_embd=32, block_size=SEQ, vocab_size=VOCAB,
+                      padded_vocab_size=VOCAB, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=64,
+                      norm_class_name="RMSNorm"))
+
+
+def batch_of(kind, j, size):
+    rows = IDS[j * size:(j + 1) * size]
+    return (rows[:, :-1], rows[:, 1:]) if kind == "demo" else (rows[:, :-1],)
+
+
+def loss_of(kind, model, batch):
+    # each model as its users train it: (x, y) for the demo GPT, token ids alone for the LMs
+    if kind == "demo":
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    ids = batch[0]
+    if kind in ("llama", "gpt2"):
+        return model(input_ids=ids, labels=ids).loss
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+class Task(pl.LightningModule):  # no pipeline code at all
+    def __init__(self, kind, batch=BATCH):
+        super().__init__()
+        self.kind, self.batch = kind, batch
+        self.model = build(kind)
+
+    def training_step(self, batch, i):
+        return loss_of(self.kind, self.model, batch)
+
+    def train_dataloader(self):
+        n = len(IDS) // self.batch * self.batch
+        data = TensorDataset(IDS[:n, :-1], IDS[:n, 1:]) if self.kind == "demo" else TensorDataset(IDS[:n, :-1])
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        return DataLoader(data, batch_size=self.batch, sampler=DistributedSampler(data, shuffle=False, **kwargs))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, i):
+        self.losses.append(float(outputs["loss"]))
+
+
+def reference(kind, steps, accumulate=1, size=BATCH, order=None):
+    # the same model, data order and optimizer in one process, without Lightning
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for s in range(steps):
+        for a in range(accumulate):
+            j = s * accumulate + a if order is None else order[s * accumulate + a]
+            (loss_of(kind, model, batch_of(kind, j, size)) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def max_dw(task, ref):
+    # this rank's parameters (their original names) against the one-process model's
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    return max((p.detach() - want[n[len("model."):]].detach()).abs().max().item()
+               for n, p in task.named_parameters(remove_duplicate=False))
+
+
+def trainer(strategy, steps, devices=2, accumulate=1, callbacks=(), **kw):
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False, accumulate_grad_batches=accumulate, callbacks=list(callbacks),
+                      **kw)
+"""
+
+SCRIPT = COMMON + r"""
+KINDS = sys.argv[1].split(",")
+STEPS = 10
+out = {}
+# (kind, schedule, accumulate); "pp" with the strategy's defaults for the first one
+RUNS = [("demo", None, 1), ("demo", "gpipe", 2), ("llama", "1f1b", 1), ("llama", "gpipe", 2), ("gpt2", "1f1b", 1),
+        ("litgpt", "1f1b", 2), ("demo", "interleaved_1f1b", 1)]
+for kind, schedule, accumulate in RUNS:
+    if kind not in KINDS:
+        continue
+    stages = 4 if schedule == "interleaved_1f1b" else None  # 2 stages on each rank, looped
+    strategy = "pp" if schedule is None else PipelineStrategy(schedule=schedule, microbatches=4, stages=stages)
+    t = trainer(strategy, STEPS, accumulate=accumulate)
+    task = Task(kind)
+    t.fit(task)
+    out[f"{kind}_{schedule}_{accumulate}"] = {"dw": max_dw(task, reference(kind, STEPS, accumulate)),
+                                             "n": sum(p.numel() for p in task.parameters()),
+                                             "plan": [list(r) for r in t.strategy.plan.blocks],
+                                             "bubble": t.strategy.stats.bubble(),
+                                             "expected": t.strategy.stats.expected_bubble}
+
+# validation runs the pipeline's forward-only loss (val_loss), also as trainer.validate after fit
+class WithValidation(Task):
+    def validation_step(self, batch, i):  # as written for one device; the pipeline computes it instead
+        self.log("val_loss", loss_of("demo", self.model, batch))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(IDS[:BATCH, :-1], IDS[:BATCH, 1:]), batch_size=BATCH)
+
+
+t = trainer("pp", 3, limit_val_batches=1)
+task = WithValidation("demo")
+t.fit(task)
+(metrics,) = t.validate(task, verbose=False)
+ref3 = reference("demo", 3)
+with torch.no_grad():
+    out["val"] = {"got": metrics["val_loss"], "want": float(loss_of("demo", ref3, batch_of("demo", 0, BATCH)))}
+try:
+    trainer("pp", 1).fit(task)
+    out["resplit"] = "no error"
+except ValueError as err:
+    out["resplit"] = str(err)
+
+# checkpoint: save after 4 steps, resume for 3 more == 7 uninterrupted (the loader restarts: batches 0-2 again)
+t = trainer("pp", 4)
+task = Task("demo")
+t.fit(task)
+t.save_checkpoint("pp.ckpt")
+resumed = Task("demo")
+trainer("pp", 7).fit(resumed, ckpt_path="pp.ckpt")
+out["resume_dw"] = max_dw(resumed, reference("demo", 7, order=[0, 1, 2, 3, 0, 1, 2]))
+# consolidation: the file's state_dict loads, strict, into the unsplit LightningModule
+plain = Task("demo")
+plain.load_state_dict(torch.load("pp.ckpt", weights_only=False)["state_dict"])
+ref4 = reference("demo", 4)
+out["consolidated_dw"] = max((p - dict(ref4.named_parameters())[n[6:]]).abs().max().item()
+                             for n, p in plain.named_parameters())
+
+
+# a training_step whose loss is not the token cross-entropy (here: over the second half of each sequence only) is
+# refused on the first batch, with both numbers
+class SecondHalf(Task):
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.cross_entropy(self.model(x)[:, SEQ // 2:].flatten(0, 1), y[:, SEQ // 2:].flatten())
+
+
+try:
+    trainer("pp", 2).fit(SecondHalf("demo"))
+    out["mismatch"] = "no error"
+except ValueError as err:
+    out["mismatch"] = str(err)
+
+
+# ... and accepted once the hook says what the loss is
+class SecondHalfHook(SecondHalf):
+    def pipeline_loss(self, logits, targets):
+        return F.cross_entropy(logits[:, SEQ // 2:].flatten(0, 1), targets[:, SEQ // 2:].flatten())
+
+
+t = trainer("pp", 2)
+t.fit(SecondHalfHook("demo"))
+out["hook_ok"] = t.global_step
+
+# a batch of 6 does not divide into 4 micro-batches
+try:
+    trainer(PipelineStrategy(microbatches=4), 2).fit(Task("demo", batch=6))
+    out["divide"] = "no error"
+except ValueError as err:
+    out["divide"] = str(err)
+
+# measuring: MFUMonitor counts each rank's own stages (per device); BottleneckDoctor reports the bubble per rank
+from lightning_accel.callbacks import BottleneckDoctor, MFUMonitor
+from lightning_accel.core.flops import FlopCounter
+
+monitor = MFUMonitor(window=2, warmup_batches=1, peak_flops=1e12, print_summary=False)
+doctor = BottleneckDoctor(window=2, warmup_batches=1, print_report=False)
+t = trainer(PipelineStrategy(schedule="gpipe", microbatches=1), 6, callbacks=[monitor, doctor],
+            default_root_dir=".")
+t.fit(Task("demo"))
+counter = FlopCounter()
+counter.start()
+loss_of("demo", build("demo"), batch_of("demo", 0, BATCH)).backward()
+out["flops"] = {"mine": monitor.summary.get("flops_per_batch"), "total": counter.stop()}
+out["doctor"] = [[f.rule, f.evidence, f.fix] for f in doctor.report.findings]
+with open(f"pp_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+KINDS = ["demo"] + [k for k, mod in (("llama", "transformers"), ("gpt2", "transformers"), ("litgpt", "litgpt"))
+                    if importlib.util.find_spec(mod)]
+
+
+@pytest.mark.distributed
+def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
+    ddp_script(SCRIPT, timeout=500, args=[",".join(KINDS)])
+    ranks = read_rank_json(tmp_path, "pp")
+    for name, result in ranks[0].items():
+        if not (isinstance(result, dict) and "dw" in result):
+            continue
+        for rank in ranks:  # every rank's own parameters: the stages' weights after 10 steps
+            assert rank[name]["dw"] <= 1e-4, (name, rank[name]["dw"])
+        assert ranks[0][name]["n"] > 0 and ranks[1][name]["n"] > 0
+        # 4 equal blocks: 2 on each stage; interleaved: 4 stages of 1, stages 0 and 2 on rank 0
+        assert ranks[0][name]["plan"] == ([[0], [1], [2], [3]] if "interleaved" in name else [[0, 1], [2, 3]])
+        assert 0.0 <= ranks[0][name]["bubble"] <= 1.0
+    assert ranks[0]["demo_None_1"]["expected"] == pytest.approx(1 / 3)  # "pp" defaults: 2 micro-batches
+    assert ranks[0]["demo_gpipe_2"]["expected"] == pytest.approx(1 / 5)
+    assert ranks[0]["demo_interleaved_1f1b_1"]["expected"] == pytest.approx(1 / 9)  # (P-1)/(V·m+P-1), V=2, m=4
+    for rank in ranks:
+        assert rank["val"]["got"] == pytest.approx(rank["val"]["want"], rel=1e-5)
+        assert "was split by another pp Trainer" in rank["resplit"]
+        assert rank["resume_dw"] <= 1e-5
+        assert rank["consolidated_dw"] <= 1e-5
+        assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
+        assert rank["hook_ok"] == 2
+        assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+        # each rank counts the FLOPs its own stage ran; together they are the one-process step's
+        assert 0 < rank["flops"]["mine"] < rank["flops"]["total"]
+        bubble = [f for f in rank["doctor"] if f[0] == "pipeline_bubble"]
+        assert bubble and "rank 0:" in bubble[0][1] and "rank 1:" in bubble[0][1] and "= 50% for P=2" in bubble[0][1]
+        assert "microbatches=2" in bubble[0][2] and "interleaved_1f1b" in bubble[0][2]
+    assert ranks[0]["flops"]["mine"] + ranks[1]["flops"]["mine"] == pytest.approx(ranks[0]["flops"]["total"],
+                                                                                 rel=1e-6)
+
+
+STALL = COMMON + r"""
+import time
+
+
+class Stall(pl.Callback):  # rank 1 stops answering at the third step (a deadlocked or hung peer)
+    def on_train_batch_start(self, trainer, module, batch, i):
+        if i == 2 and trainer.global_rank == 1:
+            time.sleep(25)
+            os._exit(0)  # never comes back to the schedule
+
+
+t = trainer(PipelineStrategy(timeout=8), 6, callbacks=[Stall()])
+try:
+    t.fit(Task("demo"))
+    error = "no error"
+except RuntimeError as err:
+    error = str(err)
+with open(f"stall_rank{t.global_rank}.json", "w") as fh:
+    json.dump({"error": error, "step": t.global_step}, fh)
+os._exit(0)
+"""
+
+
+@pytest.mark.distributed
+def test_a_peer_that_stops_answering_times_out_naming_rank_and_stage(ddp_script, tmp_path):
+    ddp_script(STALL, timeout=120)
+    import json
+
+    rank0 = json.loads((tmp_path / "stall_rank0.json").read_text())
+    assert rank0["step"] == 2
+    assert "pipeline rank 0 (stage 0 of 2)" in rank0["error"] and "stopped answering" in rank0["error"]
+
+
+PP_DDP = COMMON + r"""
+STEPS = 10
+monitor = Losses()
+t = trainer("pp_ddp", STEPS, devices=4, callbacks=[monitor])
+task = Task("demo")
+t.fit(task)
+s = t.strategy
+out = {"dw": max_dw(task, reference("demo", STEPS, size=2 * BATCH)), "sizes": [s.pp_size, s.dp_size],
+       "coords": [s.pp_rank, s.dp_rank], "losses": monitor.losses}
+with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_path):
+    ddp_script(PP_DDP, timeout=300)
+    ranks = read_rank_json(tmp_path, "ppddp", world_size=4)
+    assert [r["coords"] for r in ranks] == [[0, 0], [0, 1], [1, 0], [1, 1]]  # consecutive ranks: replicas
+    assert all(r["sizes"] == [2, 2] for r in ranks)
+    for r in ranks:  # each replica trained on its half of the batch of 8; averaged: the one-process weights
+        assert r["dw"] <= 1e-4
+    assert ranks[0]["losses"] == ranks[2]["losses"]  # a pipeline's stages report its loss
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # the replicas saw different data
