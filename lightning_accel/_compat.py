@@ -143,12 +143,14 @@ _L = f"lightning 2.6.0-{LIGHTNING_CHECKED}"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # --- torch
-    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T, ("attention.py:SDPABackendRecorder",)),
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T,
+                ("attention/recorder.py:SDPABackendRecorder",)),
     PrivateName("torch.utils._python_dispatch", "_get_current_dispatch_mode", _T,
                 ("callbacks/torch_compile.py:_dispatch_mode_active",)),
-    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention.py:_Lazy",)),
-    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T, ("attention.py:_Lazy", "attention.py:_WeightsProbe")),
-    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention.py:_FusedOpCounter",),
+    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention/_lazy.py:_Lazy",)),
+    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T,
+                ("attention/_lazy.py:_Lazy", "attention/mha.py:_WeightsProbe")),
+    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention/recorder.py:_FusedOpCounter",),
                 instance=lambda: torch.ops.aten.add.Tensor),
     PrivateName("torch._C", "_current_graph_task_id", _T, ("callbacks/activation_checkpointing.py:_in_backward",)),
     PrivateName("torch", "_foreach_norm", _T, ("callbacks/non_finite_guard.py:on_before_optimizer_step",)),
@@ -214,11 +216,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("callbacks/_doctor_facts.py:run_facts",), instance=_model_checkpoint),
     # --- transformers (optional: checked only when installed)
     PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
-                ("attention.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config),
+                ("attention/fused.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config),
     PrivateName("transformers.PreTrainedModel", "_tp_plan", "transformers 5.0-5.24",
                 ("strategies/parallel_plan.py:_hf_plan",)),
     PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
-                ("attention.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
+                ("attention/hf_switch.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
 )
 
 
