@@ -460,3 +460,50 @@ def test_a_fit_loader_with_a_custom_batch_sampler_is_refused_before_any_work() -
                                          r"with another batch size: the loader batches with a custom Pairs"):
         _trainer([BatchSizeTuner(memory_budget=BIG, print_summary=False)]).fit(model, loader)
     assert model.sizes == []
+
+
+@pytest.mark.distributed
+def test_ddp_with_a_loader_passed_to_fit_adopts_the_minimum_and_shards_the_rebuilt_loader(ddp_script, tmp_path):
+    ddp_script(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path.parent)!r})
+        import lightning.pytorch as pl
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        from lightning_accel import BatchSizeTuner
+
+        class M(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear(8, 1)
+                self.sizes, self.first = [], []
+            def training_step(self, batch, _):
+                x, i = batch
+                if len(x) > (48 if self.global_rank == 0 else 24):
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                return self.layer(x).square().mean()
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                self.sizes.append(len(batch[0]))
+                self.first.append(int(batch[1][0]))
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        loader = DataLoader(TensorDataset(torch.randn(512, 8), torch.arange(512)), batch_size=4)
+        tuner = BatchSizeTuner(memory_budget=64 * 2**30, print_summary=False)
+        model = M()
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                             callbacks=[tuner], enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(model, loader)
+        out = dict(sizes=model.sizes, first=model.first, chosen=tuner.summary["batch_size"],
+                   sampler=type(trainer.train_dataloader.sampler).__name__)
+        json.dump(out, open(f"bsf_rank{{trainer.global_rank}}.json", "w"))
+    """)
+    from tests.conftest import read_rank_json
+
+    ranks = read_rank_json(tmp_path, "bsf")
+    assert ranks[0]["chosen"] == ranks[1]["chosen"] and 16 <= ranks[0]["chosen"] <= 24  # the minimum of both
+    for r in ranks:
+        assert r["sizes"] == [r["chosen"]] * 2 and r["sampler"] == "DistributedSampler"
+    assert ranks[0]["first"][0] != ranks[1]["first"][0]  # Lightning sharded the re-created loader across ranks
