@@ -33,24 +33,17 @@ from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport, plot_timeline
 from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose
-from lightning_accel.core.stages import StageMachine, Window
+from lightning_accel.core.stages import StageMachine, StageWindow
+from lightning_accel.core.utilisation import reduce_utilisation
 from lightning_accel.core.variability import VARIABILITY_FIELDS, summarise_window
 from lightning_accel.core.verdict import build_report
+from lightning_accel.core.window_row import UTIL_FIELDS, RankWindow
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["BottleneckDoctor"]
 
-# Utilisation columns gathered with each window's stage row (NaN where a rank has no value).
-_UTIL_FIELDS = ("cpu_process_pct", "cpu_workers_pct", "gpu_util_pct", "gpu_mem_used_frac", "gpu_sm_clock_mhz",
-                "memory_peak_frac")
-# One rank's gathered row: the stage row, utilisation, comm-hook passes, the window's batch-time summary.
-_N_STAGE = len(ROW_FIELDS)
-_UTIL_AT = _N_STAGE
-_PASSES_AT = _UTIL_AT + len(_UTIL_FIELDS)
-_VAR_AT = _PASSES_AT + 1
-_ROW_LEN = _VAR_AT + len(VARIABILITY_FIELDS)
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -578,11 +571,9 @@ class BottleneckDoctor(Callback):
             self._break(f"starting the first window: {err!r}")
 
     # ------------------------------------------------------------------ windows
-    def _local_row(self, window: Window | None) -> list[float]:
-        nan = math.nan
-        row = [nan] * _ROW_LEN
+    def _local_row(self, window: StageWindow | None) -> RankWindow:
         if self._broken or window is None or window.batches == 0:
-            return row
+            return RankWindow.unmeasured()
         try:
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
             self._train_wall += window.wall
@@ -596,11 +587,13 @@ class BottleneckDoctor(Callback):
             if self._device.type == "cuda":
                 total = torch.cuda.get_device_properties(self._device).total_memory
                 util["memory_peak_frac"] = torch.cuda.max_memory_allocated(self._device) / total
-            return ([float(values[f]) for f in ROW_FIELDS] + [float(util.get(f, nan)) for f in _UTIL_FIELDS]
-                    + [float(passes)] + summarise_window(window.step_times, window.data_times, window.first_batch))
+            variability = summarise_window(window.step_times, window.data_times, window.first_batch)
+            return RankWindow(stages={f: float(values[f]) for f in ROW_FIELDS},
+                              utilisation={f: float(util.get(f, math.nan)) for f in UTIL_FIELDS},
+                              comm_passes=float(passes), variability=dict(zip(VARIABILITY_FIELDS, variability)))
         except Exception as err:  # noqa: BLE001
             self._break(f"closing a window: {err!r}")
-            return row
+            return RankWindow.unmeasured()
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool,
                       final: bool = False) -> None:
@@ -618,34 +611,33 @@ class BottleneckDoctor(Callback):
                 self._break(f"closing a window: {err!r}")
         row = self._local_row(window)
         # one process: no collective, and no tensor round trip (~50 µs of the flush)
-        rows = [row] if trainer.world_size <= 1 else gather_floats(trainer, self._device, row).tolist()
+        rows = [row] if trainer.world_size <= 1 else \
+            [RankWindow.from_floats(r) for r in gather_floats(trainer, self._device, row.to_floats()).tolist()]
         self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)
         except Exception as err:  # noqa: BLE001
             self._break(f"aggregating a window: {err!r}")
 
-    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[list[float]], *,
+    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[RankWindow], *,
                       log: bool) -> None:
-        n = _N_STAGE
-        all_rows = rows
-        while len(self._var_rows) < len(all_rows):
+        while len(self._var_rows) < len(rows):
             self._var_rows.append([])
-        for rank, r in enumerate(all_rows):
-            if all(math.isfinite(v) for v in r[_VAR_AT:_ROW_LEN]):
-                self._var_rows[rank].append(r[_VAR_AT:_ROW_LEN])
-        finite = [r for r in all_rows if all(math.isfinite(v) for v in r[:n])]
-        if not finite:
+        for rank, r in enumerate(rows):
+            variability = r.variability_row()
+            if variability is not None:
+                self._var_rows[rank].append(variability)
+        measured = [r for r in rows if r.measured]
+        if not measured:
             return
-        window = self._breakdown.add(all_rows)
+        window = self._breakdown.add([r.stage_row() for r in rows])
         if window is None:
             return
-        util_cols = {f: [r[_UTIL_AT + i] for r in finite if math.isfinite(r[_UTIL_AT + i])]
-                     for i, f in enumerate(_UTIL_FIELDS)}
-        util = {f: (max(v) if f == "memory_peak_frac" else sum(v) / len(v)) for f, v in util_cols.items() if v}
+        util = reduce_utilisation({f: [r.utilisation[f] for r in measured if math.isfinite(r.utilisation[f])]
+                                   for f in UTIL_FIELDS})
         for f, v in util.items():
             self._util_sums.setdefault(f, []).append(v)
-        self._comm_passes += int(sum(r[_PASSES_AT] for r in finite if math.isfinite(r[_PASSES_AT])))
+        self._comm_passes += int(sum(r.comm_passes for r in measured if math.isfinite(r.comm_passes)))
         self._timeline.append({"batch": self._breakdown.batches, "shares": window.shares,
                                "step_seconds": window.step_seconds})
         if log:
@@ -670,9 +662,9 @@ class BottleneckDoctor(Callback):
 
     def _live_context(self) -> RunContext:
         ctx = self._context
-        util = {f: v for f, v in self._util_sums.items() if v}
-        ctx.gpu_utilisation = (statistics.fmean(util["gpu_util_pct"]) / 100.0 if "gpu_util_pct" in util else None)
-        ctx.memory_peak_fraction = max(util["memory_peak_frac"]) if "memory_peak_frac" in util else None
+        util = reduce_utilisation(self._util_sums)
+        ctx.gpu_utilisation = util["gpu_util_pct"] / 100.0 if "gpu_util_pct" in util else None
+        ctx.memory_peak_fraction = util.get("memory_peak_frac")
         ctx.batch_size = int(statistics.median(self._batch_sizes)) if self._batch_sizes else None
         ctx.communication_measured = self._comm_passes > 0
         monitor = self._mfu_monitor

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +23,7 @@ from lightning_accel.callbacks._probe_step import (
     missing_attribute_error,
 )
 from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.core.utilisation import usable_cores_per_rank  # noqa: F401 - also imported from here
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -57,15 +57,6 @@ def default_worker_counts(cores: int) -> list[int]:
     return counts
 
 
-def usable_cores_per_rank(local_ranks: int) -> int:
-    """CPU cores this process may run on (its affinity mask), divided among the ranks on this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS / Windows
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
-
-
 #: with ``num_workers=0`` loading is serial with the step; at most this share of the step time may go to it (the same
 #: 10 % above which ``BottleneckDoctor`` reports a data wait)
 SERIAL_DATA_SHARE = 0.10
@@ -94,12 +85,12 @@ class DataLoaderTuner(Callback):
     ``batch_size``: module, hparams, datamodule) before the fit loop builds its dataloader, so the user's
     ``train_dataloader()`` must read them. Settings whose attribute is absent are left alone (only ``num_workers`` is
     required). A ``DataLoader`` passed straight to ``trainer.fit(model, loader)`` has no attributes: it is re-created
-    from its own constructor arguments with each setting (every setting is tuned), and the fit trains on the
-    re-created loader with the choice, the way the Autopilot does (``callbacks/_loader_source.py``). The sequence of samples is unchanged: the tuner's iterations draw from the global RNGs and any
-    ``torch.Generator`` on the loader or its sampler, and all are restored, so a seeded run sees the same batches in
-    the same order with or without the tuner (PyTorch keeps batch order with any number of workers). Only
-    randomness drawn *inside workers* (augmentations seeded per worker: ``base_seed + worker_id``) follows the
-    worker count, as with any change of ``num_workers``.
+    from its own constructor arguments with each setting (every setting is tuned), and the fit trains on the re-created
+    loader with the choice, the way the Autopilot does (``callbacks/_loader_source.py``). The sequence of samples is
+    unchanged: the tuner's iterations draw from the global RNGs and any ``torch.Generator`` on the loader or its
+    sampler, and all are restored, so a seeded run sees the same batches in the same order with or without the tuner
+    (PyTorch keeps batch order with any number of workers). Only randomness drawn *inside workers* (augmentations seeded
+    per worker: ``base_seed + worker_id``) follows the worker count, as with any change of ``num_workers``.
 
     Caveat: on a CPU-only run the loader is measured alone, while in training its workers share the cores with the
     step's intra-op threads; ``margin`` absorbs part of that.

@@ -28,14 +28,14 @@ __all__ = ["MFUMonitor"]
 class MFUMonitor(Callback):
     """Logs throughput and MFU (model FLOPs utilisation) while training, and prints a summary after ``fit``.
 
-    FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode``
-    around the real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch``
-    is given. Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
-    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the
-    run's compute dtype, else a short matmul probe of the device (CPU, unknown GPUs). The first
-    ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up; callbacks can ask for
-    more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every micro-batch
-    of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
+    FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode`` around the
+    real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch`` is given.
+    Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
+    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given,
+    else the datasheet table for the GPU and the run's compute dtype, else a short matmul probe of the device (CPU,
+    unknown GPUs). The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
+    callbacks can ask for more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every
+    micro-batch of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
     Logged every ``window`` batches, to every logger, ``trainer.callback_metrics`` and the progress bar, as
     ``pl_module.log(on_step=True)`` would, in one call per window (``_doctor_log.log_window``):

@@ -34,6 +34,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._atomic import atomic_path, atomic_write_text
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -199,17 +201,14 @@ class ProfileWindow(Callback):
         table = self._dir / f"top_ops_{stem}.txt"
         recorded = max(0, min(self.active, self._steps_in_window - self.wait - self.warmup))
         first = self._current["start_step"] + self.wait + self.warmup
-        tmp = trace.with_name(trace.name + ".tmp")
-        profiler.export_chrome_trace(str(tmp))
-        os.replace(tmp, trace)
+        with atomic_path(trace) as tmp:
+            profiler.export_chrome_trace(str(tmp))
         sort_by = "self_device_time_total" if self._cuda else "self_cpu_time_total"
         text = (f"ProfileWindow trace: {trace.name}\nreason: {self._current['reason']}\n"
                 f"recorded global steps {first}..{first + recorded - 1} ({recorded} steps, after {self.wait} wait + "
                 f"{self.warmup} warm-up), rank {self._rank}; sorted by {sort_by}\n\n"
                 + profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit) + "\n")
-        tmp = table.with_name(table.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, table)
+        atomic_write_text(table, text)
         self._current.update(steps_recorded=recorded, trace=str(trace), table=str(table))
 
     @override

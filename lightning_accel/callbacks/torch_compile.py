@@ -40,11 +40,11 @@ class TorchCompile(Callback):
     ``fnmatch`` patterns over qualified module names (``"model"``, ``"model.blocks.*"``) or module types.
     A pattern that matches nothing raises ``ValueError`` listing the names present.
 
-    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen
-    again when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs
-    with ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code
-    for the rest of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and ``BottleneckDoctor``) how many batches
-    to leave out of their measurements.
+    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen again
+    when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs with
+    ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code for the rest
+    of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and
+    ``BottleneckDoctor``) how many batches to leave out of their measurements.
 
     Fallback: if ``torch.compile`` is unavailable on the platform or compiling raises (a backend failure, a graph
     break under ``fullgraph=True``, a missing C++ compiler for inductor), the target runs eagerly from then on

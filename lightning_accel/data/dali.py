@@ -24,6 +24,7 @@ import torch
 from typing_extensions import override
 
 from lightning_accel._imports import require
+from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data.image_index import (
     CorruptImageError,
     ImageIndex,
@@ -521,7 +522,7 @@ class DALIImageDataModule(pl.LightningDataModule):
         trainer = self._trainer_or_none()
         if trainer is not None:
             local_ranks = max(1, trainer.num_devices)
-        return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
+        return max(1, min(8, usable_cores_per_rank(local_ranks)))
 
     def _epoch(self) -> int:
         trainer = self._trainer_or_none()

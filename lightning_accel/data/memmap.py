@@ -29,7 +29,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_accel.data._atomic import atomic_path, atomic_write_json, progress
+from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel.core.utilisation import usable_cores_per_rank
+from lightning_accel.data._progress import progress
 
 __all__ = ["INDEX_FILE", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap",
            "read_memmap_index"]
@@ -394,8 +396,7 @@ class TokenMemmapDataset(Dataset):
 
 def default_num_workers(local_ranks: int = 1, accelerators_per_rank: int = 1) -> int:
     """DataLoader workers per rank: the playbook's "about 4 per GPU", capped at half of this rank's CPU cores."""
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
-    return max(1, min(4 * accelerators_per_rank, cores // (2 * max(1, local_ranks))))
+    return max(1, min(4 * accelerators_per_rank, usable_cores_per_rank(2 * max(1, local_ranks))))
 
 
 class MemmapDataModule(pl.LightningDataModule):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_accel.data._atomic import atomic_path, atomic_write_json, progress
+from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel.data._progress import progress
 from lightning_accel.data.image_index import CLASSES_FILE, index_image_folder, sniff_image_format
 
 __all__ = ["pack_webdataset"]
