@@ -53,9 +53,10 @@ class TrainLoaderSource:
         pl_module: the LightningModule (attributes are looked up through it, like Lightning's ``batch_size``).
         attribute_names: per key of :data:`LOADER_KEYS`, the attribute ``train_dataloader()`` reads, where it is not
             the key itself (``{"batch_size": "bs"}``).
-        require_dataloader: refuse a ``train_dataloader()`` that returns a collection of loaders. ``False`` for a
-            caller that changes attributes only (a collection built from them still follows); a collection passed
-            straight to ``fit()`` is always refused (it cannot be rebuilt).
+        require_dataloader: refuse a ``train_dataloader()`` that returns a collection of loaders or a DALI
+            pipeline. ``False`` for a caller that changes attributes only (whatever ``train_dataloader()`` builds
+            from them follows: ``BatchSizeTuner`` re-sizes a DALI pipeline through its ``batch_size``); a
+            collection passed straight to ``fit()`` is always refused (it cannot be rebuilt).
 
     Raises ``ValueError`` when the train data is not a single ``DataLoader`` (a DALI pipeline, a collection of
     loaders); the message says why.
@@ -77,7 +78,8 @@ class TrainLoaderSource:
         self._source = source
         self._original_instance = source.instance
         self.holder = source.instance if source.is_module() else None
-        if self.holder is not None and isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
+        if require_dataloader and self.holder is not None and \
+                isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
             raise ValueError(f"the train data comes from {type(self.holder).__name__} (a DALI pipeline), not a "
                              "DataLoader")
         self._original = self._fresh()

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_accel._checks import check_int, is_int
 from lightning_accel import _compat
 from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._probe_step import (
@@ -153,10 +154,8 @@ class BatchSizeTuner(Callback):
         for name, value in (("init_batch_size", init_batch_size), ("max_batch_size", max_batch_size),
                             ("multiple_of", multiple_of), ("steps_per_trial", steps_per_trial),
                             ("target_global_batch_size", target_global_batch_size)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"BatchSizeTuner({name}={value!r}): give a positive int or None")
-        if not isinstance(max_probes, int) or max_probes < 2:
-            raise ValueError(f"BatchSizeTuner(max_probes={max_probes!r}): give an int >= 2, e.g. 10")
+            check_int("BatchSizeTuner", name, value, optional=True)
+        check_int("BatchSizeTuner", "max_probes", max_probes, minimum=2, example=10)
         if not 0 < tolerance < 0.5:
             raise ValueError(f"BatchSizeTuner(tolerance={tolerance!r}): give a fraction in (0, 0.5), e.g. 0.02")
         if not isinstance(throughput_threshold, (int, float)) or throughput_threshold < 0:
@@ -169,7 +168,7 @@ class BatchSizeTuner(Callback):
         if lr_scaling not in _LR_RULES:
             raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {_LR_RULES}")
         epochs = tuple(epochs)
-        if not epochs or any(not isinstance(e, int) or e < 0 for e in epochs):
+        if not epochs or any(not is_int(e) or e < 0 for e in epochs):
             raise ValueError(f"BatchSizeTuner(epochs={epochs!r}): give epoch numbers >= 0, e.g. (0,) or (0, 10)")
         self.mode = mode
         self.batch_arg_name = batch_arg_name

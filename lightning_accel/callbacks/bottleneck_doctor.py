@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
 from lightning_accel.callbacks._doctor_facts import nvml_index, read_dataloader_settings, static_context
 from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
@@ -172,12 +173,8 @@ class BottleneckDoctor(Callback):
         utilisation: bool = True,
         smells: bool = True,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"BottleneckDoctor(window={window!r}): window must be a positive number of batches, "
-                             "e.g. 20")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"BottleneckDoctor(warmup_batches={warmup_batches!r}): use a number of batches >= 0, "
-                             "e.g. 3")
+        check_int("BottleneckDoctor", "window", window, unit="batches", example=20)
+        check_int("BottleneckDoctor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if thresholds is None:
             self.thresholds = Thresholds()
         elif isinstance(thresholds, Thresholds):

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from typing_extensions import override
 
+from lightning_accel._checks import check_int, is_int
 from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
@@ -138,19 +139,18 @@ class DataLoaderTuner(Callback):
     ) -> None:
         if num_workers is not None:
             num_workers = sorted(set(num_workers))
-            if not num_workers or any(not isinstance(w, int) or w < 0 for w in num_workers):
+            if not num_workers or any(not is_int(w) or w < 0 for w in num_workers):
                 raise ValueError(f"DataLoaderTuner(num_workers={num_workers!r}): give worker counts >= 0, e.g. "
                                  "(0, 2, 4), or None for 0..cores")
         prefetch_factors = sorted(set(prefetch_factors))
-        if not prefetch_factors or any(not isinstance(p, int) or p < 1 for p in prefetch_factors):
+        if not prefetch_factors or any(not is_int(p) or p < 1 for p in prefetch_factors):
             raise ValueError(f"DataLoaderTuner(prefetch_factors={prefetch_factors!r}): give ints >= 1, e.g. (2, 4)")
         if not isinstance(margin, (int, float)) or margin < 0:
             raise ValueError(f"DataLoaderTuner(margin={margin!r}): give a fraction >= 0, e.g. 0.2")
         for name, value, low in (("batches_per_trial", batches_per_trial, 2),
                                  ("trial_warmup_batches", trial_warmup_batches, 0),
                                  ("consumption_steps", consumption_steps, 2)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"DataLoaderTuner({name}={value!r}): give an int >= {low}")
+            check_int("DataLoaderTuner", name, value, minimum=low)
         self.num_workers = num_workers
         self.prefetch_factors = tuple(prefetch_factors)
         self.margin = float(margin)

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel.callbacks._doctor_log import log_window
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
@@ -77,10 +78,8 @@ class MFUMonitor(Callback):
         prog_bar: bool = True,
         print_summary: bool = True,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"MFUMonitor(window={window!r}): window must be a positive number of batches, e.g. 20")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"MFUMonitor(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        check_int("MFUMonitor", "window", window, unit="batches", example=20)
+        check_int("MFUMonitor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if flops_per_batch is not None and (not isinstance(flops_per_batch, (int, float)) or flops_per_batch <= 0):
             raise ValueError(f"MFUMonitor(flops_per_batch={flops_per_batch!r}): give a positive FLOP count or None "
                              "to count automatically")

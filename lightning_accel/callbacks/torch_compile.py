@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel import _compat
 from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
 
@@ -93,8 +94,7 @@ class TorchCompile(Callback):
                              "'aot_eager', or a backend callable")
         if mode is not None and options is not None:
             raise ValueError("TorchCompile: torch.compile accepts `mode` or `options`, not both; drop one")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"TorchCompile(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        check_int("TorchCompile", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if isinstance(modules, (str, type)):
             modules = [modules]
         self.modules = list(modules) if modules is not None else None

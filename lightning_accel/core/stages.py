@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_accel._checks import check_int
 from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
 from lightning_accel.core.findings import STAGES
 from lightning_accel.core.timing import StageTimer
@@ -97,8 +98,7 @@ class StageMachine:
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter, warmup_batches: int = 0,
                  device: Any = None, timer: StageTimer | None = None) -> None:
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"StageMachine(warmup_batches={warmup_batches!r}): use a number of batches >= 0")
+        check_int("StageMachine", "warmup_batches", warmup_batches, minimum=0, unit="batches")
         self.clock = clock
         self.timer = timer if timer is not None else StageTimer(device, clock=clock)
         self.warmup_batches = warmup_batches

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel._imports import require
 from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data.image_index import (
@@ -396,12 +397,10 @@ class DALIImageDataModule(pl.LightningDataModule):
             raise ValueError("DALIImageDataModule: pass train=... and/or val=... (a folder, .tar shards or a list)")
         for name, value in (("image_size", image_size), ("batch_size", batch_size),
                             ("prefetch_queue_depth", prefetch_queue_depth)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DALIImageDataModule: {name} must be a positive integer, got {value!r}")
+            check_int("DALIImageDataModule", name, value)
         for name, value in (("val_batch_size", val_batch_size), ("val_resize", val_resize),
                             ("num_threads", num_threads)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"DALIImageDataModule: {name} must be a positive integer or None, got {value!r}")
+            check_int("DALIImageDataModule", name, value, optional=True)
         if val_resize is not None and val_resize < image_size:
             raise ValueError(f"DALIImageDataModule: val_resize={val_resize} is smaller than image_size="
                              f"{image_size}; the centre crop needs val_resize >= image_size")

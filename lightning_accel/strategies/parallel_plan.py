@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._checks import check_int
+
 __all__ = ["ParallelPlan", "PlanEntry", "apply_plan", "derive_plan", "regroup_fused_qkv"]
 
 _Q = ("q_proj", "query", "q", "wq", "q_lin", "query_proj")
@@ -343,8 +345,7 @@ def derive_plan(module: nn.Module, *, tp_size: int = 1, fsdp: bool = False) -> P
         ValueError: with ``tp_size > 1``, when nothing is recognised (the message lists what was found), or a size
             does not divide the heads / widths (the message names the module and the sizes).
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"derive_plan(tp_size={tp_size!r}): use an integer >= 1")
+    check_int("derive_plan", "tp_size", tp_size)
     plan = ParallelPlan(tp_size=tp_size)
     if tp_size > 1:
         hf_roots = []
