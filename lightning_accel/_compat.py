@@ -229,7 +229,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.distributed.tensor.DTensor", "_local_tensor", _T, ("core/sharded_flops.py:_local",),
                 instance=_dtensor_fields,
                 why="to_local() dispatches an op; the FLOP counter must read the shard without one"),
-    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_doctor_log.py:log_window",),
+    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_window_log.py:log_window",),
                 instance=lambda: _fit_loop().trainer,
                 why=("its log_metrics logs to every logger at Lightning's step counter with epoch added, as self.log "
                      "does; no public API does (Lightning's ThroughputMonitor calls the same method)")),

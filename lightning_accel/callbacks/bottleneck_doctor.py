@@ -26,7 +26,7 @@ from lightning_accel.callbacks._doctor_timers import (
     install_instance_wrapper,
     install_optimizer_hooks,
 )
-from lightning_accel.callbacks._doctor_log import log_window
+from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
@@ -120,7 +120,7 @@ class BottleneckDoctor(Callback):
     without the doctor; the doctor adds no wait of its own.
 
     Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
-    would, in one call per window (``_doctor_log.log_window``):
+    would, in one call per window (``_window_log.log_window``):
 
     ==========================================  =========  ====================================================
     key                                         unit       scope
