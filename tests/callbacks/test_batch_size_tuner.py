@@ -9,27 +9,13 @@ import pytest
 import torch
 from torch import nn
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 from lightning_accel.core.search import BatchSizeSearchError
+from tests.helpers import IndexedDataset as Indexed
 
 GiB = 2**30
-
-
-class Indexed(Dataset):
-    """``n`` samples of 16 features; the sample's index travels with it so tests can see what was trained on."""
-
-    def __init__(self, n: int = 512) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=g)
-        self.y = torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i], i
 
 
 class Net(pl.LightningModule):

@@ -9,25 +9,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner, default_worker_counts
-
-
-class Sleepy(Dataset):
-    """``n`` samples; each ``__getitem__`` sleeps ``sleep_s`` (I/O-like: it needs no CPU while waiting)."""
-
-    def __init__(self, n: int = 256, sleep_s: float = 0.006) -> None:
-        self.n, self.sleep_s = n, sleep_s
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(8, generator=g), i
+from tests.helpers import SleepyDataset as Sleepy
 
 
 class Model(pl.LightningModule):

@@ -1,0 +1,53 @@
+"""Tiny models that fit in milliseconds on a CPU, and a quiet Trainer for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.helpers.data import IndexedDataset
+
+
+class TinyRegressor(pl.LightningModule):
+    """A two-layer regressor over :class:`~tests.helpers.data.IndexedDataset` that records what it trained on.
+
+    It has the attributes the tuners set (``batch_size``, ``num_workers``); ``losses`` and ``seen`` (sample
+    indices) are what the fit loop's batches gave, never a tuner's probes.
+    """
+
+    def __init__(self, batch_size: int = 4, n: int = 64, features: int = 16, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.n, self.features, self.num_workers = batch_size, n, features, num_workers
+        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.seen.extend(int(i) for i in batch[2])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(self.n, self.features), batch_size=self.batch_size, shuffle=True,
+                          num_workers=self.num_workers)
+
+
+def cpu_trainer(callbacks: Any = (), **kwargs: Any) -> pl.Trainer:
+    """A one-device CPU Trainer without logger, checkpoints, progress bar or model summary (overridable)."""
+    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=3, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                    num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
