@@ -16,15 +16,17 @@ class TinyRegressor(pl.LightningModule):
     """A two-layer regressor over :class:`~tests.helpers.data.IndexedDataset` that records what it trained on.
 
     It has the attributes the tuners set (``batch_size``, ``num_workers``); ``losses`` and ``seen`` (sample
-    indices) are what the fit loop's batches gave, never a tuner's probes. ``nan_at_batch`` makes one loss NaN.
+    indices) are what the fit loop's batches gave, never a tuner's probes. ``nan_at_batch`` makes one loss NaN;
+    ``dropout`` makes every step depend on the global RNG.
     """
 
     def __init__(self, batch_size: int = 4, n: int = 64, features: int = 16, num_workers: int = 0,
-                 nan_at_batch: int | None = None) -> None:
+                 nan_at_batch: int | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         self.batch_size, self.n, self.features, self.num_workers = batch_size, n, features, num_workers
         self.nan_at_batch = nan_at_batch  # this training batch's loss is NaN (a non-finite step to guard against)
-        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
+        # dropout draws from the global RNG every step: a callback that draws from it too changes the losses
+        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 1))
         self.losses: list[float] = []
         self.seen: list[int] = []
 
