@@ -68,26 +68,26 @@ class BottleneckDoctor(Callback):
 
     Stages per batch (``lightning_accel.core.rules.STAGES``):
 
-    ================  =========================================================================================
-    stage             measured as
-    ================  =========================================================================================
-    ``data``          end of the previous ``on_train_batch_end`` → the batch is fetched (host clock; validation
-                      and the epoch's end are not counted). It also holds what Lightning does between two batches
-                      (its logging bookkeeping, callbacks after this one in ``on_train_batch_end``; under DDP the
-                      per-batch SIGTERM broadcast, where a rank waits for slower ranks): well under 1 ms per batch
-                      on an idle machine
-    ``transfer``      the strategy's ``batch_to_device`` (your ``transfer_batch_to_device`` included); the doctor
-                      wraps the strategy instance's public method for the duration of ``fit``
-    ``forward``       ``on_train_batch_start`` → ``on_before_zero_grad``/``on_before_backward`` (in manual
-                      optimization: all ``training_step`` code outside backward and optimizer steps)
-    ``backward``      ``on_before_backward`` → ``on_after_backward``, minus ``communication``
-    ``optimizer``     ``on_before_zero_grad`` → ``on_before_backward`` and ``on_before_optimizer_step`` → the
-                      optimizer's step post-hook of the outermost ``step`` (``register_step_post_hook``)
-    ``communication`` gradient all-reduce not hidden behind backward: from the launch of the last bucket (local
-                      backward done) to the completion of every bucket (``lightning_accel.core.comm``), timed by
-                      a DDP comm-hook wrapper; DDP only
-    ``other``         the rest of the wall time (Lightning, logging, other callbacks)
-    ================  =========================================================================================
+    =================  =========================================================================================
+    stage              measured as
+    =================  =========================================================================================
+    ``data``           end of the previous ``on_train_batch_end`` → the batch is fetched (host clock; validation
+                       and the epoch's end are not counted). It also holds what Lightning does between two batches
+                       (its logging bookkeeping, callbacks after this one in ``on_train_batch_end``; under DDP the
+                       per-batch SIGTERM broadcast, where a rank waits for slower ranks): well under 1 ms per batch
+                       on an idle machine
+    ``transfer``       the strategy's ``batch_to_device`` (your ``transfer_batch_to_device`` included); the doctor
+                       wraps the strategy instance's public method for the duration of ``fit``
+    ``forward``        ``on_train_batch_start`` → ``on_before_zero_grad``/``on_before_backward`` (in manual
+                       optimization: all ``training_step`` code outside backward and optimizer steps)
+    ``backward``       ``on_before_backward`` → ``on_after_backward``, minus ``communication``
+    ``optimizer``      ``on_before_zero_grad`` → ``on_before_backward`` and ``on_before_optimizer_step`` → the
+                       optimizer's step post-hook of the outermost ``step`` (``register_step_post_hook``)
+    ``communication``  gradient all-reduce not hidden behind backward: from the launch of the last bucket (local
+                       backward done) to the completion of every bucket (``lightning_accel.core.comm``), timed by
+                       a DDP comm-hook wrapper; DDP only
+    ``other``          the rest of the wall time (Lightning, logging, other callbacks)
+    =================  =========================================================================================
 
     The stage logic is :class:`~lightning_accel.core.stages.StageMachine` (pure, driven by these hooks); the timer
     installers live in ``_doctor_timers``, the run facts in ``_doctor_facts``. On CUDA the device stages are CUDA

@@ -9,17 +9,17 @@
    and ``lm_head`` entries are dropped (sharding one would untie them); both stay replicated.
 2. **Module structure** of common blocks, everywhere else:
 
-   ===================================================  ======================================================
-   found                                                 style
-   ===================================================  ======================================================
-   attention with ``q/k/v`` linears (``q_proj``,          q, k, v column-wise; output (``o_proj``, ``out_proj``,
-   ``query``, ``wq``, …)                                 ``proj``, ``wo``, ``dense``, ``c_proj``) row-wise
-   litgpt's fused ``qkv`` (``CausalSelfAttention``)       column-wise after regrouping its rows per rank (below)
-   MLP ``gate/up → down``, ``fc_1/fc_2 → proj``,          up/gate column-wise, down row-wise
+   =======================================================  ======================================================
+   found                                                    style
+   =======================================================  ======================================================
+   attention with ``q/k/v`` linears (``q_proj``,            q, k, v column-wise; output (``o_proj``, ``out_proj``,
+   ``query``, ``wq``, …)                                    ``proj``, ``wo``, ``dense``, ``c_proj``) row-wise
+   litgpt's fused ``qkv`` (``CausalSelfAttention``)         column-wise after regrouping its rows per rank (below)
+   MLP ``gate/up → down``, ``fc_1/fc_2 → proj``,            up/gate column-wise, down row-wise
    ``fc → proj``, ``w1/w3 → w2``, ``fc1 → fc2``,
    ``c_fc → c_proj``, ``Sequential(Linear, act, Linear)``
-   norms, embeddings, the output head                     replicated
-   ===================================================  ======================================================
+   norms, embeddings, the output head                       replicated
+   =======================================================  ======================================================
 
 **Per-rank arithmetic.** A column-wise linear gives each rank ``out_features / T`` outputs, so the attention of
 each rank must run ``heads / T`` heads: the plan checks that ``T`` divides the query heads, the key/value heads
