@@ -81,7 +81,9 @@ class PlanEntry:
 
 
 @dataclass
-class _FusedAttention:
+class _FusedQKVAttention:
+    """A litgpt attention module with one fused ``qkv`` linear whose rows the plan regroups per rank."""
+
     module: str
     n_head: int
     n_query_groups: int
@@ -107,7 +109,7 @@ class ParallelPlan:
     replicated: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    _fused: list[_FusedAttention] = field(default_factory=list, repr=False)
+    _fused: list[_FusedQKVAttention] = field(default_factory=list, repr=False)
     heads_by_module: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
     def tp_dict(self) -> dict[str, str]:
@@ -247,7 +249,7 @@ def _attention(name: str, module: nn.Module, tp: int, plan: ParallelPlan) -> boo
                              "would differ: write configure_model, or use strategy='fsdp2'")
         _check_divides(tp, config.n_head, "attention heads", name, cls)
         _check_divides(tp, config.n_query_groups, "key/value head groups", name, cls)
-        plan._fused.append(_FusedAttention(name, config.n_head, config.n_query_groups, config.head_size))
+        plan._fused.append(_FusedQKVAttention(name, config.n_head, config.n_query_groups, config.head_size))
         plan.tp.append(PlanEntry(_join(name, fused), "fused_qkv_colwise", "structure"))
         plan.notes.append(f"{_collapse([(name, '')]).popitem()[0]}.{fused}: rows regrouped per rank "
                           "(see regroup_fused_qkv); resume checkpoints with the same tensor-parallel size")
