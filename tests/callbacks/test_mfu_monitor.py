@@ -193,9 +193,8 @@ def test_ddp_two_processes_reports_global_throughput(ddp_script, tmp_path):
         import lightning_accel.core.throughput as tp
         from lightning_accel import MFUMonitor
 
-        class Clock:
-            now = 0.0
-        clock = Clock()
+        from tests.helpers import FakeClock
+        clock = FakeClock()
         tp.time = types.SimpleNamespace(perf_counter=lambda: clock.now)
 
         class M(pl.LightningModule):
