@@ -3,7 +3,7 @@
 * it fits with 0 and with 1 training step, and with ``fast_dev_run``;
 * its state survives a checkpoint: what it saved is what a resumed run's fresh instance holds;
 * a callback that only measures (or restores what it touched) does not change the loss of the run, step for step;
-* under 2-process DDP all of them fit together (one combined run).
+* under 2-process DDP all of them fit together (one combined run, on a loader passed straight to ``fit()``).
 
 Each component is built small enough for a CPU fit in about a second (``tests/helpers``).
 """
@@ -162,11 +162,19 @@ def test_every_component_fits_under_two_process_ddp(ddp_script, tmp_path):
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=callbacks, plugins=plugins)
-        trainer.fit(model)
-        json.dump({{"steps": trainer.global_step, "losses": len(model.losses)}},
-                  open(f"contract_rank{{trainer.global_rank}}.json", "w"))
+        # the loader passed straight to fit(): the tuners re-create it, Lightning shards the re-created one
+        trainer.fit(model, model.train_dataloader())
+        tuner = next(c for c in callbacks if type(c).__name__ == "BatchSizeTuner")
+        json.dump({{"steps": trainer.global_step, "losses": len(model.losses),
+                   "sampler": type(trainer.train_dataloader.sampler).__name__,
+                   "batch_size": trainer.train_dataloader.batch_size, "chosen": tuner.summary["batch_size"],
+                   "first": model.seen[:1]}}, open(f"contract_rank{{trainer.global_rank}}.json", "w"))
     """, timeout=400)
     from tests.conftest import read_rank_json
 
-    for rank in read_rank_json(tmp_path, "contract"):
-        assert rank == {"steps": 3, "losses": 3}
+    ranks = read_rank_json(tmp_path, "contract")
+    for rank in ranks:
+        assert {k: rank[k] for k in ("steps", "losses", "sampler")} == {"steps": 3, "losses": 3,
+                                                                          "sampler": "DistributedSampler"}
+        assert rank["batch_size"] == rank["chosen"] == ranks[0]["chosen"]  # the ranks adopted one size
+    assert ranks[0]["first"] != ranks[1]["first"]  # each rank trains on its own shard
