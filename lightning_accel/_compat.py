@@ -80,6 +80,7 @@ class PrivateName:
         used_in: files (``path:function``) that reach it through this module, or override it.
         kind: ``"access"`` (read/called through an accessor here) or ``"override"`` (a subclass replaces it).
         instance: for attributes set in ``__init__``: a function building an object that must have it.
+        why: why no public API does the job (``tests/test_compat.py`` requires one for every entry).
     """
 
     owner: str
@@ -88,6 +89,7 @@ class PrivateName:
     used_in: tuple[str, ...]
     kind: str = "access"
     instance: Callable[[], Any] | None = None
+    why: str = ""
 
 
 def _fit_loop() -> Any:
@@ -95,12 +97,6 @@ def _fit_loop() -> Any:
 
     return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False).fit_loop
-
-
-def _lightning_module() -> Any:
-    import lightning.pytorch as pl
-
-    return pl.LightningModule()
 
 
 def _step_lr() -> Any:
@@ -143,84 +139,117 @@ _L = f"lightning 2.6.0-{LIGHTNING_CHECKED}"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # --- torch
-    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T, ("attention.py:SDPABackendRecorder",)),
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T,
+                ("attention/recorder.py:SDPABackendRecorder",),
+                why="a public class torch exports only from this private module (its docs import it from here)"),
     PrivateName("torch.utils._python_dispatch", "_get_current_dispatch_mode", _T,
-                ("callbacks/torch_compile.py:_dispatch_mode_active",)),
+                ("callbacks/torch_compile.py:_dispatch_mode_active",),
+                why="torch has no public query for the active dispatch mode"),
     PrivateName("torch.utils._python_dispatch", "_disable_current_modes", _T,
-                ("strategies/pipeline.py:PipelineStrategy._check_first_batch",)),
-    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention.py:_Lazy",)),
-    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T, ("attention.py:_Lazy", "attention.py:_WeightsProbe")),
-    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention.py:_FusedOpCounter",),
-                instance=lambda: torch.ops.aten.add.Tensor),
-    PrivateName("torch._C", "_current_graph_task_id", _T, ("callbacks/activation_checkpointing.py:_in_backward",)),
-    PrivateName("torch", "_foreach_norm", _T, ("callbacks/non_finite_guard.py:on_before_optimizer_step",)),
-    PrivateName("torch._dynamo.exc", "TorchDynamoException", _T, ("callbacks/torch_compile.py:_guarded",)),
-    PrivateName("torch.nn.Module", "_call_impl", _T, ("callbacks/torch_compile.py:_user_frame",)),
+                ("strategies/pipeline.py:PipelineStrategy._check_first_batch",),
+                why="the first-batch check runs the whole model outside any active dispatch mode (a FLOP counter "
+                    "or a compile trace); torch has no public way to suspend the active modes"),
+    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention/_lazy.py:_Lazy",),
+                why="the only constructor of a storage-less tensor subclass (torch's subclass docs use it)"),
+    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T,
+                ("attention/_lazy.py:_Lazy", "attention/mha.py:_WeightsProbe"),
+                why="what Tensor.__torch_function__ itself uses; no public way to turn subclass dispatch off"),
+    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention/recorder.py:_FusedOpCounter",),
+                instance=lambda: torch.ops.aten.add.Tensor,
+                why="an OpOverload's packet name has no public getter (str(op) adds the overload and namespace)"),
+    PrivateName("torch._C", "_current_graph_task_id", _T, ("callbacks/activation_checkpointing.py:_in_backward",),
+                why="no public API says whether autograd is running a backward pass in this thread"),
+    PrivateName("torch", "_foreach_norm", _T, ("callbacks/non_finite_guard.py:on_before_optimizer_step",),
+                why="per-tensor norms in a few kernels; the public norms are one kernel per tensor, or one total"),
+    PrivateName("torch._dynamo.exc", "TorchDynamoException", _T, ("callbacks/torch_compile.py:_guarded",),
+                why="dynamo's error base class is not exported publicly"),
+    PrivateName("torch.nn.Module", "_call_impl", _T, ("callbacks/torch_compile.py:_user_frame",),
+                why="the eager call with hooks, bypassing a compiled call: no public name"),
     PrivateName("torch.nn.Module", "_compiled_call_impl", _T, ("callbacks/torch_compile.py:setup",
-                                                               "callbacks/interventions.py:Compile")),
+                                                               "callbacks/interventions.py:Compile"),
+                why="nn.Module.compile installs the compiled call here and has no public way to remove it"),
     PrivateName("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices", _T,
-                ("callbacks/interventions.py:OptimizerImplementation", "core/smells.py:_candidate")),
+                ("callbacks/interventions.py:OptimizerImplementation", "core/smells.py:_candidate"),
+                why="torch.optim has no public list of the devices with fused kernels"),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", _T,
-                ("core/checkpointing.py:apply_activation_checkpointing",)),
+                ("core/checkpointing.py:apply_activation_checkpointing",),
+                why="FSDP's non-reentrant activation-checkpoint wrapper lives only in this private package"),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl", _T,
-                ("core/checkpointing.py:apply_activation_checkpointing",)),
-    PrivateName("torch.utils._pytree", "tree_map", _T, ("core/precision.py:fp32_island",)),
+                ("core/checkpointing.py:apply_activation_checkpointing",),
+                why="the enum that selects checkpoint_wrapper's non-reentrant implementation"),
+    PrivateName("torch.utils._pytree", "tree_map", _T, ("core/precision.py:fp32_island",),
+                why="torch has no public pytree module (torch.utils._pytree is what torch itself uses)"),
     PrivateName("torch.autocast", "_enabled", _T, ("core/precision.py:autocast_dtypes",),
-                instance=lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+                instance=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                why="torch.autocast disables itself (warning) for unsupported dtypes and says so only here"),
     PrivateName("torch.amp.GradScaler", "_found_inf_per_device", _T,
-                ("precision/auto_mixed_precision.py:_count_skip",)),
+                ("precision/auto_mixed_precision.py:_count_skip",),
+                why="GradScaler has no public per-step found-inf flag (a skipped step is otherwise invisible)"),
     PrivateName("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "_allreduce_fut", _T,
-                ("strategies/ddp_compression.py:_counting_hook",)),
+                ("strategies/ddp_compression.py:_counting_hook",),
+                why="torch's plain all-reduce future, the base of its default DDP hook; not exported"),
     PrivateName("torch.optim.lr_scheduler.LRScheduler", "_last_lr", _T, ("callbacks/batch_size_tuner.py:_scale_lr",),
-                instance=_step_lr),
+                instance=_step_lr,
+                why="get_last_lr() reads it; there is no public setter after learning rates are rescaled by hand"),
     # --- Lightning
     PrivateName("lightning.fabric.plugins.precision.amp", "_optimizer_handles_unscaling", _L,
-                ("precision/auto_mixed_precision.py:optimizer_step",)),
+                ("precision/auto_mixed_precision.py:optimizer_step",),
+                why="Lightning's own rule for fused optimizers that unscale themselves; not exported"),
     PrivateName("lightning.pytorch.plugins.precision.MixedPrecision", "_after_closure", _L,
-                ("precision/auto_mixed_precision.py:optimizer_step",)),
-    PrivateName("lightning.pytorch.LightningModule", "_trainer", _L,
-                ("precision/auto_mixed_precision.py:convert_module", "strategies/ddp_compression.py:_maybe_log"),
-                instance=_lightning_module),
+                ("precision/auto_mixed_precision.py:optimizer_step",),
+                why="the plugin's post-closure step (on_before_optimizer_step, clipping); no public hook runs it"),
     PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_data_source", _L,
-                ("callbacks/_probe_step.py:request_train_dataloader", "callbacks/_loader_source.py:TrainLoaderSource"),
-                instance=_fit_loop),
+                ("callbacks/_probe_step.py:request_train_dataloader", "callbacks/_loader_source.py:TrainLoaderSource",
+                 "callbacks/_loader_source.py:fit_data_holder"),
+                instance=_fit_loop,
+                why="where the fit's train data comes from (module, datamodule, fit() argument): no public accessor"),
     PrivateName("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs", _L,
-                ("callbacks/_loader_source.py:rebuild_dataloader",)),
+                ("callbacks/_loader_source.py:rebuild_dataloader",),
+                why="Lightning's re-creation of a DataLoader from its constructor arguments; not exported"),
     PrivateName("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls", _L,
-                ("callbacks/_loader_source.py:rebuild_dataloader",)),
+                ("callbacks/_loader_source.py:rebuild_dataloader",),
+                why="the other half of Lightning's DataLoader re-creation (attribute records replayed)"),
     PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_combined_loader", _L,
-                ("callbacks/_probe_step.py:reload_train_dataloader",), instance=_fit_loop),
+                ("callbacks/_probe_step.py:reload_train_dataloader",), instance=_fit_loop,
+                why="the fit loop rebuilds its train loader only once this is cleared (no on-demand public reload)"),
     PrivateName("lightning.pytorch.strategies.DDPStrategy", "_register_ddp_hooks", _L,
-                ("strategies/ddp_compression.py:DDPCompressionStrategy",), kind="override"),
+                ("strategies/ddp_compression.py:DDPCompressionStrategy",), kind="override",
+                why="DDPStrategy's one method that registers comm hooks; overridden to register ours"),
     PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_setup_model_and_optimizer", _L,
-                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override"),
+                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override",
+                why="DeepSpeedStrategy's engine construction; overridden to pass the preset's config"),
     PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_initialize_deepspeed_inference", _L,
-                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override"),
+                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override",
+                why="DeepSpeedStrategy's inference engine construction; overridden like training"),
     PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_init_deepspeed_distributed", _L,
-                ("strategies/deepspeed_presets.py:setup_distributed",)),
+                ("strategies/deepspeed_presets.py:setup_distributed",),
+                why="DeepSpeedStrategy's process-group start with Lightning's settings; no public entry"),
     PrivateName("lightning.fabric.utilities.init", "_materialize_distributed_module", _L,
-                ("strategies/model_parallel.py:AutoParallelStrategy.setup",)),
+                ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
+                why="ModelParallelStrategy's materialisation of a meta-device module; not exported"),
     PrivateName("lightning.fabric.utilities.optimizer", "_optimizers_to_device", _L,
-                ("strategies/model_parallel.py:AutoParallelStrategy.setup",)),
+                ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
+                why="Lightning's move of optimizer state to a device; not exported"),
     PrivateName("torch.distributed.tensor.DTensor", "_local_tensor", _T, ("core/sharded_flops.py:_local",),
-                instance=_dtensor_fields),
-    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_doctor_log.py:log_window",),
-                instance=lambda: _fit_loop().trainer),
-    PrivateName("lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector",
-                "_callback_metrics", _L, ("callbacks/_doctor_log.py:log_window",),
-                instance=lambda: _fit_loop().trainer._logger_connector),
-    PrivateName("lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector",
-                "_progress_bar_metrics", _L, ("callbacks/_doctor_log.py:log_window",),
-                instance=lambda: _fit_loop().trainer._logger_connector),
+                instance=_dtensor_fields,
+                why="to_local() dispatches an op; the FLOP counter must read the shard without one"),
+    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_window_log.py:log_window",),
+                instance=lambda: _fit_loop().trainer,
+                why=("its log_metrics logs to every logger at Lightning's step counter with epoch added, as self.log "
+                     "does; no public API does (Lightning's ThroughputMonitor calls the same method)")),
     PrivateName("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps", _L,
-                ("callbacks/_doctor_facts.py:run_facts",), instance=_model_checkpoint),
+                ("callbacks/_doctor_facts.py:run_facts",), instance=_model_checkpoint,
+                why="ModelCheckpoint has no public getter for its configured interval"),
     # --- transformers (optional: checked only when installed)
     PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
-                ("attention.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config),
+                ("attention/fused.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config,
+                why="what transformers' attention dispatch reads; the config has no public getter"),
     PrivateName("transformers.PreTrainedModel", "_tp_plan", "transformers 5.0-5.24",
-                ("strategies/parallel_plan.py:_hf_plan",)),
+                ("strategies/parallel_plan.py:_hf_plan",),
+                why="older transformers expose the tensor-parallel plan only as this class attribute"),
     PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
-                ("attention.py:_hf_models", "core/checkpointing.py:disable_kv_cache")),
+                ("attention/hf_switch.py:_hf_models", "core/checkpointing.py:disable_kv_cache"),
+                why="the class flag that tells a PreTrainedModel from its layers (same config)"),
 )
 
 
@@ -361,8 +390,15 @@ def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
 
 
 def module_trainer(module: Any) -> Any:
-    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
-    return getattr(module, "_trainer", None)
+    """The Trainer a LightningModule is attached to, or None: the public ``module.trainer``, which raises
+    ``RuntimeError`` when there is none (and is a Fabric shim, not a Trainer, under Fabric)."""
+    import lightning.pytorch as pl
+
+    try:
+        trainer = getattr(module, "trainer", None)
+    except RuntimeError:  # a LightningModule not attached to a Trainer
+        return None
+    return trainer if isinstance(trainer, pl.Trainer) else None
 
 
 def fit_loop_data_source(trainer: Any) -> Any:
@@ -435,15 +471,12 @@ def hf_supports_sdpa(module: nn.Module) -> bool:
     return bool(getattr(module, "_supports_sdpa", False))
 
 
-def logger_connector_stores(trainer: Any) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
-    """Lightning's logger connector with its ``callback_metrics`` and ``progress_bar_metrics`` dicts (what
-    ``self.log`` fills), or None where this Lightning has another layout."""
-    connector = getattr(trainer, "_logger_connector", None)
-    callback_metrics = getattr(connector, "_callback_metrics", None)
-    bar = getattr(connector, "_progress_bar_metrics", None)
-    if not isinstance(callback_metrics, dict) or not isinstance(bar, dict) or not hasattr(connector, "log_metrics"):
-        return None
-    return connector, callback_metrics, bar
+def logger_connector_log_metrics(trainer: Any) -> Callable[[dict[str, Any]], None] | None:
+    """The logger connector's ``log_metrics`` (every logger, at Lightning's step counter, ``epoch`` added, then
+    ``logger.save()``): what ``self.log`` flushes through and Lightning's own ``ThroughputMonitor`` calls; None
+    where this Lightning has another layout."""
+    log_metrics = getattr(getattr(trainer, "_logger_connector", None), "log_metrics", None)
+    return log_metrics if callable(log_metrics) else None
 
 
 def checkpoint_every_n_train_steps(checkpoint: Any) -> int:

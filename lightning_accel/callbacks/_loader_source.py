@@ -12,6 +12,9 @@ Two ways, whichever the script allows:
   loader when it injects a ``DistributedSampler`` (``lightning.pytorch.utilities.data``), and the new loader
   replaces the fit's data source.
 
+Every tuner goes through :class:`TrainLoaderSource`: the Autopilot, :class:`~lightning_accel.DataLoaderTuner` and
+:class:`~lightning_accel.BatchSizeTuner` (these two name their attributes: ``attribute_names``).
+
 Private Lightning names (through :mod:`lightning_accel._compat`): the fit loop's data source (where the fit records
 what feeds it; ``.instance`` is the module or the loader), and the re-instantiation Lightning uses for sampler
 injection.
@@ -27,9 +30,9 @@ from torch.utils.data import DataLoader
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["LOADER_KEYS", "TrainLoaderSource"]
+__all__ = ["LOADER_KEYS", "TrainLoaderSource", "fit_data_holder", "rebuild_dataloader"]
 
-#: DataLoader arguments the Autopilot may change, and the attribute names it looks for.
+#: DataLoader arguments a tuner may change (also the attribute names looked for, unless the caller names others).
 LOADER_KEYS: tuple[str, ...] = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "batch_size")
 
 
@@ -45,34 +48,53 @@ def _sanitise(values: Mapping[str, Any]) -> dict[str, Any]:
 class TrainLoaderSource:
     """The fit's train DataLoader: read its settings, build it with others, make the fit use them.
 
+    Args:
+        trainer: the fitting Trainer (its fit loop knows where the train data comes from).
+        pl_module: the LightningModule (attributes are looked up through it, like Lightning's ``batch_size``).
+        attribute_names: per key of :data:`LOADER_KEYS`, the attribute ``train_dataloader()`` reads, where it is not
+            the key itself (``{"batch_size": "bs"}``).
+        require_dataloader: refuse a ``train_dataloader()`` that returns a collection of loaders or a DALI
+            pipeline. ``False`` for a caller that changes attributes only (whatever ``train_dataloader()`` builds
+            from them follows: ``BatchSizeTuner`` re-sizes a DALI pipeline through its ``batch_size``); a
+            collection passed straight to ``fit()`` is always refused (it cannot be rebuilt).
+
     Raises ``ValueError`` when the train data is not a single ``DataLoader`` (a DALI pipeline, a collection of
     loaders); the message says why.
     """
 
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *,
+                 attribute_names: Mapping[str, str] | None = None, require_dataloader: bool = True) -> None:
         from lightning.pytorch.utilities.parsing import lightning_hasattr
 
-        self.trainer, self.module = trainer, pl_module
         from lightning_accel._compat import fit_loop_data_source
 
+        self.trainer, self.module = trainer, pl_module
+        unknown = sorted(set(attribute_names or {}) - set(LOADER_KEYS))
+        if unknown:
+            raise ValueError(f"TrainLoaderSource(attribute_names=...): unknown keys {unknown}; known: {LOADER_KEYS}")
+        #: per key, the attribute of the module / datamodule that holds it
+        self.names = {key: (attribute_names or {}).get(key, key) for key in LOADER_KEYS}
         source = fit_loop_data_source(trainer)
         self._source = source
         self._original_instance = source.instance
         self.holder = source.instance if source.is_module() else None
-        if self.holder is not None and isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
+        if require_dataloader and self.holder is not None and \
+                isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
             raise ValueError(f"the train data comes from {type(self.holder).__name__} (a DALI pipeline), not a "
                              "DataLoader")
         self._original = self._fresh()
-        if not isinstance(self._original, DataLoader):
+        if not isinstance(self._original, DataLoader) and (require_dataloader or self.holder is None):
             raise ValueError(f"the train data is a {type(self._original).__name__}, not one torch DataLoader")
-        self.attributes = {k: lightning_hasattr(pl_module, k) for k in LOADER_KEYS} if self.holder is not None \
-            else dict.fromkeys(LOADER_KEYS, False)
+        #: per key, whether it is set through an attribute (else the loader is rebuilt with it)
+        self.attributes = {k: lightning_hasattr(pl_module, self.names[k]) for k in LOADER_KEYS} \
+            if self.holder is not None else dict.fromkeys(LOADER_KEYS, False)
         self.initial = self.settings_of(self._original)
         self._overrides: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ reading
     @staticmethod
     def settings_of(loader: Any) -> dict[str, Any]:
+        """The :data:`LOADER_KEYS` settings of ``loader`` (the batch sampler's batch size when it has one)."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         return {
             "num_workers": int(getattr(loader, "num_workers", 0) or 0),
@@ -87,6 +109,7 @@ class TrainLoaderSource:
         return len(self._original)
 
     def current(self) -> dict[str, Any]:
+        """The settings the fit would use now: the loader's own, with the overrides set so far."""
         return {**self.initial, **self._overrides}
 
     def can_set(self, key: str) -> str | None:
@@ -113,16 +136,23 @@ class TrainLoaderSource:
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> DataLoader:
         """A new DataLoader with the current settings plus ``overrides`` (the fit's own loader is not touched)."""
-        values = _sanitise({**self._overrides, **(overrides or {})})
+        requested = {**self._overrides, **(overrides or {})}
+        values = _sanitise(requested)
         previous = self._set_attributes(values)
         try:
             base = self._fresh()
-            rebuild = {k: v for k, v in values.items() if not self.attributes[k]}
+            rebuild = self._to_rebuild(values, requested, base)
             if self.holder is not None and not rebuild:
                 return base
             return rebuild_dataloader(base, rebuild)
         finally:
             self._restore_attributes(previous)
+
+    def _to_rebuild(self, values: Mapping[str, Any], requested: Mapping[str, Any], base: Any) -> dict[str, Any]:
+        """The values no attribute carries: those asked for, and those :func:`_sanitise` added where ``base``
+        differs (``num_workers=0`` set through an attribute needs no rebuild of a loader already without prefetch)."""
+        own = self.settings_of(base)
+        return {k: v for k, v in values.items() if not self.attributes[k] and (k in requested or own.get(k) != v)}
 
     def _set_attributes(self, values: Mapping[str, Any]) -> dict[str, Any]:
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
@@ -130,15 +160,15 @@ class TrainLoaderSource:
         previous = {}
         for key, value in values.items():
             if self.attributes[key]:
-                previous[key] = lightning_getattr(self.module, key)
-                lightning_setattr(self.module, key, value)
+                previous[key] = lightning_getattr(self.module, self.names[key])
+                lightning_setattr(self.module, self.names[key], value)
         return previous
 
     def _restore_attributes(self, previous: Mapping[str, Any]) -> None:
         from lightning.pytorch.utilities.parsing import lightning_setattr
 
         for key, value in previous.items():
-            lightning_setattr(self.module, key, value)
+            lightning_setattr(self.module, self.names[key], value)
 
     # ------------------------------------------------------------------ what the fit uses
     def set(self, overrides: Mapping[str, Any]) -> None:
@@ -157,14 +187,11 @@ class TrainLoaderSource:
         values = _sanitise(self._overrides)
         self._source.instance = self._original_instance
         self._set_attributes(values)
-        rebuild = {k: v for k, v in values.items() if not self.attributes[k]}
-        if rebuild:
-            self._source.instance = rebuild_dataloader(self._fresh(), rebuild)
-
-    def uninstall(self) -> None:
-        """Back to the user's own loader and attribute values."""
-        self._source.instance = self._original_instance
-        self._restore_attributes({k: self.initial[k] for k in self._overrides if self.attributes[k]})
+        if any(not self.attributes[k] for k in values):
+            base = self._fresh()
+            rebuild = self._to_rebuild(values, self._overrides, base)
+            if rebuild:
+                self._source.instance = rebuild_dataloader(base, rebuild)
 
     # ------------------------------------------------------------------ telling the user
     def config_entries(self) -> tuple[list[tuple[str, Any]], list[str]]:
@@ -178,8 +205,8 @@ class TrainLoaderSource:
         attr = {k: v for k, v in values.items() if self.attributes[k]}
         rebuilt = {k: v for k, v in values.items() if not self.attributes[k]}
         for key, value in attr.items():
-            yaml.append((f"{owner}.{key}", value))
-            python.append(f"{'datamodule' if owner == 'data' else 'model'}.{key} = {value!r}")
+            yaml.append((f"{owner}.{self.names[key]}", value))
+            python.append(f"{'datamodule' if owner == 'data' else 'model'}.{self.names[key]} = {value!r}")
         if rebuilt:
             args = ", ".join(f"{k}={v!r}" for k, v in rebuilt.items())
             if self.holder is None:
@@ -187,6 +214,15 @@ class TrainLoaderSource:
             else:  # no attribute to set: the DataLoader that train_dataloader() builds
                 python.append(f"# in {type(self.holder).__name__}.train_dataloader(): DataLoader(..., {args})")
         return yaml, python
+
+
+def fit_data_holder(trainer: pl.Trainer) -> Any:
+    """The datamodule or LightningModule whose ``train_dataloader()`` feeds this fit; ``None`` when the train data
+    was passed straight to ``trainer.fit(model, loader)`` (then :class:`TrainLoaderSource` rebuilds it)."""
+    from lightning_accel._compat import fit_loop_data_source
+
+    source = fit_loop_data_source(trainer)
+    return source.instance if source.is_module() else None
 
 
 def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> DataLoader:

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel import _compat
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
@@ -84,8 +85,7 @@ class ActivationCheckpointing(Callback):
                               for m in modules):
             raise ValueError(f"ActivationCheckpointing(modules={modules!r}): give module types and/or name "
                              "patterns, e.g. modules=[Block] or modules=['model.blocks.*']")
-        if not isinstance(measure_batch, int) or isinstance(measure_batch, bool) or measure_batch < 0:
-            raise ValueError(f"ActivationCheckpointing(measure_batch={measure_batch!r}): use a batch index >= 0")
+        check_int("ActivationCheckpointing", "measure_batch", measure_batch, minimum=0, unit="a batch index")
         self.modules = modules
         self.measure = measure
         self.measure_batch = measure_batch

@@ -15,7 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_accel._checks import check_int, is_int
 from lightning_accel import _compat
+from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
@@ -23,8 +25,6 @@ from lightning_accel.callbacks._probe_step import (
     iterate_batches,
     missing_attribute_error,
     reload_train_dataloader,
-    request_train_dataloader,
-    train_data_holder,
 )
 from lightning_accel.callbacks._trainer import rank_zero_print
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
@@ -54,7 +54,10 @@ class BatchSizeTuner(Callback):
     (:func:`~lightning_accel.core.search.find_batch_size`: 3 probes on a linear memory curve where Lightning's
     ``BatchSizeFinder(mode="binsearch")`` takes ~20). Then it writes the batch size into the module's or
     datamodule's ``batch_size`` attribute (as ``BatchSizeFinder`` does), so the fit loop builds its dataloader with
-    it.
+    it. A ``DataLoader`` passed straight to ``trainer.fit(model, loader)`` (which ``BatchSizeFinder`` refuses) is
+    re-created from its own constructor arguments at each probed size, and the fit trains on the re-created loader
+    with the chosen size, the way the Autopilot does (``callbacks/_loader_source.py``); a loader that batches with
+    a custom batch sampler is refused (its batch size cannot be changed from outside).
 
     * ``mode="max_fit"``: the largest batch within the budget. ``mode="throughput"``: doubling from
       ``init_batch_size``, the largest batch that still raises samples/s by ``throughput_threshold`` (on CPUs and
@@ -151,10 +154,8 @@ class BatchSizeTuner(Callback):
         for name, value in (("init_batch_size", init_batch_size), ("max_batch_size", max_batch_size),
                             ("multiple_of", multiple_of), ("steps_per_trial", steps_per_trial),
                             ("target_global_batch_size", target_global_batch_size)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"BatchSizeTuner({name}={value!r}): give a positive int or None")
-        if not isinstance(max_probes, int) or max_probes < 2:
-            raise ValueError(f"BatchSizeTuner(max_probes={max_probes!r}): give an int >= 2, e.g. 10")
+            check_int("BatchSizeTuner", name, value, optional=True)
+        check_int("BatchSizeTuner", "max_probes", max_probes, minimum=2, example=10)
         if not 0 < tolerance < 0.5:
             raise ValueError(f"BatchSizeTuner(tolerance={tolerance!r}): give a fraction in (0, 0.5), e.g. 0.02")
         if not isinstance(throughput_threshold, (int, float)) or throughput_threshold < 0:
@@ -167,7 +168,7 @@ class BatchSizeTuner(Callback):
         if lr_scaling not in _LR_RULES:
             raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {_LR_RULES}")
         epochs = tuple(epochs)
-        if not epochs or any(not isinstance(e, int) or e < 0 for e in epochs):
+        if not epochs or any(not is_int(e) or e < 0 for e in epochs):
             raise ValueError(f"BatchSizeTuner(epochs={epochs!r}): give epoch numbers >= 0, e.g. (0,) or (0, 10)")
         self.mode = mode
         self.batch_arg_name = batch_arg_name
@@ -200,8 +201,13 @@ class BatchSizeTuner(Callback):
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or "DeepSpeed" in type(strategy).__name__:
             raise ValueError(f"BatchSizeTuner supports single-device and DDP strategies, not "
                              f"{type(strategy).__name__}: remove the tuner or pass the batch size yourself")
-        train_data_holder(trainer, pl_module)  # fails early for dataloaders passed to fit()
-        if not lightning_hasattr(pl_module, self.batch_arg_name):
+        if fit_data_holder(trainer) is None:  # a DataLoader passed to fit(): re-created at each size
+            reason = self._source(trainer, pl_module).can_set("batch_size")
+            if reason is not None:
+                raise ValueError(f"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created with "
+                                 f"another batch size: {reason}; pass a DataLoader with batch_size=... or build it "
+                                 f"in train_dataloader() from `self.{self.batch_arg_name}`")
+        elif not lightning_hasattr(pl_module, self.batch_arg_name):
             raise missing_attribute_error(trainer, pl_module, "BatchSizeTuner", self.batch_arg_name,
                                           f"Add `self.{self.batch_arg_name} = ...` and build the train DataLoader "
                                           "from it, or pass batch_arg_name='<your attribute>'")
@@ -212,7 +218,7 @@ class BatchSizeTuner(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._applied is not None:  # resumed from a checkpoint of a tuned run: re-apply, do not search again
-            lightning_setattr(pl_module, self.batch_arg_name, self._applied["batch_size"])
+            self._adopt(self._source(trainer, pl_module), self._applied["batch_size"])
             trainer.accumulate_grad_batches = self._applied["accumulate_grad_batches"]
             rank_zero_info(f"BatchSizeTuner: resumed run, using the tuned batch size {self._applied['batch_size']} "
                            f"× accumulation {self._applied['accumulate_grad_batches']} from the checkpoint")
@@ -237,19 +243,38 @@ class BatchSizeTuner(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._applied = dict(state_dict) if state_dict else None
 
+    # ------------------------------------------------------------------ the train loader
+    def _source(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
+        return TrainLoaderSource(trainer, pl_module, attribute_names={"batch_size": self.batch_arg_name},
+                                 require_dataloader=False)
+
+    def _batch_size(self, source: TrainLoaderSource) -> int:
+        if source.holder is None:
+            return int(source.current()["batch_size"])
+        return int(lightning_getattr(source.module, self.batch_arg_name))
+
+    def _adopt(self, source: TrainLoaderSource, batch_size: int) -> None:
+        """The fit trains at ``batch_size``: the attribute is set, or the fit() loader re-created with it."""
+        if source.holder is not None:
+            lightning_setattr(source.module, self.batch_arg_name, batch_size)
+            return
+        source.set({"batch_size": batch_size})
+        source.install()
+
     # ------------------------------------------------------------------ the search
     def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         """Search, adopt the minimum over ranks, set batch size / accumulation / learning rate; returns the size."""
         device = trainer.strategy.root_device
-        old_batch = int(lightning_getattr(pl_module, self.batch_arg_name))
+        source = self._source(trainer, pl_module)
+        old_batch = self._batch_size(source)
         old_accum = int(trainer.accumulate_grad_batches)
-        cap = self._dataset_cap(trainer, pl_module)
+        cap = self._dataset_cap(trainer, source)
         budget = float(self.memory_budget) if self.memory_budget is not None else \
             self.memory_fraction * device_memory_capacity(device)
         started = time.perf_counter()
         error: BaseException | None = None
         try:
-            result = self._search(trainer, pl_module, device, budget, cap)
+            result = self._search(trainer, pl_module, source, device, budget, cap)
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error, result = err, None
         seconds = time.perf_counter() - started
@@ -265,7 +290,7 @@ class BatchSizeTuner(Callback):
         micro, accum = chosen, old_accum
         if self.target_global_batch_size is not None:
             micro, accum = self._split_global(self.target_global_batch_size, trainer.world_size, chosen)
-        lightning_setattr(pl_module, self.batch_arg_name, micro)
+        self._adopt(source, micro)
         trainer.accumulate_grad_batches = accum
         old_global = old_batch * trainer.world_size * old_accum
         new_global = micro * trainer.world_size * accum
@@ -293,13 +318,13 @@ class BatchSizeTuner(Callback):
             rank_zero_print(trainer, self._table())
         return micro
 
-    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device, budget: float,
-                cap: int | None) -> BatchSizeSearch:
+    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: TrainLoaderSource,
+                device: torch.device, budget: float, cap: int | None) -> BatchSizeSearch:
         meter = self.memory_meter if self.memory_meter is not None else PeakMemoryMeter(device)
         if not getattr(meter, "exact", True):
             rank_zero_warn(f"BatchSizeTuner: {meter.source}; leave a larger margin (memory_fraction)")
         runner = StepRunner(trainer, pl_module)
-        original = lightning_getattr(pl_module, self.batch_arg_name)
+        original = self._batch_size(source)
         state = TrainingState(trainer, pl_module)
         # the snapshot is resident on the CPU and counted by the process-RSS meter; training will not hold it
         offset = state.bytes_on(device) if self.memory_meter is None else 0
@@ -307,8 +332,9 @@ class BatchSizeTuner(Callback):
             if (self.max_batch_size or cap) else None
 
         def probe(size: int) -> tuple[float, float]:
-            lightning_setattr(pl_module, self.batch_arg_name, size)
-            batches = _cycle(lambda: _tracked(state, request_train_dataloader(trainer, pl_module)))
+            if source.holder is not None:  # the probed size stays visible to the module while it steps
+                lightning_setattr(pl_module, self.batch_arg_name, size)
+            batches = _cycle(lambda: _tracked(state, source.build({"batch_size": size})))
             failed = True
             try:
                 with runner.quiet():
@@ -332,11 +358,13 @@ class BatchSizeTuner(Callback):
                                               max_probes=self.max_probes, threshold=self.throughput_threshold)
         finally:
             state.restore()
-            lightning_setattr(pl_module, self.batch_arg_name, original)
+            if source.holder is not None:
+                lightning_setattr(pl_module, self.batch_arg_name, original)
 
-    def _dataset_cap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
+    @staticmethod
+    def _dataset_cap(trainer: pl.Trainer, source: TrainLoaderSource) -> int | None:
         """Samples per rank in the train dataset (a batch cannot be larger), or ``None`` if unsized."""
-        dataset = getattr(request_train_dataloader(trainer, pl_module), "dataset", None)
+        dataset = getattr(source.build(), "dataset", None)
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError:

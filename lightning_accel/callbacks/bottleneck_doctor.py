@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
 from lightning_accel.callbacks._doctor_facts import nvml_index, read_dataloader_settings, static_context
 from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
@@ -25,7 +26,7 @@ from lightning_accel.callbacks._doctor_timers import (
     install_instance_wrapper,
     install_optimizer_hooks,
 )
-from lightning_accel.callbacks._doctor_log import log_window
+from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
@@ -33,24 +34,17 @@ from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport, plot_timeline
 from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose
-from lightning_accel.core.stages import StageMachine, Window
+from lightning_accel.core.stages import StageMachine, StageWindow
+from lightning_accel.core.utilisation import reduce_utilisation
 from lightning_accel.core.variability import VARIABILITY_FIELDS, summarise_window
 from lightning_accel.core.verdict import build_report
+from lightning_accel.core.window_row import UTIL_FIELDS, RankWindow
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["BottleneckDoctor"]
 
-# Utilisation columns gathered with each window's stage row (NaN where a rank has no value).
-_UTIL_FIELDS = ("cpu_process_pct", "cpu_workers_pct", "gpu_util_pct", "gpu_mem_used_frac", "gpu_sm_clock_mhz",
-                "memory_peak_frac")
-# One rank's gathered row: the stage row, utilisation, comm-hook passes, the window's batch-time summary.
-_N_STAGE = len(ROW_FIELDS)
-_UTIL_AT = _N_STAGE
-_PASSES_AT = _UTIL_AT + len(_UTIL_FIELDS)
-_VAR_AT = _PASSES_AT + 1
-_ROW_LEN = _VAR_AT + len(VARIABILITY_FIELDS)
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,26 +68,26 @@ class BottleneckDoctor(Callback):
 
     Stages per batch (``lightning_accel.core.rules.STAGES``):
 
-    ================  =========================================================================================
-    stage             measured as
-    ================  =========================================================================================
-    ``data``          end of the previous ``on_train_batch_end`` → the batch is fetched (host clock; validation
-                      and the epoch's end are not counted). It also holds what Lightning does between two batches
-                      (its logging bookkeeping, callbacks after this one in ``on_train_batch_end``; under DDP the
-                      per-batch SIGTERM broadcast, where a rank waits for slower ranks): well under 1 ms per batch
-                      on an idle machine
-    ``transfer``      the strategy's ``batch_to_device`` (your ``transfer_batch_to_device`` included); the doctor
-                      wraps the strategy instance's public method for the duration of ``fit``
-    ``forward``       ``on_train_batch_start`` → ``on_before_zero_grad``/``on_before_backward`` (in manual
-                      optimization: all ``training_step`` code outside backward and optimizer steps)
-    ``backward``      ``on_before_backward`` → ``on_after_backward``, minus ``communication``
-    ``optimizer``     ``on_before_zero_grad`` → ``on_before_backward`` and ``on_before_optimizer_step`` → the
-                      optimizer's step post-hook of the outermost ``step`` (``register_step_post_hook``)
-    ``communication`` gradient all-reduce not hidden behind backward: from the launch of the last bucket (local
-                      backward done) to the completion of every bucket (``lightning_accel.core.comm``), timed by
-                      a DDP comm-hook wrapper; DDP only
-    ``other``         the rest of the wall time (Lightning, logging, other callbacks)
-    ================  =========================================================================================
+    =================  =========================================================================================
+    stage              measured as
+    =================  =========================================================================================
+    ``data``           end of the previous ``on_train_batch_end`` → the batch is fetched (host clock; validation
+                       and the epoch's end are not counted). It also holds what Lightning does between two batches
+                       (its logging bookkeeping, callbacks after this one in ``on_train_batch_end``; under DDP the
+                       per-batch SIGTERM broadcast, where a rank waits for slower ranks): well under 1 ms per batch
+                       on an idle machine
+    ``transfer``       the strategy's ``batch_to_device`` (your ``transfer_batch_to_device`` included); the doctor
+                       wraps the strategy instance's public method for the duration of ``fit``
+    ``forward``        ``on_train_batch_start`` → ``on_before_zero_grad``/``on_before_backward`` (in manual
+                       optimization: all ``training_step`` code outside backward and optimizer steps)
+    ``backward``       ``on_before_backward`` → ``on_after_backward``, minus ``communication``
+    ``optimizer``      ``on_before_zero_grad`` → ``on_before_backward`` and ``on_before_optimizer_step`` → the
+                       optimizer's step post-hook of the outermost ``step`` (``register_step_post_hook``)
+    ``communication``  gradient all-reduce not hidden behind backward: from the launch of the last bucket (local
+                       backward done) to the completion of every bucket (``lightning_accel.core.comm``), timed by
+                       a DDP comm-hook wrapper; DDP only
+    ``other``          the rest of the wall time (Lightning, logging, other callbacks)
+    =================  =========================================================================================
 
     The stage logic is :class:`~lightning_accel.core.stages.StageMachine` (pure, driven by these hooks); the timer
     installers live in ``_doctor_timers``, the run facts in ``_doctor_facts``. On CUDA the device stages are CUDA
@@ -126,7 +120,7 @@ class BottleneckDoctor(Callback):
     without the doctor; the doctor adds no wait of its own.
 
     Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
-    would, in one call per window (``_doctor_log.log_window``):
+    would, in one call per window (``_window_log.log_window``):
 
     ==========================================  =========  ====================================================
     key                                         unit       scope
@@ -182,12 +176,8 @@ class BottleneckDoctor(Callback):
         smells: bool = True,
         nvtx: bool = False,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"BottleneckDoctor(window={window!r}): window must be a positive number of batches, "
-                             "e.g. 20")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"BottleneckDoctor(warmup_batches={warmup_batches!r}): use a number of batches >= 0, "
-                             "e.g. 3")
+        check_int("BottleneckDoctor", "window", window, unit="batches", example=20)
+        check_int("BottleneckDoctor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if thresholds is None:
             self.thresholds = Thresholds()
         elif isinstance(thresholds, Thresholds):
@@ -598,11 +588,9 @@ class BottleneckDoctor(Callback):
             self._break(f"starting the first window: {err!r}")
 
     # ------------------------------------------------------------------ windows
-    def _local_row(self, window: Window | None) -> list[float]:
-        nan = math.nan
-        row = [nan] * _ROW_LEN
+    def _local_row(self, window: StageWindow | None) -> RankWindow:
         if self._broken or window is None or window.batches == 0:
-            return row
+            return RankWindow.unmeasured()
         try:
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
             self._train_wall += window.wall
@@ -616,11 +604,13 @@ class BottleneckDoctor(Callback):
             if self._device.type == "cuda":
                 total = torch.cuda.get_device_properties(self._device).total_memory
                 util["memory_peak_frac"] = torch.cuda.max_memory_allocated(self._device) / total
-            return ([float(values[f]) for f in ROW_FIELDS] + [float(util.get(f, nan)) for f in _UTIL_FIELDS]
-                    + [float(passes)] + summarise_window(window.step_times, window.data_times, window.first_batch))
+            variability = summarise_window(window.step_times, window.data_times, window.first_batch)
+            return RankWindow(stages={f: float(values[f]) for f in ROW_FIELDS},
+                              utilisation={f: float(util.get(f, math.nan)) for f in UTIL_FIELDS},
+                              comm_passes=float(passes), variability=dict(zip(VARIABILITY_FIELDS, variability)))
         except Exception as err:  # noqa: BLE001
             self._break(f"closing a window: {err!r}")
-            return row
+            return RankWindow.unmeasured()
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool,
                       final: bool = False) -> None:
@@ -638,35 +628,34 @@ class BottleneckDoctor(Callback):
                 self._break(f"closing a window: {err!r}")
         row = self._local_row(window)
         # one process: no collective, and no tensor round trip (~50 µs of the flush)
-        rows = ([row] if trainer.world_size <= 1
-                else gather_floats(trainer, self._device, row, what="BottleneckDoctor window").tolist())
+        rows = [row] if trainer.world_size <= 1 else \
+            [RankWindow.from_floats(r)
+             for r in gather_floats(trainer, self._device, row.to_floats(), what="BottleneckDoctor window").tolist()]
         self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)
         except Exception as err:  # noqa: BLE001
             self._break(f"aggregating a window: {err!r}")
 
-    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[list[float]], *,
+    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[RankWindow], *,
                       log: bool) -> None:
-        n = _N_STAGE
-        all_rows = rows
-        while len(self._var_rows) < len(all_rows):
+        while len(self._var_rows) < len(rows):
             self._var_rows.append([])
-        for rank, r in enumerate(all_rows):
-            if all(math.isfinite(v) for v in r[_VAR_AT:_ROW_LEN]):
-                self._var_rows[rank].append(r[_VAR_AT:_ROW_LEN])
-        finite = [r for r in all_rows if all(math.isfinite(v) for v in r[:n])]
-        if not finite:
+        for rank, r in enumerate(rows):
+            variability = r.variability_row()
+            if variability is not None:
+                self._var_rows[rank].append(variability)
+        measured = [r for r in rows if r.measured]
+        if not measured:
             return
-        window = self._breakdown.add(all_rows)
+        window = self._breakdown.add([r.stage_row() for r in rows])
         if window is None:
             return
-        util_cols = {f: [r[_UTIL_AT + i] for r in finite if math.isfinite(r[_UTIL_AT + i])]
-                     for i, f in enumerate(_UTIL_FIELDS)}
-        util = {f: (max(v) if f == "memory_peak_frac" else sum(v) / len(v)) for f, v in util_cols.items() if v}
+        util = reduce_utilisation({f: [r.utilisation[f] for r in measured if math.isfinite(r.utilisation[f])]
+                                   for f in UTIL_FIELDS})
         for f, v in util.items():
             self._util_sums.setdefault(f, []).append(v)
-        self._comm_passes += int(sum(r[_PASSES_AT] for r in finite if math.isfinite(r[_PASSES_AT])))
+        self._comm_passes += int(sum(r.comm_passes for r in measured if math.isfinite(r.comm_passes)))
         self._timeline.append({"batch": self._breakdown.batches, "shares": window.shares,
                                "step_seconds": window.step_seconds})
         if log:
@@ -691,9 +680,9 @@ class BottleneckDoctor(Callback):
 
     def _live_context(self) -> RunContext:
         ctx = self._context
-        util = {f: v for f, v in self._util_sums.items() if v}
-        ctx.gpu_utilisation = (statistics.fmean(util["gpu_util_pct"]) / 100.0 if "gpu_util_pct" in util else None)
-        ctx.memory_peak_fraction = max(util["memory_peak_frac"]) if "memory_peak_frac" in util else None
+        util = reduce_utilisation(self._util_sums)
+        ctx.gpu_utilisation = util["gpu_util_pct"] / 100.0 if "gpu_util_pct" in util else None
+        ctx.memory_peak_fraction = util.get("memory_peak_frac")
         ctx.batch_size = int(statistics.median(self._batch_sizes)) if self._batch_sizes else None
         ctx.communication_measured = self._comm_passes > 0
         monitor = self._mfu_monitor

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -12,19 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from typing_extensions import override
 
+from lightning_accel._checks import check_int, is_int
+from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
     agree_across_ranks,
     iterate_batches,
     missing_attribute_error,
-    request_train_dataloader,
-    train_data_holder,
 )
 from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.core.utilisation import usable_cores_per_rank  # noqa: F401 - also imported from here
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -58,15 +58,6 @@ def default_worker_counts(cores: int) -> list[int]:
     return counts
 
 
-def usable_cores_per_rank(local_ranks: int) -> int:
-    """CPU cores this process may run on (its affinity mask), divided among the ranks on this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS / Windows
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
-
-
 #: with ``num_workers=0`` loading is serial with the step; at most this share of the step time may go to it (the same
 #: 10 % above which ``BottleneckDoctor`` reports a data wait)
 SERIAL_DATA_SHARE = 0.10
@@ -94,11 +85,13 @@ class DataLoaderTuner(Callback):
     The choice is applied by setting the attributes on the LightningModule / datamodule (looked up like Lightning's
     ``batch_size``: module, hparams, datamodule) before the fit loop builds its dataloader, so the user's
     ``train_dataloader()`` must read them. Settings whose attribute is absent are left alone (only ``num_workers`` is
-    required). The sequence of samples is unchanged: the tuner's iterations draw from the global RNGs and any
-    ``torch.Generator`` on the loader or its sampler, and all are restored, so a seeded run sees the same batches in
-    the same order with or without the tuner (PyTorch keeps batch order with any number of workers). Only
-    randomness drawn *inside workers* (augmentations seeded per worker: ``base_seed + worker_id``) follows the
-    worker count, as with any change of ``num_workers``.
+    required). A ``DataLoader`` passed straight to ``trainer.fit(model, loader)`` has no attributes: it is re-created
+    from its own constructor arguments with each setting (every setting is tuned), and the fit trains on the re-created
+    loader with the choice, the way the Autopilot does (``callbacks/_loader_source.py``). The sequence of samples is
+    unchanged: the tuner's iterations draw from the global RNGs and any ``torch.Generator`` on the loader or its
+    sampler, and all are restored, so a seeded run sees the same batches in the same order with or without the tuner
+    (PyTorch keeps batch order with any number of workers). Only randomness drawn *inside workers* (augmentations seeded
+    per worker: ``base_seed + worker_id``) follows the worker count, as with any change of ``num_workers``.
 
     Caveat: on a CPU-only run the loader is measured alone, while in training its workers share the cores with the
     step's intra-op threads; ``margin`` absorbs part of that.
@@ -146,19 +139,18 @@ class DataLoaderTuner(Callback):
     ) -> None:
         if num_workers is not None:
             num_workers = sorted(set(num_workers))
-            if not num_workers or any(not isinstance(w, int) or w < 0 for w in num_workers):
+            if not num_workers or any(not is_int(w) or w < 0 for w in num_workers):
                 raise ValueError(f"DataLoaderTuner(num_workers={num_workers!r}): give worker counts >= 0, e.g. "
                                  "(0, 2, 4), or None for 0..cores")
         prefetch_factors = sorted(set(prefetch_factors))
-        if not prefetch_factors or any(not isinstance(p, int) or p < 1 for p in prefetch_factors):
+        if not prefetch_factors or any(not is_int(p) or p < 1 for p in prefetch_factors):
             raise ValueError(f"DataLoaderTuner(prefetch_factors={prefetch_factors!r}): give ints >= 1, e.g. (2, 4)")
         if not isinstance(margin, (int, float)) or margin < 0:
             raise ValueError(f"DataLoaderTuner(margin={margin!r}): give a fraction >= 0, e.g. 0.2")
         for name, value, low in (("batches_per_trial", batches_per_trial, 2),
                                  ("trial_warmup_batches", trial_warmup_batches, 0),
                                  ("consumption_steps", consumption_steps, 2)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"DataLoaderTuner({name}={value!r}): give an int >= {low}")
+            check_int("DataLoaderTuner", name, value, minimum=low)
         self.num_workers = num_workers
         self.prefetch_factors = tuple(prefetch_factors)
         self.margin = float(margin)
@@ -177,7 +169,7 @@ class DataLoaderTuner(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        holder = train_data_holder(trainer, pl_module)
+        holder = fit_data_holder(trainer)  # None: a DataLoader passed to fit(), rebuilt with each setting
         pipeline = getattr(holder, "pipeline_settings", None)
         self._not_a_dataloader = None
         if isinstance(pipeline, Mapping):  # e.g. DALIImageDataModule: threads in one process, no workers to tune
@@ -187,7 +179,7 @@ class DataLoaderTuner(Callback):
                            f"no workers to tune and the tuner does nothing; that pipeline's knobs are num_threads "
                            f"and prefetch_queue_depth (BottleneckDoctor's data finding names them when data is slow)")
             return
-        if not lightning_hasattr(pl_module, self.attrs["num_workers"]):
+        if holder is not None and not lightning_hasattr(pl_module, self.attrs["num_workers"]):
             raise missing_attribute_error(trainer, pl_module, "DataLoaderTuner", self.attrs["num_workers"],
                                           "Add `self.num_workers = 0` and build the train DataLoader from it, or "
                                           "pass num_workers_attr='<your attribute>'")
@@ -205,8 +197,12 @@ class DataLoaderTuner(Callback):
             self.tune(trainer, pl_module)
 
     # ------------------------------------------------------------------ the search
-    def _present(self, pl_module: pl.LightningModule) -> dict[str, bool]:
-        return {k: lightning_hasattr(pl_module, name) for k, name in self.attrs.items()}
+    def _source(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
+        return TrainLoaderSource(trainer, pl_module, attribute_names=self.attrs, require_dataloader=False)
+
+    def _present(self, source: TrainLoaderSource) -> dict[str, bool]:
+        """Per setting, whether the tuner varies it: through its attribute, or any of them for a fit() loader."""
+        return {k: source.holder is None or source.attributes[k] for k in self.attrs}
 
     def _grid(self, trainer: pl.Trainer, present: dict[str, bool]) -> list[LoaderSetting]:
         pin = trainer.strategy.root_device.type == "cuda" and present["pin_memory"]
@@ -221,12 +217,10 @@ class DataLoaderTuner(Callback):
                 grid.append(LoaderSetting(w, pf, present["persistent_workers"], pin))
         return grid
 
-    def _apply(self, pl_module: pl.LightningModule, setting: LoaderSetting | dict[str, Any],
-               present: dict[str, bool]) -> None:
+    @staticmethod
+    def _settable(setting: LoaderSetting | dict[str, Any], present: dict[str, bool]) -> dict[str, Any]:
         values = asdict(setting) if isinstance(setting, LoaderSetting) else setting
-        for key, value in values.items():
-            if present[key]:
-                lightning_setattr(pl_module, self.attrs[key], value)
+        return {key: value for key, value in values.items() if present[key]}
 
     def _feeds(self, num_workers: int | None, rate: float, consumption: float) -> bool:
         return loader_feeds(num_workers, rate, consumption, self.margin)
@@ -234,12 +228,14 @@ class DataLoaderTuner(Callback):
     def tune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoaderSetting | None:
         """Measure, decide, apply; returns the chosen setting (the same on every rank), or ``None`` when the train
         loader is too short to time (a warning says so and the settings stay as they are)."""
-        present = self._present(pl_module)
-        initial = {k: lightning_getattr(pl_module, name) for k, name in self.attrs.items() if present[k]}
+        source = self._source(trainer, pl_module)
+        present = self._present(source)
+        initial = {k: lightning_getattr(pl_module, name) if source.holder is not None else source.initial[k]
+                   for k, name in self.attrs.items() if present[k]}
         grid = self._grid(trainer, present)
         # every rank's loader has the same length (DistributedSampler), so every rank takes the same branch
         try:
-            length = len(request_train_dataloader(trainer, pl_module))
+            length = len(source.build())
         except TypeError:  # an iterable without len(): measure and let the trial say if it ran out
             length = None
         needed = self.trial_warmup_batches + self.batches_per_trial + 1 + max(
@@ -257,24 +253,24 @@ class DataLoaderTuner(Callback):
         error: BaseException | None = None
         chosen_index = -1
         try:
-            consumption = self._consumption(trainer, pl_module, state)
-            initial_rate = self._loader_rate(trainer, pl_module, state, initial, present)
+            consumption = self._consumption(trainer, pl_module, state, source)
+            initial_rate = self._loader_rate(source, state, initial, present)
             self.table.append({"setting": "initial: " + _describe(initial, trainer), "batches_per_sec": initial_rate,
                                "feeds": self._feeds(initial.get("num_workers", 0), initial_rate, consumption),
                                "chosen": False})
             chosen_index, rows = choose_loader_setting(
-                grid, lambda setting: self._loader_rate(trainer, pl_module, state, asdict(setting), present),
+                grid, lambda setting: self._loader_rate(source, state, asdict(setting), present),
                 consumption, self.margin)
             self.table.extend(rows)
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error = err
         finally:
             state.restore()
-            self._apply(pl_module, initial, present)
         choices = agree_across_ranks(trainer, float(chosen_index), error, "DataLoaderTuner measurement")
         adopted = int(choices.max())  # the most generous setting any rank needed (the grids are identical)
         setting = grid[adopted]
-        self._apply(pl_module, setting, present)
+        source.set(self._settable(setting, present))
+        source.install()  # the attributes the fit's train_dataloader() reads, or the fit() loader re-created
         own = math.nan  # this rank's rate for the adopted setting (nan if this rank stopped before measuring it)
         for row in self.table[1:]:
             row["chosen"] = row["setting"] == setting.label()
@@ -300,9 +296,10 @@ class DataLoaderTuner(Callback):
             rank_zero_print(trainer, self._rich_table(consumption))
         return setting
 
-    def _consumption(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState) -> float:
+    def _consumption(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState,
+                     source: TrainLoaderSource) -> float:
         """Training steps per second on real batches already on the device (no data loading timed)."""
-        loader = request_train_dataloader(trainer, pl_module)
+        loader = source.build()
         state.track_loader(loader)
         runner = StepRunner(trainer, pl_module)
         batches = []
@@ -321,11 +318,10 @@ class DataLoaderTuner(Callback):
             state.restore()
         return 1.0 / max(seconds or 0.0, 1e-9)
 
-    def _loader_rate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState,
-                     values: dict[str, Any], present: dict[str, bool]) -> float:
-        """Steady-state batches/s of ``train_dataloader()`` built with ``values``."""
-        self._apply(pl_module, values, present)
-        loader = request_train_dataloader(trainer, pl_module)
+    def _loader_rate(self, source: TrainLoaderSource, state: TrainingState, values: dict[str, Any],
+                     present: dict[str, bool]) -> float:
+        """Steady-state batches/s of the train loader built with ``values``."""
+        loader = source.build(self._settable(values, present))
         state.track_loader(loader)
         workers = values.get("num_workers", 0)
         got = getattr(loader, "num_workers", workers)

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel.core.prefetch import PrefetchingLoader
 
 if TYPE_CHECKING:
@@ -67,8 +68,7 @@ class DevicePrefetcher(Callback):
 
     def __init__(self, *, depth: int = 2, pin_memory: bool | None = None,
                  loaders: Iterable[str] = ("train",)) -> None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"DevicePrefetcher(depth={depth!r}): depth must be a positive number of batches, e.g. 2")
+        check_int("DevicePrefetcher", "depth", depth, unit="batches", example=2)
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ValueError(f"DevicePrefetcher(pin_memory={pin_memory!r}): use True, False or None (default: True)")
         if isinstance(loaders, str):

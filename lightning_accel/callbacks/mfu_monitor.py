@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._doctor_log import log_window
+from lightning_accel._checks import check_int
+from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
@@ -28,17 +29,17 @@ __all__ = ["MFUMonitor"]
 class MFUMonitor(Callback):
     """Logs throughput and MFU (model FLOPs utilisation) while training, and prints a summary after ``fit``.
 
-    FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode``
-    around the real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch``
-    is given. Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
-    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the
-    run's compute dtype, else a short matmul probe of the device (CPU, unknown GPUs). The first
-    ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up; callbacks can ask for
-    more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every micro-batch
-    of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
+    FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode`` around the
+    real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch`` is given.
+    Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
+    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given,
+    else the datasheet table for the GPU and the run's compute dtype, else a short matmul probe of the device (CPU,
+    unknown GPUs). The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
+    callbacks can ask for more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every
+    micro-batch of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
     Logged every ``window`` batches, to every logger, ``trainer.callback_metrics`` and the progress bar, as
-    ``pl_module.log(on_step=True)`` would, in one call per window (``_doctor_log.log_window``):
+    ``pl_module.log(on_step=True)`` would, in one call per window (``_window_log.log_window``):
 
     ========================================  ==========  ====================================================
     key                                       unit        scope
@@ -77,10 +78,8 @@ class MFUMonitor(Callback):
         prog_bar: bool = True,
         print_summary: bool = True,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"MFUMonitor(window={window!r}): window must be a positive number of batches, e.g. 20")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"MFUMonitor(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        check_int("MFUMonitor", "window", window, unit="batches", example=20)
+        check_int("MFUMonitor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if flops_per_batch is not None and (not isinstance(flops_per_batch, (int, float)) or flops_per_batch <= 0):
             raise ValueError(f"MFUMonitor(flops_per_batch={flops_per_batch!r}): give a positive FLOP count or None "
                              "to count automatically")

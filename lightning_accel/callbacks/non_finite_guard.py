@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel import _compat
 from lightning_accel.core.checkpointing import clean_module_name
 
@@ -69,10 +70,8 @@ class NonFiniteGuard(Callback):
 
     def __init__(self, *, max_consecutive: int = 10, check_loss: bool = True, max_names: int = 5,
                  log_amp_stats: bool = True) -> None:
-        for name, value in (("max_consecutive", max_consecutive), ("max_names", max_names)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"NonFiniteGuard({name}={value!r}): use a positive integer, e.g. "
-                                 f"{10 if name == 'max_consecutive' else 5}")
+        check_int("NonFiniteGuard", "max_consecutive", max_consecutive, example=10)
+        check_int("NonFiniteGuard", "max_names", max_names, example=5)
         self.max_consecutive = max_consecutive
         self.check_loss = check_loss
         self.max_names = max_names

@@ -20,6 +20,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int, is_int
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -43,14 +45,12 @@ class NsysCapture(Callback):
 
     def __init__(self, *, start_step: int = 10, stop_step: int = 15, ranks: Sequence[int] | None = (0,),
                  profiler: Any = None) -> None:
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"NsysCapture(start_step={start_step!r}): use an optimizer step >= 0, e.g. 10")
-        if isinstance(stop_step, bool) or not isinstance(stop_step, int) or stop_step <= start_step:
+        check_int("NsysCapture", "start_step", start_step, minimum=0, example=10, unit="optimizer steps")
+        if not is_int(stop_step) or stop_step <= start_step:
             raise ValueError(f"NsysCapture(stop_step={stop_step!r}): use a step after start_step={start_step}, "
                              f"e.g. {start_step + 5}")
         if ranks is not None:
-            if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool)
-                                                           and r >= 0 for r in ranks):
+            if isinstance(ranks, (str, bytes)) or not all(is_int(r) and r >= 0 for r in ranks):
                 raise ValueError(f"NsysCapture(ranks={ranks!r}): give global ranks, e.g. (0,) or (0, 8), or None "
                                  "for every rank")
             ranks = tuple(ranks)

@@ -34,16 +34,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
+from lightning_accel._atomic import atomic_path, atomic_write_text
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["ProfileWindow"]
-
-
-def _count(name: str, value: Any, minimum: int, example: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"ProfileWindow({name}={value!r}): use an integer >= {minimum}, e.g. {name}={example}")
-    return value
 
 
 class ProfileWindow(Callback):
@@ -86,12 +83,12 @@ class ProfileWindow(Callback):
         profile_memory: bool = False,
     ) -> None:
         if at_step is not None:
-            _count("at_step", at_step, 0, 100)
-        self.wait = _count("wait", wait, 0, 1)
-        self.warmup = _count("warmup", warmup, 0, 1)
-        self.active = _count("active", active, 1, 3)
-        self.max_windows = _count("max_windows", max_windows, 1, 1)
-        self.row_limit = _count("row_limit", row_limit, 1, 25)
+            check_int("ProfileWindow", "at_step", at_step, minimum=0, example=100)
+        self.wait = check_int("ProfileWindow", "wait", wait, minimum=0, example=1)
+        self.warmup = check_int("ProfileWindow", "warmup", warmup, minimum=0, example=1)
+        self.active = check_int("ProfileWindow", "active", active, example=3)
+        self.max_windows = check_int("ProfileWindow", "max_windows", max_windows, example=1)
+        self.row_limit = check_int("ProfileWindow", "row_limit", row_limit, example=25)
         self.at_step = at_step
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.record_shapes, self.with_stack, self.profile_memory = record_shapes, with_stack, profile_memory
@@ -199,17 +196,14 @@ class ProfileWindow(Callback):
         table = self._dir / f"top_ops_{stem}.txt"
         recorded = max(0, min(self.active, self._steps_in_window - self.wait - self.warmup))
         first = self._current["start_step"] + self.wait + self.warmup
-        tmp = trace.with_name(trace.name + ".tmp")
-        profiler.export_chrome_trace(str(tmp))
-        os.replace(tmp, trace)
+        with atomic_path(trace) as tmp:
+            profiler.export_chrome_trace(str(tmp))
         sort_by = "self_device_time_total" if self._cuda else "self_cpu_time_total"
         text = (f"ProfileWindow trace: {trace.name}\nreason: {self._current['reason']}\n"
                 f"recorded global steps {first}..{first + recorded - 1} ({recorded} steps, after {self.wait} wait + "
                 f"{self.warmup} warm-up), rank {self._rank}; sorted by {sort_by}\n\n"
                 + profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit) + "\n")
-        tmp = table.with_name(table.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, table)
+        atomic_write_text(table, text)
         self._current.update(steps_recorded=recorded, trace=str(trace), table=str(table))
 
     @override

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel import _compat
 from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
 
@@ -40,11 +41,11 @@ class TorchCompile(Callback):
     ``fnmatch`` patterns over qualified module names (``"model"``, ``"model.blocks.*"``) or module types.
     A pattern that matches nothing raises ``ValueError`` listing the names present.
 
-    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen
-    again when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs
-    with ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code
-    for the rest of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and ``BottleneckDoctor``) how many batches
-    to leave out of their measurements.
+    Compilation is lazy: it happens on the first call (forward, and backward through AOTAutograd), and may happen again
+    when shapes change. A call made while a ``TorchDispatchMode`` is active — ``MFUMonitor`` counting FLOPs with
+    ``FlopCounterMode`` on the first batch — runs eagerly (dynamo would otherwise stop compiling that code for the rest
+    of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and
+    ``BottleneckDoctor``) how many batches to leave out of their measurements.
 
     Fallback: if ``torch.compile`` is unavailable on the platform or compiling raises (a backend failure, a graph
     break under ``fullgraph=True``, a missing C++ compiler for inductor), the target runs eagerly from then on
@@ -93,8 +94,7 @@ class TorchCompile(Callback):
                              "'aot_eager', or a backend callable")
         if mode is not None and options is not None:
             raise ValueError("TorchCompile: torch.compile accepts `mode` or `options`, not both; drop one")
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"TorchCompile(warmup_batches={warmup_batches!r}): use a number of batches >= 0, e.g. 3")
+        check_int("TorchCompile", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if isinstance(modules, (str, type)):
             modules = [modules]
         self.modules = list(modules) if modules is not None else None

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lightning_accel._atomic import atomic_path, atomic_write_text
+
 ORDER = 35
 
 #: the cost model's name for a strategy string (None: not modelled)
@@ -88,7 +90,7 @@ def _worker(args: argparse.Namespace) -> int:
            "step_s": args.batch_size * batches / summary["samples_per_sec"],
            "param_shapes": params, "comm_share": shares.get("communication") if measured else None,
            "allreduce": probe or None}
-    Path(args.out).write_text(json.dumps(out))
+    atomic_write_text(Path(args.out), json.dumps(out))
     return 0
 
 
@@ -289,7 +291,8 @@ def _plot(report: dict[str, Any], path: str) -> None:
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -317,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
                             n_layer=args.n_layer, d_model=args.d_model, tokens_per_step=args.batch_size * args.seq_len)
     _print(report, link)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        atomic_write_text(Path(args.json), json.dumps(report, indent=2))
     if args.plot:
         _plot(report, args.plot)
         print(f"plot: {args.plot}")

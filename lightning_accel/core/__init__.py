@@ -29,7 +29,7 @@ from lightning_accel.core.timing import StageTimer
 from lightning_accel.core.phases import FitBreakdown, FitClock, diagnose_fit
 from lightning_accel.core.ranks import find_stragglers
 from lightning_accel.core.smells import SMELLS, find_smells
-from lightning_accel.core.stages import StageMachine, Window
+from lightning_accel.core.stages import StageMachine, StageWindow, Window
 from lightning_accel.core.variability import variability_finding
 from lightning_accel.core.verdict import build_report
 
@@ -55,6 +55,7 @@ __all__ = [
     "STAGES",
     "StageMachine",
     "StageTimer",
+    "StageWindow",
     "Thresholds",
     "Window",
     "WindowedThroughput",

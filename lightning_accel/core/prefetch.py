@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from lightning_accel._checks import check_int
 from lightning_accel.core.batch import map_tensors
 
 __all__ = ["CudaTransfer", "PrefetchIterator", "PrefetchingLoader"]
@@ -226,9 +227,7 @@ class PrefetchingLoader:
 
     def __init__(self, loader: Iterable[Any], *, depth: int = 2, device: torch.device | str | None = None,
                  pin_memory: bool | None = None) -> None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"PrefetchingLoader(depth={depth!r}): depth must be a positive number of batches, "
-                             "e.g. 2")
+        check_int("PrefetchingLoader", "depth", depth, unit="batches", example=2)
         if not hasattr(loader, "__iter__"):
             raise ValueError(f"PrefetchingLoader: expected an iterable of batches (e.g. a DataLoader), got "
                              f"{type(loader).__name__}")

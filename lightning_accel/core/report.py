@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_accel._atomic import atomic_path, atomic_write_text
 from lightning_accel.core.rules import STAGES, Finding, RunContext, SkippedRule
 
 __all__ = ["DoctorReport", "compare", "plot_timeline"]
@@ -165,14 +166,7 @@ class DoctorReport:
         """Write the JSON atomically (a temporary file renamed into place: never a half-written report)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = self.to_json()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace is atomic
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, self.to_json())
         return path
 
     @classmethod
@@ -420,7 +414,6 @@ def plot_timeline(report: DoctorReport, path: str | os.PathLike[str]) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path

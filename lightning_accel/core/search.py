@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_accel._checks import check_int
+
 __all__ = [
     "BatchSizeSearch",
     "BatchSizeSearchError",
@@ -145,14 +147,10 @@ def _validate(budget_bytes: float, init_batch_size: int, max_batch_size: int | N
               max_probes: int, tolerance: float) -> None:
     if not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0 or math.isinf(budget_bytes):
         raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}): give a positive, finite number of bytes")
-    if not isinstance(init_batch_size, int) or init_batch_size < 1:
-        raise ValueError(f"find_batch_size(init_batch_size={init_batch_size!r}): give a positive int, e.g. 2")
-    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
-        raise ValueError(f"find_batch_size(max_batch_size={max_batch_size!r}): give a positive int or None")
-    if multiple_of is not None and (not isinstance(multiple_of, int) or multiple_of < 1):
-        raise ValueError(f"find_batch_size(multiple_of={multiple_of!r}): give a positive int such as 8, or None")
-    if not isinstance(max_probes, int) or max_probes < 2:
-        raise ValueError(f"find_batch_size(max_probes={max_probes!r}): give an int >= 2, e.g. 10")
+    check_int("find_batch_size", "init_batch_size", init_batch_size, example=2)
+    check_int("find_batch_size", "max_batch_size", max_batch_size, optional=True)
+    check_int("find_batch_size", "multiple_of", multiple_of, optional=True, example=8)
+    check_int("find_batch_size", "max_probes", max_probes, minimum=2, example=10)
     if not 0 < tolerance < 0.5:
         raise ValueError(f"find_batch_size(tolerance={tolerance!r}): give a fraction in (0, 0.5), e.g. 0.02")
 

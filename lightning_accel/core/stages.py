@@ -1,8 +1,9 @@
 """The stage state machine: training-loop events + a clock → seconds per stage per window, with pauses.
 
 No Lightning here: :class:`~lightning_accel.callbacks.bottleneck_doctor.BottleneckDoctor` feeds it from its hooks,
-and any other step loop (the ``Autopilot``'s trials, a hand-written loop, a test with a fake clock) drives it with
-the same calls::
+and any other step loop (a hand-written loop, a test with a fake clock) drives it with the same calls (the
+``Autopilot``'s trials time their stages with the :class:`~lightning_accel.core.timing.StageTimer` underneath, not
+with this machine)::
 
     machine = StageMachine(clock=time.perf_counter, warmup_batches=2)
     for batch in loader_iter:                     # per step:
@@ -13,7 +14,7 @@ the same calls::
         machine.stage_start("optimizer"); opt.step(); opt.zero_grad()
         machine.step_end(samples=len(batch))
         if machine.window_batches >= 50:
-            window = machine.close_window()       # Window: wall, seconds per stage, shares(), step times
+            window = machine.close_window()       # StageWindow: wall, seconds per stage, shares(), step times
             diagnose(window.shares(), context)
 
 Semantics:
@@ -36,18 +37,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_accel._checks import check_int
 from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
 from lightning_accel.core.findings import STAGES
 from lightning_accel.core.timing import StageTimer
 
-__all__ = ["StageMachine", "Window"]
+__all__ = ["StageMachine", "StageWindow"]
 
 _KNOWN = frozenset(MEASURED_STAGES) - {"communication"}
 
 
 @dataclass(frozen=True)
-class Window:
-    """One closed window of one process.
+class StageWindow:
+    """One closed window of one process (``Window`` is its former name, kept as an alias; the Autopilot's
+    measuring window is another class).
 
     Attributes:
         wall: host seconds of the window's batches (pauses excluded).
@@ -97,8 +100,7 @@ class StageMachine:
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter, warmup_batches: int = 0,
                  device: Any = None, timer: StageTimer | None = None, ranges: Any = None) -> None:
-        if not isinstance(warmup_batches, int) or isinstance(warmup_batches, bool) or warmup_batches < 0:
-            raise ValueError(f"StageMachine(warmup_batches={warmup_batches!r}): use a number of batches >= 0")
+        check_int("StageMachine", "warmup_batches", warmup_batches, minimum=0, unit="batches")
         self.clock = clock
         self.timer = timer if timer is not None else StageTimer(device, clock=clock)
         self.ranges = ranges
@@ -214,7 +216,7 @@ class StageMachine:
         self.stage, self._data_start, self.awaiting_batch = None, None, False
 
     # ------------------------------------------------------------------ windows
-    def finish(self) -> Window | None:
+    def finish(self) -> StageWindow | None:
         """The loop is done: drop the open stage and close the window at the end of the last batch (what came
         after it, a data wait for a batch that never came, pauses, is in no window). ``None`` when the window has
         no batch."""
@@ -225,7 +227,7 @@ class StageMachine:
         self._data_seconds -= self._data_time
         return self.close_window(at=self._batch_start)
 
-    def close_window(self, *, at: float | None = None) -> Window:
+    def close_window(self, *, at: float | None = None) -> StageWindow:
         """Close the window and start the next one where this one's wall time was read (a data wait in progress
         counts up to now here and goes on in the next window). On CUDA this is the one synchronisation per
         window. Seconds are per measured stage; the warm-up is never in a window.
@@ -249,7 +251,7 @@ class StageMachine:
         for stage, value in self._extra.items():
             seconds[stage] = seconds.get(stage, 0.0) + value
         seconds["data"] = self._data_seconds
-        window = Window(wall=max(0.0, now - self._window_start - self._paused_total),
+        window = StageWindow(wall=max(0.0, now - self._window_start - self._paused_total),
                         seconds={s: float(seconds.get(s, 0.0)) for s in MEASURED_STAGES},
                         batches=self.window_batches, samples=self.window_samples,
                         step_times=self._step_times, data_times=self._data_times, first_batch=self._first_batch)
@@ -300,3 +302,7 @@ class StageMachine:
             else:
                 self.timer.start(stage)
         return now
+
+
+#: The former name of :class:`StageWindow`.
+Window = StageWindow

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from lightning_accel._checks import check_int
+
 __all__ = ["Rates", "WindowedThroughput"]
 
 
@@ -85,8 +87,7 @@ class WindowedThroughput:
     _paused_total: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ValueError(f"window must be a positive number of batches, got {self.window!r}")
+        check_int("WindowedThroughput", "window", self.window, unit="batches")
 
     @property
     def started(self) -> bool:

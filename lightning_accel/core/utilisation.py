@@ -9,19 +9,37 @@ window, falling back to the instantaneous reading when the samples API is unavai
 from __future__ import annotations
 
 import os
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["CpuUtilisation", "GpuUtilisation", "usable_cpu_count"]
+__all__ = ["PEAK_FIELDS", "CpuUtilisation", "GpuUtilisation", "reduce_utilisation", "usable_cores_per_rank",
+           "usable_cpu_count"]
 
 
 def usable_cpu_count() -> int:
-    """CPU cores this process may run on (affinity-aware where the OS supports it)."""
+    """CPU cores this process may run on (affinity-aware where the OS supports it): the one CPU count of the package
+    (the doctor's facts, the DataLoader tuners, the DALI and memmap defaults)."""
     try:
         return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    except (AttributeError, OSError):  # macOS / Windows
         return os.cpu_count() or 1
+
+
+def usable_cores_per_rank(local_ranks: int) -> int:
+    """:func:`usable_cpu_count` divided among the ``local_ranks`` processes on this node (at least 1)."""
+    return max(1, usable_cpu_count() // max(1, local_ranks))
+
+
+#: utilisation fields whose reduction is the maximum (a peak), not the mean
+PEAK_FIELDS = frozenset({"memory_peak_frac"})
+
+
+def reduce_utilisation(columns: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """One value per utilisation field from many (ranks of a window, or windows of a fit): the maximum for a peak
+    (:data:`PEAK_FIELDS`), the mean for the rest; a field without values is left out."""
+    return {f: (max(v) if f in PEAK_FIELDS else statistics.fmean(v)) for f, v in columns.items() if len(v)}
 
 
 class CpuUtilisation:

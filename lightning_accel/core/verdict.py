@@ -8,7 +8,6 @@ windows) gets the same report, with the step rules, stragglers, variability and 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from lightning_accel.core.breakdown import Breakdown
 from lightning_accel.core.phases import FitBreakdown, diagnose_fit
 from lightning_accel.core.report import DoctorReport
 from lightning_accel.core.rules import Diagnosis, RunContext, Thresholds, diagnose, holding_back
+from lightning_accel.core.utilisation import reduce_utilisation
 from lightning_accel.core.variability import merge_windows, variability_finding
 
 __all__ = ["build_report"]
@@ -64,8 +64,7 @@ def build_report(breakdown: Breakdown, *, context: RunContext, thresholds: Thres
     report.step_seconds = breakdown.step_seconds()
     report.samples_per_sec = breakdown.samples_per_sec()
     report.mfu = context.mfu
-    report.utilisation = {f: (max(v) if f == "memory_peak_frac" else statistics.fmean(v))
-                          for f, v in (utilisation or {}).items() if v}
+    report.utilisation = reduce_utilisation(utilisation or {})
     if window is not None and breakdown.batches < window:
         notes.append(f"only {breakdown.batches} batches measured (window={window}): the shares are noisy")
     diagnosis = diagnose(shares, context, thresholds, rank_seconds=rank_seconds if world_size > 1 else None)

@@ -29,7 +29,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_accel.data._atomic import atomic_path, atomic_write_json, progress
+from lightning_accel._checks import check_int
+from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel.core.utilisation import usable_cores_per_rank
+from lightning_accel.data._progress import progress
 
 __all__ = ["INDEX_FILE", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap",
            "read_memmap_index"]
@@ -81,8 +84,7 @@ def pack_memmap(data: np.ndarray | Iterable[Any], out_dir: str | os.PathLike, *,
     """
     if kind not in ("samples", "tokens"):
         raise ValueError(f"pack_memmap: kind must be 'samples' or 'tokens', got {kind!r}")
-    if not isinstance(shard_bytes, int) or shard_bytes < 1:
-        raise ValueError(f"pack_memmap: shard_bytes must be a positive integer, got {shard_bytes!r}")
+    check_int("pack_memmap", "shard_bytes", shard_bytes, unit="bytes")
     if labels is not None and kind == "tokens":
         raise ValueError("pack_memmap: labels are for kind='samples'; a token stream's targets are its next tokens")
     out = Path(out_dir)
@@ -351,10 +353,8 @@ class TokenMemmapDataset(Dataset):
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, *, stride: int | None = None) -> None:
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"TokenMemmapDataset: seq_len must be a positive integer, got {seq_len!r}")
-        if stride is not None and (not isinstance(stride, int) or stride < 1):
-            raise ValueError(f"TokenMemmapDataset: stride must be a positive integer or None, got {stride!r}")
+        check_int("TokenMemmapDataset", "seq_len", seq_len, unit="tokens")
+        check_int("TokenMemmapDataset", "stride", stride, optional=True, unit="tokens")
         self.path = Path(path)
         meta = read_memmap_index(self.path, "tokens")
         self.seq_len, self.stride = seq_len, stride or seq_len
@@ -394,8 +394,7 @@ class TokenMemmapDataset(Dataset):
 
 def default_num_workers(local_ranks: int = 1, accelerators_per_rank: int = 1) -> int:
     """DataLoader workers per rank: the playbook's "about 4 per GPU", capped at half of this rank's CPU cores."""
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
-    return max(1, min(4 * accelerators_per_rank, cores // (2 * max(1, local_ranks))))
+    return max(1, min(4 * accelerators_per_rank, usable_cores_per_rank(2 * max(1, local_ranks))))
 
 
 class MemmapDataModule(pl.LightningDataModule):
@@ -428,13 +427,9 @@ class MemmapDataModule(pl.LightningDataModule):
         super().__init__()
         if train is None and val is None:
             raise ValueError("MemmapDataModule: pass train=... and/or val=... (folders written by pack_memmap)")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"MemmapDataModule: batch_size must be a positive integer, got {batch_size!r}")
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
-            raise ValueError(f"MemmapDataModule: num_workers must be >= 0 or None, got {num_workers!r}")
-        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"MemmapDataModule: prefetch_factor must be a positive integer, "
-                             f"got {prefetch_factor!r}")
+        check_int("MemmapDataModule", "batch_size", batch_size)
+        check_int("MemmapDataModule", "num_workers", num_workers, minimum=0, optional=True)
+        check_int("MemmapDataModule", "prefetch_factor", prefetch_factor, unit="batches per worker")
         self.train_path, self.val_path, self.seq_len = train, val, seq_len
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.persistent_workers, self.prefetch_factor, self.drop_last = persistent_workers, prefetch_factor, drop_last

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_accel.data._atomic import atomic_path, atomic_write_json, progress
+from lightning_accel._checks import check_int
+from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel.data._progress import progress
 from lightning_accel.data.image_index import CLASSES_FILE, index_image_folder, sniff_image_format
 
 __all__ = ["pack_webdataset"]
@@ -52,9 +54,7 @@ def pack_webdataset(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, s
     Returns:
         The index written to ``classes.json``: ``classes``, ``num_samples``, ``shards`` (name and sample count).
     """
-    if not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"pack_webdataset: shard_size must be a positive integer (images per shard), "
-                         f"got {shard_size!r}")
+    check_int("pack_webdataset", "shard_size", shard_size, unit="images per shard", example=1000)
     src = Path(src_dir)
     if not src.is_dir():
         raise FileNotFoundError(f"pack_webdataset: source folder {src} does not exist")

@@ -12,6 +12,7 @@ import dataclasses
 import statistics
 from typing import Any
 
+from lightning_accel._checks import check_int
 from lightning_accel.demo.run import DemoConfig, run_demo
 
 __all__ = ["BenchResult", "recommended_stack", "run_bench"]
@@ -82,8 +83,7 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
         autopilot_budget: seconds the Autopilot may search per run.
     """
     for name, value in (("steps", steps), ("rounds", rounds), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"bench: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        check_int("bench", name, value, flag=True)
     base = DemoConfig(steps=steps, accelerator=accelerator, batch_size=batch_size, seed=seed, window=10,
                       val_every=steps, progress_bar=False, quiet=True, compile_backend=compile_backend)
     variants = {"vanilla Lightning": base,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel._atomic import atomic_write_text
 from lightning_accel.data.dali import DALIImageDataModule
 
 __all__ = ["DemoImageDataModule", "ImageTask", "SmallCNN", "make_image_folder"]
@@ -48,7 +49,7 @@ def make_image_folder(root: str | Path, *, num_classes: int = 10, images_per_cla
             y, x = rng.integers(0, size - h), rng.integers(0, size - w)
             img[y: y + h, x: x + w] = rng.integers(0, 256, size=3)
             Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=quality)
-    marker.write_text(json.dumps(spec))
+    atomic_write_text(marker, json.dumps(spec))  # the marker says the folder is complete: never half-written
     return root
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel._checks import check_int
+
 __all__ = ["GPT", "GPTConfig"]
 
 
@@ -26,8 +28,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            check_int("GPTConfig", name, value)
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by n_head={self.n_head}")
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_accel._checks import check_int
+
 __all__ = ["DemoConfig", "add_demo_arguments", "build_callbacks", "build_precision", "build_trainer", "run_demo"]
 
 
@@ -53,8 +55,7 @@ class DemoConfig:
     def validate(self) -> None:
         for name in ("steps", "devices", "batch_size", "seq_len", "n_layer", "d_model", "window", "val_every"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"demo: --{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            check_int("demo", name, value, flag=True)
         if self.tune_batch_size not in (None, "max_fit", "throughput"):
             raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
         if self.strategy is not None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim import LBFGS
 from typing_extensions import override
 
+from lightning_accel._checks import check_int
 from lightning_accel import _compat
 from lightning_accel.core.precision import DtypeChoice, Fp32Islands, choose_autocast_dtype
 
@@ -110,9 +111,7 @@ class AutoMixedPrecision(MixedPrecision):
         if not _positive(backoff_factor) or backoff_factor >= 1:
             raise ValueError(f"AutoMixedPrecision(backoff_factor={backoff_factor!r}): use a factor in (0, 1), "
                              "e.g. 0.5")
-        if not isinstance(growth_interval, int) or isinstance(growth_interval, bool) or growth_interval < 1:
-            raise ValueError(f"AutoMixedPrecision(growth_interval={growth_interval!r}): use a positive number of "
-                             "steps, e.g. 2000")
+        check_int("AutoMixedPrecision", "growth_interval", growth_interval, unit="steps", example=2000)
         # deliberately not MixedPrecision.__init__: the dtype (and so the scaler) is only known once the device is
         self.dtype = dtype
         self.fp32_modules = list(fp32_modules)

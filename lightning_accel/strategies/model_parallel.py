@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._checks import is_int
 from lightning_accel.strategies.parallel_plan import ParallelPlan, apply_plan, derive_plan
 from lightning_accel.strategies.shutdown import register_clean_exit
 
@@ -67,7 +68,7 @@ _MODES = ("fsdp2", "tp", "fsdp2_tp")
 def _check_size(mode: str, name: str, value: Any) -> None:
     if value == "auto":
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{mode}: {name}={value!r} must be 'auto' or an integer >= 1")
 
 

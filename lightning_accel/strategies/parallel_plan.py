@@ -9,17 +9,17 @@
    and ``lm_head`` entries are dropped (sharding one would untie them); both stay replicated.
 2. **Module structure** of common blocks, everywhere else:
 
-   ===================================================  ======================================================
-   found                                                 style
-   ===================================================  ======================================================
-   attention with ``q/k/v`` linears (``q_proj``,          q, k, v column-wise; output (``o_proj``, ``out_proj``,
-   ``query``, ``wq``, …)                                 ``proj``, ``wo``, ``dense``, ``c_proj``) row-wise
-   litgpt's fused ``qkv`` (``CausalSelfAttention``)       column-wise after regrouping its rows per rank (below)
-   MLP ``gate/up → down``, ``fc_1/fc_2 → proj``,          up/gate column-wise, down row-wise
+   =======================================================  ======================================================
+   found                                                    style
+   =======================================================  ======================================================
+   attention with ``q/k/v`` linears (``q_proj``,            q, k, v column-wise; output (``o_proj``, ``out_proj``,
+   ``query``, ``wq``, …)                                    ``proj``, ``wo``, ``dense``, ``c_proj``) row-wise
+   litgpt's fused ``qkv`` (``CausalSelfAttention``)         column-wise after regrouping its rows per rank (below)
+   MLP ``gate/up → down``, ``fc_1/fc_2 → proj``,            up/gate column-wise, down row-wise
    ``fc → proj``, ``w1/w3 → w2``, ``fc1 → fc2``,
    ``c_fc → c_proj``, ``Sequential(Linear, act, Linear)``
-   norms, embeddings, the output head                     replicated
-   ===================================================  ======================================================
+   norms, embeddings, the output head                       replicated
+   =======================================================  ======================================================
 
 **Per-rank arithmetic.** A column-wise linear gives each rank ``out_features / T`` outputs, so the attention of
 each rank must run ``heads / T`` heads: the plan checks that ``T`` divides the query heads, the key/value heads
@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel._checks import check_int
+
 __all__ = ["ParallelPlan", "PlanEntry", "apply_plan", "derive_plan", "regroup_fused_qkv"]
 
 _Q = ("q_proj", "query", "q", "wq", "q_lin", "query_proj")
@@ -79,7 +81,9 @@ class PlanEntry:
 
 
 @dataclass
-class _FusedAttention:
+class _FusedQKVAttention:
+    """A litgpt attention module with one fused ``qkv`` linear whose rows the plan regroups per rank."""
+
     module: str
     n_head: int
     n_query_groups: int
@@ -105,7 +109,7 @@ class ParallelPlan:
     replicated: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    _fused: list[_FusedAttention] = field(default_factory=list, repr=False)
+    _fused: list[_FusedQKVAttention] = field(default_factory=list, repr=False)
     heads_by_module: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
     def tp_dict(self) -> dict[str, str]:
@@ -245,7 +249,7 @@ def _attention(name: str, module: nn.Module, tp: int, plan: ParallelPlan) -> boo
                              "would differ: write configure_model, or use strategy='fsdp2'")
         _check_divides(tp, config.n_head, "attention heads", name, cls)
         _check_divides(tp, config.n_query_groups, "key/value head groups", name, cls)
-        plan._fused.append(_FusedAttention(name, config.n_head, config.n_query_groups, config.head_size))
+        plan._fused.append(_FusedQKVAttention(name, config.n_head, config.n_query_groups, config.head_size))
         plan.tp.append(PlanEntry(_join(name, fused), "fused_qkv_colwise", "structure"))
         plan.notes.append(f"{_collapse([(name, '')]).popitem()[0]}.{fused}: rows regrouped per rank "
                           "(see regroup_fused_qkv); resume checkpoints with the same tensor-parallel size")
@@ -343,8 +347,7 @@ def derive_plan(module: nn.Module, *, tp_size: int = 1, fsdp: bool = False) -> P
         ValueError: with ``tp_size > 1``, when nothing is recognised (the message lists what was found), or a size
             does not divide the heads / widths (the message names the module and the sizes).
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"derive_plan(tp_size={tp_size!r}): use an integer >= 1")
+    check_int("derive_plan", "tp_size", tp_size)
     plan = ParallelPlan(tp_size=tp_size)
     if tp_size > 1:
         hf_roots = []

@@ -9,27 +9,13 @@ import pytest
 import torch
 from torch import nn
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 from lightning_accel.core.search import BatchSizeSearchError
+from tests.helpers import IndexedDataset as Indexed
 
 GiB = 2**30
-
-
-class Indexed(Dataset):
-    """``n`` samples of 16 features; the sample's index travels with it so tests can see what was trained on."""
-
-    def __init__(self, n: int = 512) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=g)
-        self.y = torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i], i
 
 
 class Net(pl.LightningModule):
@@ -412,3 +398,51 @@ def test_ddp_ranks_with_different_memory_limits_adopt_the_minimum(ddp_script, tm
         assert r["batch_size"] * 2 * r["accum"] == 96 and r["batch_size"] <= min(own)
         assert set(r["sizes"]) == {r["batch_size"]}
     assert ranks[0]["batch_size"] == ranks[1]["batch_size"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a DataLoader passed straight to trainer.fit(model, loader): re-created at each size, as the Autopilot does
+# ---------------------------------------------------------------------------------------------------------------
+
+class NoLoaderNet(Net):
+    """The commonest script shape: no ``train_dataloader()``, no ``batch_size`` attribute."""
+
+    train_dataloader = None  # type: ignore[assignment]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        del self.batch_size
+
+
+def test_a_loader_passed_to_fit_is_tuned_and_the_fit_trains_on_the_chosen_size() -> None:
+    model = NoLoaderNet(oom_above=40)
+    loader = DataLoader(Indexed(512), batch_size=4, shuffle=True)
+    tuner = BatchSizeTuner(memory_budget=BIG, print_summary=False)
+    trainer = _trainer([tuner], max_steps=2)
+    trainer.fit(model, loader)
+    assert 32 <= tuner.summary["batch_size"] <= 40 and tuner.summary["previous_batch_size"] == 4
+    assert model.sizes == [tuner.summary["batch_size"]] * 2  # the fit's own batches, not only the probes'
+    assert loader.batch_size == 4  # the user's loader object is left as it was
+    assert trainer.train_dataloader.batch_size == tuner.summary["batch_size"]
+
+
+def test_a_fit_loader_resumed_from_the_tuned_state_reapplies_without_search() -> None:
+    tuner = BatchSizeTuner(memory_budget=BIG, print_summary=False)
+    tuner.load_state_dict({"batch_size": 8, "accumulate_grad_batches": 1})
+    model = NoLoaderNet()
+    _trainer([tuner], max_steps=2).fit(model, DataLoader(Indexed(64), batch_size=4))
+    assert model.sizes == [8, 8] and tuner.result is None
+
+
+def test_a_fit_loader_with_a_custom_batch_sampler_is_refused_before_any_work() -> None:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class Pairs(BatchSampler):
+        pass
+
+    loader = DataLoader(Indexed(64), batch_sampler=Pairs(SequentialSampler(range(64)), 2, False))
+    model = NoLoaderNet()
+    with pytest.raises(ValueError, match=r"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created "
+                                         r"with another batch size: the loader batches with a custom Pairs"):
+        _trainer([BatchSizeTuner(memory_budget=BIG, print_summary=False)]).fit(model, loader)
+    assert model.sizes == []

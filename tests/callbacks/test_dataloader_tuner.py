@@ -9,25 +9,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner, default_worker_counts
-
-
-class Sleepy(Dataset):
-    """``n`` samples; each ``__getitem__`` sleeps ``sleep_s`` (I/O-like: it needs no CPU while waiting)."""
-
-    def __init__(self, n: int = 256, sleep_s: float = 0.006) -> None:
-        self.n, self.sleep_s = n, sleep_s
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(8, generator=g), i
+from tests.helpers import SleepyDataset as Sleepy
 
 
 class Model(pl.LightningModule):
@@ -175,3 +160,36 @@ def test_a_loader_too_short_to_time_keeps_its_settings_with_a_warning():
         trainer.fit(model)
     assert trainer.global_step == 3 and model.num_workers == 0
     assert "skipped" in tuner.decision
+
+
+def test_a_loader_passed_to_fit_is_tuned_and_the_fit_trains_on_the_choice() -> None:
+    """No attributes at all: the DataLoader given to ``trainer.fit`` is re-created with each setting (as the Autopilot
+    does), the fit runs on the chosen one, and the sample order is the user's own."""
+
+    class Plain(Model):
+        train_dataloader = None  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            super().__init__()
+            del self.num_workers, self.prefetch_factor, self.persistent_workers
+
+        def on_train_start(self) -> None:
+            self.workers_seen.add(self.trainer.train_dataloader.num_workers)
+
+    def loader(model: Model) -> DataLoader:
+        return DataLoader(Sleepy(256, 0.006), batch_size=4, shuffle=True, generator=model.order)
+
+    pl.seed_everything(0)
+    plain = Plain()
+    _trainer([]).fit(plain, loader(plain))
+
+    pl.seed_everything(0)
+    tuned = Plain()
+    users = loader(tuned)
+    tuner = DataLoaderTuner(num_workers=(0, 2), prefetch_factors=(2,), batches_per_trial=8, print_summary=False)
+    _trainer([tuner]).fit(tuned, users)
+
+    assert tuner.decision["num_workers"] == 2 and tuner.decision["initial"]["num_workers"] == 0
+    assert tuned.workers_seen == {2} and plain.workers_seen == {0}
+    assert users.num_workers == 0  # the user's object is left as it was; the fit trains on a re-created one
+    assert tuned.seen == plain.seen and len(plain.seen) == 6 * 4

@@ -172,7 +172,7 @@ def test_demo_flags_add_the_callbacks():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"depth": 0}, "depth must be a positive"),
+    ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
     ({"pin_memory": "yes"}, "pin_memory"),
     ({"loaders": ("train", "eval")}, "choose one or more of"),
     ({"loaders": ()}, "choose one or more of"),

@@ -7,23 +7,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import MFUMonitor
+from tests.helpers import FakeClock
 
 B, IN, OUT = 4, 32, 2
 STEP_S = 0.01  # fake seconds a training step takes
 FLOPS_PER_BATCH = 4 * B * IN * OUT  # forward 2·B·IN·OUT + weight grad 2·B·IN·OUT (inputs need no grad)
 
 
-class FakeTime:
-    def __init__(self):
-        self.now = 1000.0
-
-    def perf_counter(self):
-        return self.now
-
-
 @pytest.fixture
 def fake_time(monkeypatch):
-    clock = FakeTime()
+    clock = FakeClock(1000.0)
     monkeypatch.setattr("lightning_accel.core.throughput.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     return clock
 
@@ -200,9 +193,8 @@ def test_ddp_two_processes_reports_global_throughput(ddp_script, tmp_path):
         import lightning_accel.core.throughput as tp
         from lightning_accel import MFUMonitor
 
-        class Clock:
-            now = 0.0
-        clock = Clock()
+        from tests.helpers import FakeClock
+        clock = FakeClock()
         tp.time = types.SimpleNamespace(perf_counter=lambda: clock.now)
 
         class M(pl.LightningModule):

@@ -22,4 +22,4 @@ def test_bench_results_measure_every_variant():
 
 def test_bench_rejects_bad_input(capsys):
     assert main(["bench", "--rounds", "0"]) == 2
-    assert "--rounds must be a positive integer, got 0" in capsys.readouterr().err
+    assert "--rounds must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -2,14 +2,7 @@ import pytest
 import torch
 
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.helpers import FakeClock as Clock
 
 
 def test_exposed_time_is_last_completion_minus_last_launch():

@@ -4,14 +4,7 @@ import pytest
 
 from lightning_accel.core.phases import FIT_PHASES, FitBreakdown, FitClock, diagnose_fit
 from lightning_accel.core.rules import RunContext
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.helpers import FakeClock as Clock
 
 
 def test_the_innermost_phase_gets_the_time():

@@ -242,8 +242,8 @@ def test_empty_loader():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"depth": 0}, "depth must be a positive"),
-    ({"depth": True}, "depth must be a positive"),
+    ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
+    ({"depth": True}, r"depth=True\): use an integer >= 1"),
     ({"device": "meta"}, "only 'cpu' and 'cuda'"),
 ])
 def test_bad_arguments(kwargs, match):

@@ -4,17 +4,7 @@ import pytest
 
 from lightning_accel.core.rules import STAGES, diagnose
 from lightning_accel.core.stages import StageMachine
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-    def advance(self, seconds):
-        self.t += seconds
+from tests.helpers import FakeClock as Clock
 
 
 def step(machine, clock, data=0.0, transfer=0.0, forward=0.0, backward=0.0, optimizer=0.0, other=0.0, samples=8):

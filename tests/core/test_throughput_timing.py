@@ -3,18 +3,11 @@ import torch
 
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_window_rates_from_a_mocked_clock():
-    clock, syncs = FakeClock(), []
+    clock, syncs = FakeClock(100.0), []
     meter = WindowedThroughput(window=2, clock=clock, synchronize=lambda: syncs.append(clock.now))
     meter.start()
     clock.now += 0.5
@@ -27,7 +20,7 @@ def test_window_rates_from_a_mocked_clock():
 
 
 def test_pause_excludes_time_and_close_flushes_partial_window():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     meter = WindowedThroughput(window=10, clock=clock)
     meter.start()
     clock.now += 1.0
@@ -55,7 +48,7 @@ def test_window_validation():
 
 
 def test_stage_timer_cpu_accumulates_and_flushes():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     timer = StageTimer("cpu", clock=clock)
     for _ in range(3):
         timer.start("forward")

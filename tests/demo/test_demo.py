@@ -39,7 +39,7 @@ def test_demo_cli_prints_summary_and_rejects_bad_input(capsys):
     out = capsys.readouterr().out
     assert "MFUMonitor summary" in out and "demo finished" in out
     assert main(["demo", "--batch-size", "0"]) == 2
-    assert "--batch-size must be a positive integer, got 0" in capsys.readouterr().err
+    assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

@@ -1,7 +1,8 @@
-"""Atomic file writes for the packers: write a temporary file in the target folder, fsync, ``os.replace``.
+"""Atomic file writes: write a temporary file in the target folder, fsync, ``os.replace``.
 
 A reader (or a resumed pack) therefore sees either the complete file or none: an interrupted pack leaves no
-half-written shard, only whole shards and, if the interruption came before the end, no index file.
+half-written shard, only whole shards and, if the interruption came before the end, no index file; a report, a
+plot or a profiler trace is never half-written. The one way every writer of the package writes a file.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_path", "atomic_write_json", "fsync_dir", "progress"]
+__all__ = ["atomic_open", "atomic_path", "atomic_write_json", "atomic_write_text", "fsync_dir"]
 
 TMP_PREFIX = ".tmp-"
 
@@ -60,43 +61,13 @@ def atomic_open(final: Path, mode: str = "wb") -> Iterator[IO[Any]]:
 
 
 def atomic_write_json(final: Path, obj: Any) -> None:
+    """``obj`` as indented JSON (one value per line at the top level), through :func:`atomic_path`."""
     with atomic_open(final, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
 
 
-def progress(total: int, description: str, enabled: bool) -> Any:
-    """A rich progress bar (a context manager with ``advance(n)``), or a silent stand-in."""
-    if not enabled:
-        return _NoProgress()
-    return _RichProgress(total, description)
-
-
-class _NoProgress:
-    def __enter__(self) -> _NoProgress:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def advance(self, n: int = 1) -> None:
-        return None
-
-
-class _RichProgress:
-    def __init__(self, total: int, description: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), transient=False)
-        self._task = self._progress.add_task(description, total=total or None)  # None: unknown length
-
-    def __enter__(self) -> _RichProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._progress.stop()
-
-    def advance(self, n: int = 1) -> None:
-        self._progress.advance(self._task, n)
+def atomic_write_text(final: Path, text: str) -> None:
+    """``text`` into ``final``, through :func:`atomic_path`."""
+    with atomic_open(final, "w") as f:
+        f.write(text)

@@ -6,9 +6,11 @@ metrics are plain floats computed once per window, so they go where ``self.log(.
 in one call: every logger (``log_metrics`` at the step Lightning logs at), ``trainer.callback_metrics`` (what
 ``ModelCheckpoint(monitor=...)`` / ``EarlyStopping`` read) and, for ``prog_bar`` keys, ``trainer.progress_bar_metrics``.
 
-This touches Lightning's logger connector through :func:`lightning_accel._compat.logger_connector_stores`
-(``log_metrics``, the method ``self.log`` flushes through, and the callback / progress-bar metric dicts). If they
-are missing (another Lightning version), it falls back to ``pl_module.log``.
+The two metric dicts are reached through the Trainer's public ``callback_metrics`` and ``progress_bar_metrics``
+properties (they return Lightning's own dicts); the loggers through the logger connector's ``log_metrics``, the one
+method Lightning's own ``ThroughputMonitor`` logs through (it logs at Lightning's step counter and adds ``epoch``,
+as ``self.log`` does; no public API does that: :func:`lightning_accel._compat.logger_connector_log_metrics`). Where
+that method is missing (another Lightning version), it falls back to ``pl_module.log``.
 """
 
 from __future__ import annotations
@@ -27,16 +29,15 @@ __all__ = ["log_window"]
 def log_window(trainer: pl.Trainer, pl_module: pl.LightningModule, values: Mapping[str, float],
                prog_bar: Collection[str] = ()) -> None:
     """Log one window's ``values`` (key → float) as ``pl_module.log(key, value, on_step=True)`` would show them."""
-    from lightning_accel._compat import logger_connector_stores
+    from lightning_accel._compat import logger_connector_log_metrics
 
-    stores = logger_connector_stores(trainer)
-    if stores is None:
+    log_metrics = logger_connector_log_metrics(trainer)
+    if log_metrics is None:
         for key, value in values.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1, prog_bar=key in prog_bar)
         return
-    connector, callback_metrics, bar = stores
     tensors = {key: torch.tensor(float(value)) for key, value in values.items()}
-    callback_metrics.update(tensors)
-    bar.update({key: float(value) for key, value in values.items() if key in prog_bar})
+    trainer.callback_metrics.update(tensors)
+    trainer.progress_bar_metrics.update({key: float(value) for key, value in values.items() if key in prog_bar})
     if trainer.loggers:
-        connector.log_metrics(tensors)
+        log_metrics(tensors)
