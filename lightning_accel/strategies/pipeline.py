@@ -5,13 +5,13 @@ plan_stages`: contiguous runs balanced by parameter count, the embedding with th
 and loss with the last), each rank keeps only its stage(s), and every training step runs one
 ``torch.distributed.pipelining`` schedule over the batch cut into micro-batches:
 
-=====================  ==========================================================================================
-schedule               what it does
-=====================  ==========================================================================================
-``"1f1b"`` (default)   one forward, one backward (PipeDream-flush): at most ``P`` micro-batches' activations alive
-``"gpipe"``            all forwards, then all backwards: ``m`` micro-batches' activations alive
-``"interleaved_1f1b"`` ``stages = V·P`` virtual stages, ``V`` per rank (looped): the bubble shrinks by ``V``
-=====================  ==========================================================================================
+======================  =========================================================================================
+schedule                what it does
+======================  =========================================================================================
+``"1f1b"`` (default)    one forward, one backward (PipeDream-flush): at most ``P`` micro-batches' activations alive
+``"gpipe"``             all forwards, then all backwards: ``m`` micro-batches' activations alive
+``"interleaved_1f1b"``  ``stages = V·P`` virtual stages, ``V`` per rank (looped): the bubble shrinks by ``V``
+======================  =========================================================================================
 
 **What it splits** (the network is the LightningModule's one child module that holds parameters, or
 ``network="attr"``): Hugging Face decoder LMs (``LlamaForCausalLM``-shaped: ``model.embed_tokens`` →
