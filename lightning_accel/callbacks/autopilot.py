@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,24 +14,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
+from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
-from lightning_accel.callbacks._trainer import gather_floats
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
     NUMERICS_KINDS,
     AutopilotPlan,
-    SearchBudget,
     Tolerance,
     TrialRecord,
-    compare_probes,
-    decide,
-    propose,
-    relative_noise,
     render_python,
     render_yaml,
 )
-from lightning_accel.core.breakdown import MEASURED_STAGES
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -312,30 +304,7 @@ class Autopilot(Callback):
     def _frozen(self, candidate: Intervention) -> bool:
         return candidate.name in self.freeze or any(k in self.freeze for k in candidate.knobs)
 
-    # ------------------------------------------------------------------ measuring (aggregated over ranks)
-    def _measure(self, run: Run, extra_warmup: int = 0) -> Window:
-        local = run.runner.measure(self.warmup_steps + extra_warmup, self.measure_steps)
-        stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
-        if rows.shape[0] == 1:
-            return local
-        # global samples over the slowest rank's time; stage seconds averaged over ranks
-        seconds = float(rows[:, 1].max())
-        return Window(samples=int(rows[:, 0].sum()), seconds=seconds, steps=int(rows[:, 2].min()),
-                      stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
-                      warmup_seconds=float(rows[:, 3].max()))
-
-    def _agree(self, run: Run, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
-        """Every rank's verdict: all must be ok and none may have failed."""
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0])
-        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
-        if failed:
-            return False, (f"{type(error).__name__}: {_short(error)}" if error is not None
-                           else f"failed on rank(s) {failed}")
-        return bool(rows[:, 0].min() > 0), None
-
+    # ------------------------------------------------------------------ the search
     def _context(self, run: Run) -> Any:
         """The doctor's run facts (``_doctor_facts.static_context``) with the current configuration's loader
         settings and accumulation."""
@@ -351,83 +320,47 @@ class Autopilot(Callback):
 
     # ------------------------------------------------------------------ the search
     def _search(self, run: Run) -> None:
-        from lightning_accel.core.rules import diagnose, holding_back
+        """The core loop (:class:`~lightning_accel.core.autopilot_search.AutopilotSearch`) on this fit's backend."""
+        from lightning_accel.callbacks._autopilot_backend import LightningSearchBackend
+        from lightning_accel.callbacks._autopilot_display import SearchDisplay
+        from lightning_accel.core.autopilot_search import AutopilotSearch
 
-        started = time.perf_counter()
-        plan = AutopilotPlan(world_size=run.trainer.world_size, model=type(run.module).__name__)
+        trainer = run.trainer
+        plan = AutopilotPlan(world_size=trainer.world_size, model=type(run.module).__name__)
         self.plan = plan
+        live = trainer.progress_bar_callback is not None and _is_terminal()
+        display = SearchDisplay(enabled=self.print_summary and trainer.is_global_zero, live=live,
+                                on_record=lambda record: self._log_trial(trainer, record))
+        search = AutopilotSearch(
+            LightningSearchBackend(self, run), threshold=self.threshold, warmup_steps=self.warmup_steps,
+            measure_steps=self.measure_steps, patience=self.patience, budget=self.budget,
+            budget_seconds=self.budget_seconds, steps_left=run.steps_left,
+            unknown_length_seconds=UNKNOWN_LENGTH_BUDGET_SECONDS, progress=display)
+        self._searching = search
+        started = time.perf_counter()
         try:
-            first = self._measure(run)
-            second = self._measure(run)
-            baseline_rates = [first.samples_per_sec, second.samples_per_sec]
-            baseline = second if second.samples_per_sec >= first.samples_per_sec else first
-            run.baseline = run.current = baseline
-            current_rates = list(baseline_rates)
-            plan.baseline_samples_per_sec = statistics.median(baseline_rates)
-            plan.noise = relative_noise(baseline_rates)
-            window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
-            budget = self._budget(run, baseline, started)
-            self.records.append(TrialRecord(0, "baseline", "as configured", plan.baseline_samples_per_sec, 1.0, True,
-                                            f"A/A noise {plan.noise:.1%}", seconds=time.perf_counter() - started,
-                                            shares=baseline.shares()))
-            probe_steps = run.runner.probe_batches(self.probe_steps)
-            reference = run.runner.probe(probe_steps)
-            candidates = self._candidates(run)
-            tried: set[str] = set()
-            misses = 0
-            stopped = "no candidate left"
-            while True:
-                shares = run.current.shares()
-                ctx = self._context(run)
-                diagnosis = diagnose(shares, ctx)
-                bottleneck = holding_back(shares, diagnosis.findings)
-                # the measured findings first, then a larger micro-batch where accumulation leaves room for one,
-                # then the doctor's code smells of the current configuration
-                rules = [f.rule for f in diagnosis.findings]
-                rules += ["accumulation"] * (run.config.accumulate > 1) + self._smells(run, ctx)
-                names = propose(rules, bottleneck, candidates, tried, shares, self.threshold)
-                names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
-                candidate = None
-                for name in names:
-                    tried.add(name)
-                    c = candidates[name]
-                    why = "frozen by Autopilot(freeze=...)" if self._frozen(c) else c.unavailable(run)
-                    if why is None:
-                        candidate = c
-                        break
-                    self.records.append(TrialRecord(len(self.records), name, c.describe(run), None, None, False,
-                                                    f"not applicable: {why}"))
-                if candidate is None:
-                    stopped = ("no finding and no fix left for the bottleneck"
-                               if not diagnosis.findings else "no fix left for the findings")
-                    break
-                cost = 2.2 * window_seconds + candidate.warmup_steps * baseline.step_seconds * 10
-                if not budget.affords(cost):
-                    stopped = (f"time budget spent ({budget.spent():.1f} of {budget.seconds:.1f} s; the next trial "
-                               f"needs ~{cost:.1f} s)")
-                    if len(self.records) == 1:
-                        self.notes.append(f"the budget ({budget.seconds:.1f} s) is too small for one trial "
-                                          f"(~{cost:.1f} s): nothing was changed")
-                    break
-                kept, window, rates, probe = self._trial(run, candidate, current_rates, reference, probe_steps,
-                                                         plan.baseline_samples_per_sec)
-                if kept:
-                    misses = 0
-                    self.kept.append(candidate)
-                    run.current, current_rates, reference = window, rates, probe
-                    if candidate.repeatable and candidate.name in INTERVENTIONS:  # e.g. the micro-batch once more
-                        tried.discard(candidate.name)
-                        candidates[candidate.name] = INTERVENTIONS[candidate.name]()
-                elif self.records[-1].samples_per_sec is not None:  # a measured miss (not a void or broken one)
-                    misses += 1
-                    if misses >= self.patience:
-                        stopped = f"{misses} measured candidate(s) in a row without a gain"
-                        break
-            plan.stopped = stopped
-            plan.final_samples_per_sec = statistics.median(current_rates)
+            result = search.run()
         finally:
-            run.runner.state.restore()
+            display.close()
+            result = search.result
+            self.records, self.kept = result.records, result.kept
+            self.notes.extend(result.notes)
+            plan.baseline_samples_per_sec = result.baseline_samples_per_sec
+            plan.final_samples_per_sec = result.final_samples_per_sec
+            plan.noise = result.noise
+            plan.stopped = result.stopped or None
             plan.search_seconds = time.perf_counter() - started
+
+    def _log_trial(self, trainer: pl.Trainer, record: TrialRecord) -> None:
+        """``autopilot/trial_speedup`` (paired ratio against the configuration it was trialled against) and
+        ``autopilot/trial_kept`` of each trial, at step = trial index, when the trial is decided."""
+        if not record.index or record.reason.startswith(("not applicable", "not trialled")):
+            return
+        metrics = {"autopilot/trial_kept": 1.0 if record.kept else 0.0}
+        if record.ratio is not None:
+            metrics["autopilot/trial_speedup"] = float(record.ratio)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.index)
 
     @staticmethod
     def _smells(run: Run, ctx: Any) -> list[str]:
@@ -445,122 +378,6 @@ class Autopilot(Callback):
         except Exception:  # noqa: BLE001
             return []
         return [f.rule for f in found.findings]
-
-    def _budget(self, run: Run, baseline: Window, started: float) -> SearchBudget:
-        if self.budget_seconds is not None:
-            seconds = float(self.budget_seconds)
-        elif run.steps_left is None:
-            seconds = UNKNOWN_LENGTH_BUDGET_SECONDS
-            self.notes.append(f"the fit's length is unknown (no max_steps / max_epochs): searching for at most "
-                              f"{seconds:.0f} s")
-        else:
-            seconds = self.budget * run.steps_left * baseline.step_seconds
-        return SearchBudget(seconds, started=started)  # the baseline counts against the budget
-
-    def _trial(self, run: Run, candidate: Intervention, current_rates: list[float], reference: Any,
-               probe_steps: list[list[Any]], baseline_rate: float
-               ) -> tuple[bool, Window | None, list[float], Any]:
-        started = time.perf_counter()
-        record = TrialRecord(len(self.records), candidate.name, candidate.describe(run), None, None, False, "")
-        self.records.append(record)
-        applied = kept = False
-        window: Window | None = None
-        rates: list[float] = []
-        probe = None
-        try:
-            error: BaseException | None = None
-            try:
-                candidate.apply(run)
-                applied = True
-            except Exception as err:  # noqa: BLE001 - reported and skipped
-                error = err
-                try:  # undo what the failed apply may have changed before it raised
-                    candidate.revert(run)
-                except Exception:  # noqa: BLE001 - it may have raised before changing anything
-                    pass
-            record.change = candidate.describe(run)
-            ok, failure = self._agree(run, error is None, error)
-            if failure is not None or not ok:
-                record.reason = f"could not apply: {failure}"
-                return False, None, current_rates, reference
-            error = None
-            check = None
-            try:
-                probe = run.runner.probe(probe_steps, through_strategy=candidate.probe_through_strategy,
-                                         digests=candidate.kind == "data")
-                if not probe.digests:  # a change of another kind delivers the same samples: no loader pass
-                    probe.digests = list(reference.digests)
-                ref = reference
-                if candidate.probe_through_strategy:  # the reference through the same path, without the change
-                    candidate.revert(run)
-                    ref = run.runner.probe(probe_steps, through_strategy=True, digests=False)
-                    candidate.apply(run)
-                check = compare_probes(ref, probe, candidate.kind, self.tolerances[candidate.kind])
-            except Exception as err:  # noqa: BLE001
-                error = err
-            ok, failure = self._agree(run, check is not None and check.ok, error)
-            if check is not None:
-                record.numerics = check.to_dict()
-            if failure is not None:
-                record.reason = f"failed in the numerics probe: {failure}"
-                return False, None, current_rates, reference
-            if not ok:
-                record.reason = (check.reason if check is not None and not check.ok
-                                 else "numerics guard failed on another rank")
-                return False, None, current_rates, reference
-            void: str | None = None
-            try:
-                void = candidate.changed_nothing(run)
-            except Exception as err:  # noqa: BLE001
-                error = err
-            ok, failure = self._agree(run, void is None, error)
-            if failure is not None:
-                record.reason = f"failed in the numerics probe: {failure}"
-                return False, None, current_rates, reference
-            if not ok:
-                record.reason = void or "changed nothing on another rank"
-                return False, None, current_rates, reference
-            window = self._measure(run, candidate.warmup_steps)
-            rates = [window.samples_per_sec]
-            record.samples_per_sec = window.samples_per_sec
-            record.vs_baseline = window.samples_per_sec / baseline_rate if baseline_rate else None
-            record.shares = window.shares()
-            decision = decide(current_rates, rates, self.threshold)
-            if decision.keep:  # confirm A B: the current configuration again, then the candidate again
-                candidate.revert(run)
-                applied = False
-                current_rates = [*current_rates, self._measure(run).samples_per_sec]
-                candidate.apply(run)
-                applied = True
-                second = self._measure(run)
-                rates.append(second.samples_per_sec)
-                decision = decide(current_rates, rates, self.threshold)
-                record.samples_per_sec = statistics.median(rates)
-                record.vs_baseline = record.samples_per_sec / baseline_rate if baseline_rate else None
-            reason = decision.reason
-            keep = decision.keep
-            if keep:
-                verdict = candidate.judge(run, run.current, window)
-                if verdict is not None:
-                    keep, why = verdict
-                    reason = f"{reason}; {why}"
-            if check is not None and keep:
-                reason = f"{reason}; numerics ok ({check.reason})"
-            record.reason = reason
-            kept = keep
-            return kept, window, rates, probe
-        except Exception as err:  # noqa: BLE001 - a trial that raises is reverted and reported
-            record.reason = f"failed during the trial: {type(err).__name__}: {_short(err)}"
-            return False, None, current_rates, reference
-        finally:
-            record.kept = kept
-            record.seconds = time.perf_counter() - started
-            if applied and not kept:
-                try:
-                    candidate.revert(run)
-                except Exception as err:  # noqa: BLE001
-                    self.notes.append(f"reverting {candidate.name} raised {err!r}")
-            run.runner.state.restore()
 
     # ------------------------------------------------------------------ replay
     def _replay(self, run: Run, plan: AutopilotPlan) -> None:
@@ -659,7 +476,7 @@ class Autopilot(Callback):
         rank_zero_info(summary)
         for note in self.notes:
             rank_zero_info(f"Autopilot: {note}")
-        if self.print_summary and trainer.is_global_zero:
+        if self.print_summary and trainer.is_global_zero and self.records:
             from rich.console import Console
 
             console = Console()
@@ -703,8 +520,16 @@ class Autopilot(Callback):
 
 
 def _short(err: BaseException | None, chars: int = 240) -> str:
-    text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
-    return text if len(text) <= chars else text[:chars] + "…"
+    from lightning_accel.callbacks._autopilot_backend import short_error
+
+    return short_error(err, chars)
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _jsonable(value: Any) -> Any:

@@ -576,15 +576,17 @@ def test_activation_checkpointing_with_a_larger_micro_batch_is_checked_and_undon
     assert (model.batch_size, trainer.accumulate_grad_batches) == ((8, 2) if record.kept else (4, 4))
 
 
-def test_the_autopilot_keys_are_logged_once() -> None:
+def test_the_autopilot_keys_are_logged_once_and_each_trial_when_decided() -> None:
     from lightning.pytorch.loggers import Logger
 
     class Capture(Logger):
         name, version = "capture", 0
         metrics: list[dict] = []
+        steps: list = []
 
         def log_metrics(self, metrics, step=None):
             self.metrics.append(dict(metrics))
+            self.steps.append(step)
 
         def log_hyperparams(self, params, *args, **kwargs):
             pass
@@ -598,7 +600,15 @@ def test_the_autopilot_keys_are_logged_once() -> None:
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[autopilot])
     trainer.fit(Model(), _loader())
-    logged = [m for m in logger.metrics if any(k.startswith("autopilot/") for k in m)]
+    # each trial's keys when it is decided, at step = its index in the table
+    trials = [(m, s) for m, s in zip(logger.metrics, logger.steps) if "autopilot/trial_kept" in m]
+    decided = [r for r in autopilot.records[1:] if not r.reason.startswith(("not applicable", "not trialled"))]
+    assert [s for _, s in trials] == [r.index for r in decided] and decided
+    for (m, _), r in zip(trials, decided):
+        assert m["autopilot/trial_kept"] == float(r.kept)
+        assert m.get("autopilot/trial_speedup") == (pytest.approx(r.ratio) if r.ratio is not None else None)
+    assert any("autopilot/trial_speedup" in m for m, _ in trials)
+    logged = [m for m in logger.metrics if any(k.startswith("autopilot/") and "/trial_" not in k for k in m)]
     assert len(logged) == 1
     keys = {"autopilot/baseline_samples_per_sec", "autopilot/final_samples_per_sec", "autopilot/speedup",
             "autopilot/trials", "autopilot/kept", "autopilot/noise", "autopilot/search_seconds"}
