@@ -75,7 +75,7 @@ class SearchDisplay:
                 self._live = Live(Text(text), console=self._out(), transient=True, auto_refresh=False)
                 self._live.start()
             self._live.update(Text(text), refresh=True)
-        elif text.split(" | ")[0] != self._last.split(" | ")[0]:  # plain: one line per phase
+        elif text.split(" | ")[1:2] != self._last.split(" | ")[1:2]:  # plain: one line per phase
             self._out().print(text, markup=False, soft_wrap=True)
         self._last = text
 

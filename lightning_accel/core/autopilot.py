@@ -274,7 +274,8 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
     "num_workers_zero": ("dataloader",),
     "transfer": ("pin_memory", "prefetch"),
     "pin_memory_off": ("pin_memory",),
-    "fp32_compute": ("precision",),
+    "fp32_compute": ("precision", "tf32"),
+    "tf32_off": ("tf32",),
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "optimizer_not_foreach": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
@@ -292,9 +293,9 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
 STAGE_FIXES: dict[str, tuple[str, ...]] = {
     "data": ("dataloader", "prefetch", "micro_batch"),
     "transfer": ("pin_memory", "prefetch"),
-    "forward": ("precision", "fused_attention", "compile", "micro_batch"),
+    "forward": ("precision", "tf32", "fused_attention", "compile", "micro_batch"),
     # under DDP the trial steps' backward includes the all-reduce not hidden behind it
-    "backward": ("precision", "fused_attention", "compile", "micro_batch", "compression"),
+    "backward": ("precision", "tf32", "fused_attention", "compile", "micro_batch", "compression"),
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
     "other": ("micro_batch",),
