@@ -41,34 +41,36 @@ class Autopilot(Callback):
     again, until no finding or candidate is left or the time budget is spent; then train with the result.
 
     ``Trainer(callbacks=[la.Autopilot()])`` needs nothing else. At ``on_fit_start`` (before the fit loop builds its
-    dataloader):
+    dataloader) it runs :class:`~lightning_accel.core.autopilot_search.AutopilotSearch` (the loop, in the core;
+    its module docstring argues each step from measured noise) with this callback as its Lightning backend:
 
-    1. **Baseline**: two measuring windows of the run as configured (``warmup_steps`` untimed optimizer steps —
-       worker start-up, allocator, compilation — then ``measure_steps`` timed), each step split into the doctor's
-       stages (data wait, transfer, forward, backward, optimizer) with its :class:`StageTimer`. The two windows'
-       spread is the run's own noise floor (A/A).
-    2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`) and
-       its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, a larger micro-batch
-       where ``accumulate_grad_batches > 1`` leaves room for one, the smells, then the stage holding the run back,
-       then the other stages by share, name the fixes to try
-       (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
-       ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
-       global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another
-       ``AutoMixedPrecision`` dtype (when the plugin is in use), ``TorchCompile`` (kept only if it pays back its
-       compile time within the fit), fused attention (``use_fused_attention``), activation checkpointing with a
-       larger micro-batch (only when memory is the limit).
-    3. **Trial**: each candidate is applied, checked by the **numerics guard** — on fixed probe batches at the same
-       weights, its loss, gradient direction and optimizer update against the current configuration's, within
-       the tolerance of its kind (bit-identical batches for data-loading changes; ``DEFAULT_TOLERANCES``) — then
-       measured with the same protocol. It is kept only when its samples/s beat the current configuration's by
-       more than ``max(threshold, noise)`` in a first window and again in a confirmation window measured after
-       re-measuring the current configuration (A B A B). Otherwise it is reverted. After a kept change the run is
-       diagnosed again (the bottleneck moves).
-    4. **Result**: the kept changes stay applied for the real training; a table (trial, change, samples/s,
-       × baseline, kept, reason) is printed, ``autopilot/*`` keys are logged, and the plan is written as JSON
-       (``save_plan``) with the configuration as a LightningCLI YAML fragment (next to it, ``.yaml``) and a Python
-       snippet (:attr:`yaml`, :attr:`python`). ``Autopilot(plan="autopilot_plan.json")`` replays a plan without
-       searching.
+    1. **Pay-back**: with a fit length and the fractional ``budget``, three steps estimate the step time and its
+       stage shares; a fit too short for the best fix on offer to repay a baseline and a trial is not searched
+       (one line says why) and trains untouched.
+    2. **Baseline**: two windows of the run as configured (``warmup_steps`` untimed optimizer steps, then
+       ``measure_steps`` timed), each step split into the doctor's stages with its :class:`StageTimer`; their
+       spread is the noise floor (A/A).
+    3. **Diagnosis**: the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`), its code smells
+       (:func:`~lightning_accel.core.smells.find_smells`), a larger micro-batch where ``accumulate_grad_batches > 1``,
+       the stage holding the run back and the other stages name the fixes
+       (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``), ordered by expected gain (stage share
+       × :data:`~lightning_accel.core.autopilot.EXPECTED_REMOVAL`): DataLoader workers (``DataLoaderTuner``'s
+       search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the global batch fixed,
+       fused / foreach optimizer steps, mixed precision (``AutoMixedPrecision`` installed from Lightning's
+       default ``32-true``, or another dtype of the user's plugin), TF32 (CUDA), ``TorchCompile`` (kept only if it
+       pays back its compile time), fused attention, activation checkpointing with a larger micro-batch.
+    4. **Trial**: each candidate is applied (its undo kept), checked by the **numerics guard** — on fixed probe
+       batches at the same weights, its loss, gradient direction and optimizer update against the current
+       configuration's, within the tolerance of its kind (bit-identical batches for data-loading changes;
+       ``DEFAULT_TOLERANCES``) — and measured in a window paired with one of the current configuration right
+       before it; a ratio above ``1 + max(threshold, noise)`` is confirmed by a second pair (A B A B). A change
+       measured faster but below the gate is held; the held ones are confirmed together as a bundle (split on a
+       numerics failure). After a kept change the run is diagnosed again (the bottleneck moves).
+    5. **Result**: the kept changes stay applied for the real training; a live line and each trial's row are
+       printed while it searches, then the table (trial, change, samples/s, × baseline, kept, reason);
+       ``autopilot/*`` keys are logged, and the plan is written as JSON (``save_plan``) with the configuration as
+       a LightningCLI YAML fragment (next to it, ``.yaml``) and a Python snippet (:attr:`yaml`, :attr:`python`).
+       ``Autopilot(plan="autopilot_plan.json")`` replays a plan without searching.
 
     **Trial steps are undone.** Every trial runs real training steps (the module's ``training_step``, backward and
     optimizer step, as the fit loop runs them) outside the fit loop, and the parameters, gradients, buffers,
@@ -86,11 +88,15 @@ class Autopilot(Callback):
     the interrupt propagates. A budget too small for one trial after the baseline changes nothing and says so.
     ``freeze`` pins settings the search must never touch.
 
-    Logged once through every logger (``logger.log_metrics``):
+    Logged through every logger (``logger.log_metrics``): per trial when it is decided (step = trial index), then
+    once at the end:
 
     =====================================  ==========  ===========================================================
     key                                    unit        meaning
     =====================================  ==========  ===========================================================
+    ``autopilot/trial_speedup``            ratio       per trial: mean paired ratio against the configuration it
+                                                       was trialled against (only when measured)
+    ``autopilot/trial_kept``               0/1         per trial: whether it was kept
     ``autopilot/baseline_samples_per_sec``  samples/s  global, the run as configured (median of its windows)
     ``autopilot/final_samples_per_sec``    samples/s   global, with the kept changes (median of its windows)
     ``autopilot/speedup``                  ratio       final ÷ baseline
@@ -101,9 +107,10 @@ class Autopilot(Callback):
     =====================================  ==========  ===========================================================
 
     Args:
-        budget: the search's share of the fit's expected wall time (steps × the baseline's step time), e.g. 0.05;
-            the baseline itself is always measured.
-        budget_seconds: an absolute budget in seconds instead (overrides ``budget``).
+        budget: the search's share of the fit's expected wall time (steps × the estimated step time), e.g. 0.05;
+            raised to a baseline and one trial when the best fix on offer is expected to repay them; a fit whose
+            best fix cannot repay a search is not searched.
+        budget_seconds: an absolute budget in seconds instead (overrides ``budget``; no pay-back estimate).
         threshold: smallest relative gain worth keeping (0.05 = 5 %, DeepSpeed Autotuning's plateau); the
             measured noise raises it.
         warmup_steps / measure_steps: untimed and timed optimizer steps per window.
@@ -119,7 +126,8 @@ class Autopilot(Callback):
             :class:`~lightning_accel.core.autopilot.Tolerance` replacing the default.
         plan: path of a plan to replay instead of searching.
         save_plan: where to write the plan (default ``<default_root_dir>/autopilot_plan.json``; ``False``: nowhere).
-        print_summary: print the table and the configuration on rank 0.
+        print_summary: on rank 0, show the search while it runs (a live line on a terminal with the progress bar,
+            plain lines otherwise; each trial's row when decided) and print the table and the configuration.
 
     After ``on_fit_start``: :attr:`records` (the table's rows), :attr:`plan` (:class:`AutopilotPlan`),
     :attr:`yaml` and :attr:`python` (the configuration), :attr:`kept` (the kept interventions).
