@@ -444,6 +444,22 @@ class Autopilot(Callback):
 
             self._prefetcher = DevicePrefetcher(depth=run.config.prefetch_depth)
             self._prefetcher.setup(trainer, run.module, "fit")
+        self._validation_loader(run)
+
+    def _validation_loader(self, run: Run) -> None:
+        """The kept loader settings (workers, prefetch, pinned memory) also for the validation DataLoader, when it
+        delivers the same batches with them; how often the user validates is never changed."""
+        from lightning_accel.callbacks._loader_source import VALIDATION_KEYS, apply_to_validation_loader
+
+        source = run.source
+        changed = {k: v for k, v in source.current().items() if k in VALIDATION_KEYS and source.initial.get(k) != v}
+        if not changed:
+            return
+        try:
+            note = apply_to_validation_loader(run.trainer, changed)
+        except Exception as err:  # noqa: BLE001 - validation stays as the user built it
+            note = f"validation DataLoader left alone: {type(err).__name__}: {_short(err)}"
+        self.notes.append(note)
 
     def _finish(self, run: Run) -> None:
         plan = self.plan

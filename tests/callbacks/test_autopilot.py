@@ -725,3 +725,25 @@ def test_the_doctors_code_smells_add_candidates_tried_in_order_of_expected_gain(
     # the fix removes), so bf16 autocast (a tenth of the forward-bound step on a CPU) is measured first
     trialled = [r.name for r in autopilot.records if r.numerics is not None]
     assert trialled[:2] == ["precision", "optimizer_fused"], [(r.name, r.reason) for r in autopilot.records]
+
+
+def test_the_validation_loader_gets_the_kept_workers_and_validates_as_often() -> None:
+    class Validated(Model):
+        def validation_step(self, batch, batch_idx):
+            self.validated = getattr(self, "validated", 0) + 1
+
+    def val_loader() -> DataLoader:
+        return DataLoader(Sleepy(16, 0.004), batch_size=4)
+
+    model = Validated()
+    autopilot = Autopilot(**FAST, only=["dataloader"], save_plan=False)
+    trainer = _trainer([autopilot], max_steps=8, val_check_interval=4, limit_val_batches=2)
+    trainer.fit(model, _loader(), val_dataloaders=val_loader())
+    assert autopilot.kept and autopilot.kept[0].name == "dataloader", autopilot.records
+    workers = autopilot.kept[0].params["num_workers"]
+    assert trainer.val_dataloaders.num_workers == workers
+    assert any(n.startswith("validation DataLoader: num_workers=") and "same batches" in n for n in autopilot.notes)
+    reference = Validated()
+    _trainer([], max_steps=8, val_check_interval=4, limit_val_batches=2).fit(reference, _loader(),
+                                                                              val_dataloaders=val_loader())
+    assert model.validated == reference.validated == 2 * 2  # twice, two batches each: as often as configured
