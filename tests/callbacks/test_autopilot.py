@@ -176,8 +176,10 @@ class Noop(Intervention):
         self.reverted = True
 
 
-def test_compute_bound_run_keeps_its_configuration() -> None:
-    model = Model(sleep_s=0.0, step_sleep_s=0.002)  # a steady 2 ms "device" step: windows robust to a busy CPU
+def test_compute_bound_run_keeps_its_configuration(scripted_speed) -> None:
+    # every configuration measures the same rate (scripted: the decision is exact; the real windows still run)
+    scripted_speed(lambda run: 1.0)
+    model = Model(sleep_s=0.0, step_sleep_s=0.002)
     noop = Noop()
     autopilot = Autopilot(**FAST, interventions=[noop], save_plan=False)
     trainer = _trainer([autopilot])
@@ -434,7 +436,9 @@ def scripted_speed(monkeypatch):
 
         def measure(self, warmup_steps, steps):
             window = real(self, warmup_steps, steps)
-            window.seconds = window.samples / (100.0 * speed(self.run))
+            scale = window.samples / (100.0 * speed(self.run)) / window.seconds
+            window.seconds *= scale  # the stage split keeps its proportions
+            window.stage_seconds = {k: v * scale for k, v in window.stage_seconds.items()}
             return window
 
         monkeypatch.setattr(_autopilot_backend.LightningSearchBackend, "measure", measure)
