@@ -58,6 +58,8 @@ __all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend",
 #: interference measured on this VM (at most 25 % between two windows) makes a window 1.5x faster, and a short
 #: fit cannot afford two more windows for a fix that halves its data wait.
 DECISIVE_GAIN = 0.5
+#: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
+BUNDLE_WINDOWS = 4.4
 
 
 class Undo:
@@ -346,7 +348,7 @@ class AutopilotSearch:
                                 f"{self._budget:.0f} s")
         else:
             self._phase("estimating the step time")
-            estimate = backend.measure(1, 2)
+            estimate = backend.measure(2, 3)  # the first steps (loader start, allocator) warm up untimed
             step = estimate.step_seconds
             self._current = estimate
             fit = step * self.steps_left
@@ -423,6 +425,11 @@ class AutopilotSearch:
                     stopped = "no candidate left"
                     break
                 cost = self._trial_cost(offer.candidate)
+                # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
+                reserve = BUNDLE_WINDOWS * self._window_seconds if len(self._held) >= 2 else 0.0
+                if reserve and not self._affords(cost + reserve):
+                    stopped = "time left kept for confirming the held small gains together"
+                    break
                 if not self._affords(cost):
                     stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
                                f"needs ~{cost:.1f} s)")
@@ -440,7 +447,7 @@ class AutopilotSearch:
                     if misses >= self.patience:
                         stopped = f"{misses} measured candidate(s) in a row without a gain"
                         break
-            if len(self._held) >= 2 and self._affords(4.4 * self._window_seconds):
+            if len(self._held) >= 2 and self._affords(BUNDLE_WINDOWS * self._window_seconds):
                 if self._bundle():
                     misses = 0
                     continue  # the bottleneck moved: diagnose again
