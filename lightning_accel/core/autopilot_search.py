@@ -509,6 +509,7 @@ class AutopilotSearch:
         try:
             self._phase("measuring the current configuration", candidate.name, index)
             before = self._measure_current()
+            self._phase("applying", candidate.name, index)  # some changes search first (the loader's workers)
             backend.prepare(candidate)
             undo, failure = self._apply(candidate)
             record.change = backend.describe(candidate)

@@ -146,7 +146,8 @@ def test_a_clear_gain_is_confirmed_with_paired_windows_and_kept() -> None:
     assert events.rows == [(0, "baseline", True), (1, "workers", True)]
     phases = [(p.phase, p.candidate) for p in events.phases]
     assert phases == [("baseline", None), ("numerics reference", None),
-                      ("measuring the current configuration", "workers"), ("numerics probe", "workers"),
+                      ("measuring the current configuration", "workers"), ("applying", "workers"),
+                      ("numerics probe", "workers"),
                       ("measuring", "workers"), ("confirmation (A B B A)", "workers")]
     assert events.phases[-1].best_speedup == pytest.approx(1.0)  # before the confirmation decided it
     assert backend.applied == [backend.changes[0]]  # left applied for the training
