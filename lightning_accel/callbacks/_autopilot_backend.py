@@ -177,7 +177,9 @@ class LightningSearchBackend:
         bottleneck = holding_back(shares, diagnosis.findings)
         # the measured findings, a larger micro-batch where accumulation leaves room for one, the code smells
         rules = [f.rule for f in diagnosis.findings]
-        rules += ["accumulation"] * (run.config.accumulate > 1) + autopilot._smells(run, ctx)
+        rules += ["accumulation"] * (run.config.accumulate > 1)
+        if self._probe_steps is not None:  # before the baseline (the pay-back estimate) the shares alone decide:
+            rules += autopilot._smells(run, ctx)  # the smells' previews cost 0.1-0.3 s of a fit that may be short
         device = run.device.type
         builtin = {n: c for n, c in self.candidates.items() if n in self._builtin}
         names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)
