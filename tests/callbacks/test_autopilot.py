@@ -512,7 +512,7 @@ def test_lightnings_default_precision_gets_mixed_precision_installed(scripted_sp
     trainer = _trainer([autopilot], max_steps=2)  # Lightning's default 32-true
     original = trainer.precision_plugin
     dtypes = []
-    model.attn.proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype) if not torch.is_inference_mode_enabled() else None)
+    model.attn.proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     trainer.fit(model, _sequences())
     record = next(r for r in autopilot.records if r.name == "precision")
     assert record.change == "AutoMixedPrecision(dtype='bf16')" and record.numerics["ok"], record
