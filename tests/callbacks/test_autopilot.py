@@ -620,7 +620,7 @@ def test_a_search_that_fails_outside_a_trial_leaves_the_training_as_configured()
         calls = 0
 
         def training_step(self, batch, batch_idx):
-            # the Autopilot's baseline windows run 2 x (2 + 8) steps, then the probe: fail there, train fine after
+            # the 21st step falls in the Autopilot's baseline windows (or its probe): fail there, train fine after
             BrokenProbe.calls += 1
             if BrokenProbe.calls == 21:
                 raise RuntimeError("flaky device")
