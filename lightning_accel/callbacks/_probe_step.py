@@ -33,8 +33,7 @@ from lightning_accel.core.batch import samples_in_batch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader",
-           "request_train_dataloader", "train_data_holder"]
+__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader"]
 
 
 def _clean(name: str) -> str:
@@ -150,24 +149,6 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
-def train_data_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """The datamodule or LightningModule whose ``train_dataloader()`` feeds this fit.
-
-    Raises ``ValueError`` when dataloaders were passed straight to ``fit(train_dataloaders=...)``: then no attribute
-    of ours can change how they are built.
-    """
-    from lightning_accel._compat import fit_loop_data_source
-
-    # where the Trainer records whether the train dataloader comes from a datamodule, the LightningModule, or an
-    # object passed to fit() (a private Lightning attribute: see _compat)
-    source = fit_loop_data_source(trainer)
-    if not source.is_module():
-        raise ValueError("the tuners rebuild the train dataloader with new settings, so it must come from "
-                         "`train_dataloader()` of a LightningDataModule or the LightningModule, not from "
-                         "`trainer.fit(model, train_dataloaders=...)`")
-    return source.instance
-
-
 def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, name: str,
                             hint: str) -> ValueError:
     """The error for an attribute that ``lightning_hasattr`` did not find, naming every place it looked."""
@@ -191,11 +172,6 @@ def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException |
         failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
         raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
     return rows[:, 0]
-
-
-def request_train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """A fresh train dataloader from the user's ``train_dataloader()`` (as the user wrote it: no sampler injected)."""
-    return train_data_holder(trainer, pl_module).train_dataloader()
 
 
 def reload_train_dataloader(trainer: pl.Trainer) -> None:

@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel._atomic import atomic_write_text
+from lightning_accel._checks import check_int
 from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
 from lightning_accel.core.autopilot import (
@@ -92,20 +94,20 @@ class Autopilot(Callback):
     Logged through every logger (``logger.log_metrics``): per trial when it is decided (step = trial index), then
     once at the end:
 
-    =====================================  ==========  ===========================================================
-    key                                    unit        meaning
-    =====================================  ==========  ===========================================================
-    ``autopilot/trial_speedup``            ratio       per trial: mean paired ratio against the configuration it
-                                                       was trialled against (only when measured)
-    ``autopilot/trial_kept``               0/1         per trial: whether it was kept
-    ``autopilot/baseline_samples_per_sec``  samples/s  global, the run as configured (median of its windows)
-    ``autopilot/final_samples_per_sec``    samples/s   global, with the kept changes (median of its windows)
-    ``autopilot/speedup``                  ratio       final ÷ baseline
-    ``autopilot/trials``                   count       candidates trialled
-    ``autopilot/kept``                     count       changes kept
-    ``autopilot/noise``                    fraction    (max - min) / median of the baseline's repeated windows
-    ``autopilot/search_seconds``           s           wall time of the search (this rank)
-    =====================================  ==========  ===========================================================
+    =======================================  ==========  =========================================================
+    key                                      unit        meaning
+    =======================================  ==========  =========================================================
+    ``autopilot/trial_speedup``              ratio       per trial: mean paired ratio against the configuration it
+                                                         was trialled against (only when measured)
+    ``autopilot/trial_kept``                 0/1         per trial: whether it was kept
+    ``autopilot/baseline_samples_per_sec``   samples/s   global, the run as configured (median of its windows)
+    ``autopilot/final_samples_per_sec``      samples/s   global, with the kept changes (median of its windows)
+    ``autopilot/speedup``                    ratio       final ÷ baseline
+    ``autopilot/trials``                     count       candidates trialled
+    ``autopilot/kept``                       count       changes kept
+    ``autopilot/noise``                      fraction    (max - min) / median of the baseline's repeated windows
+    ``autopilot/search_seconds``             s           wall time of the search (this rank)
+    =======================================  ==========  =========================================================
 
     Args:
         budget: the search's share of the fit's expected wall time (steps × the estimated step time), e.g. 0.05;
@@ -129,6 +131,9 @@ class Autopilot(Callback):
         save_plan: where to write the plan (default ``<default_root_dir>/autopilot_plan.json``; ``False``: nowhere).
         print_summary: on rank 0, show the search while it runs (a live line on a terminal with the progress bar,
             plain lines otherwise; each trial's row when decided) and print the table and the configuration.
+        nvtx: each phase of the search as an NVTX range in the ``lightning_accel`` domain (``autopilot/<phase>
+            <candidate>``: baseline, numerics probe, measuring, confirmation, ...), for an nsys timeline of the
+            search; off by default, no cost when off (:mod:`lightning_accel.core.nvtx`).
 
     After ``on_fit_start``: :attr:`records` (the table's rows), :attr:`plan` (:class:`AutopilotPlan`),
     :attr:`yaml` and :attr:`python` (the configuration), :attr:`kept` (the kept interventions).
@@ -151,6 +156,7 @@ class Autopilot(Callback):
         plan: str | os.PathLike[str] | None = None,
         save_plan: str | os.PathLike[str] | bool | None = None,
         print_summary: bool = True,
+        nvtx: bool = False,
     ) -> None:
         if not (isinstance(budget, (int, float)) and 0 < budget <= 1):
             raise ValueError(f"Autopilot(budget={budget!r}): give the search's share of the fit in (0, 1], e.g. 0.05")
@@ -160,8 +166,7 @@ class Autopilot(Callback):
             raise ValueError(f"Autopilot(threshold={threshold!r}): give a relative gain in [0, 1), e.g. 0.05")
         for name, value, low in (("warmup_steps", warmup_steps, 1), ("measure_steps", measure_steps, 2),
                                  ("probe_steps", probe_steps, 1), ("patience", patience, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"Autopilot({name}={value!r}): give an int >= {low}")
+            check_int("Autopilot", name, value, minimum=low)
         valid = set(INTERVENTIONS) | set(knob_names())
         freeze = [freeze] if isinstance(freeze, str) else list(freeze)
         unknown = sorted(set(freeze) - valid)
@@ -196,6 +201,9 @@ class Autopilot(Callback):
         self.extra = list(interventions)
         self.save_plan = save_plan
         self.print_summary = print_summary
+        if not isinstance(nvtx, bool):
+            raise ValueError(f"Autopilot(nvtx={nvtx!r}): give True or False")
+        self.nvtx = nvtx
         self.records: list[TrialRecord] = []
         self.kept: list[Intervention] = []
         self.plan: AutopilotPlan | None = None
@@ -340,6 +348,10 @@ class Autopilot(Callback):
         live = trainer.progress_bar_callback is not None and _is_terminal()
         display = SearchDisplay(enabled=self.print_summary and trainer.is_global_zero, live=live,
                                 on_record=lambda record: self._log_trial(trainer, record))
+        if self.nvtx:
+            from lightning_accel.core.nvtx import SearchPhaseRanges
+
+            display = SearchPhaseRanges(display)
         search = AutopilotSearch(
             LightningSearchBackend(self, run), threshold=self.threshold, warmup_steps=self.warmup_steps,
             measure_steps=self.measure_steps, patience=self.patience, budget=self.budget,
@@ -493,7 +505,7 @@ class Autopilot(Callback):
         if path is not None and trainer.is_global_zero:
             plan.save(path)
             if self.yaml:
-                path.with_suffix(".yaml").write_text(self.yaml)
+                atomic_write_text(path.with_suffix(".yaml"), self.yaml)
         summary = (f"Autopilot: kept {len(self.kept)} change(s)"
                    + (f", {plan.final_samples_per_sec / plan.baseline_samples_per_sec:.2f}x baseline"
                       if plan.baseline_samples_per_sec and plan.final_samples_per_sec else "")

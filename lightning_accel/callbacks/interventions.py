@@ -8,27 +8,27 @@ for the table, ``config(run)`` gives its LightningCLI keys and Python lines, and
 replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autopilot.NUMERICS_KINDS``) and
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
 
-==========================  ===========================================  ==============================  =============
-name                        change                                       built on                        kind
-==========================  ===========================================  ==============================  =============
-``dataloader``              num_workers / prefetch_factor /              ``DataLoaderTuner``'s search    data
-                            persistent_workers
-``pin_memory``              pin_memory=True (CUDA)                       the DataLoader                  data
-``prefetch``                background prefetch (+ side-stream copies)   ``DevicePrefetcher``            data
-``micro_batch``             micro-batch ×f, accumulation ÷f (global      ``BatchSizeTuner``'s attribute  reorder
-                            batch fixed)                                 lookup
-``optimizer_fused``         ``fused=True`` optimizer step                torch.optim                     reorder
-``optimizer_foreach``       ``foreach=True`` optimizer step              torch.optim                     exact
-``precision``               bf16 (fp16 + scaler where bf16 is missing)   ``AutoMixedPrecision``,         low_precision
-                            from Lightning's default ``32-true``, or     installed by the Autopilot
-                            another dtype of the user's plugin
-``tf32``                    TF32 matmuls for a run that stays fp32       ``torch.set_float32_matmul_``   reorder
-                            (CUDA, compute capability >= 8.0)            ``precision("high")``
-``compile``                 torch.compile in place (pays back or not)    ``TorchCompile``                reorder
-``fused_attention``         hand-written attention → SDPA                ``use_fused_attention``         reorder
-``activation_checkpointing``  recompute blocks + larger micro-batch      ``core.checkpointing``          reorder
-``compression``             16-bit gradient all-reduce (DDP)             ``ddp_bf16_compress``'s hook    low_precision
-==========================  ===========================================  ==============================  =============
+============================  ===========================================  ==============================  =============
+name                          change                                       built on                        kind
+============================  ===========================================  ==============================  =============
+``dataloader``                num_workers / prefetch_factor /              ``DataLoaderTuner``'s search    data
+                              persistent_workers
+``pin_memory``                pin_memory=True (CUDA)                       the DataLoader                  data
+``prefetch``                  background prefetch (+ side-stream copies)   ``DevicePrefetcher``            data
+``micro_batch``               micro-batch ×f, accumulation ÷f (global      ``BatchSizeTuner``'s attribute  reorder
+                              batch fixed)                                 lookup
+``optimizer_fused``           ``fused=True`` optimizer step                torch.optim                     reorder
+``optimizer_foreach``         ``foreach=True`` optimizer step              torch.optim                     exact
+``precision``                 bf16 (fp16 + scaler where bf16 is missing)   ``AutoMixedPrecision``,         low_precision
+                              from Lightning's default ``32-true``, or     installed by the Autopilot
+                              another dtype of the user's plugin
+``tf32``                      TF32 matmuls for a run that stays fp32       ``torch.set_float32_matmul_``   reorder
+                              (CUDA, compute capability >= 8.0)            ``precision("high")``
+``compile``                   torch.compile in place (pays back or not)    ``TorchCompile``                reorder
+``fused_attention``           hand-written attention → SDPA                ``use_fused_attention``         reorder
+``activation_checkpointing``    recompute blocks + larger micro-batch        ``core.checkpointing``          reorder
+``compression``               16-bit gradient all-reduce (DDP)             ``ddp_bf16_compress``'s hook    low_precision
+============================  ===========================================  ==============================  =============
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ class DataLoaderSettings(Intervention):
     knobs = ("num_workers", "prefetch_factor", "persistent_workers")
 
     def unavailable(self, run: Run) -> str | None:
-        from lightning_accel.callbacks.dataloader_tuner import default_worker_counts, usable_cores_per_rank
+        from lightning_accel.callbacks.dataloader_tuner import default_worker_counts
+        from lightning_accel.core.utilisation import usable_cores_per_rank
 
         if self.params:
             return None
@@ -160,8 +161,8 @@ class DataLoaderSettings(Intervention):
             choose_loader_setting,
             default_worker_counts,
             loader_batches_per_sec,
-            usable_cores_per_rank,
         )
+        from lightning_accel.core.utilisation import usable_cores_per_rank
 
         window = run.current or run.baseline
         assert window is not None
@@ -185,8 +186,7 @@ class DataLoaderSettings(Intervention):
             finally:
                 run.runner.state.restore()
 
-        index, rows = choose_loader_setting(grid, measure, consumption, margin=0.2)
-        run.extras["dataloader_table"] = rows
+        index, _ = choose_loader_setting(grid, measure, consumption, margin=0.2)
         chosen = grid[index]
         return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
                 "persistent_workers": True}

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lightning_accel._atomic import atomic_open
 from lightning_accel.core.batch import iter_tensors
 
 __all__ = [
@@ -424,16 +424,8 @@ class AutopilotPlan:
         """Write the plan as JSON atomically (a temporary file renamed into place: never a half-written plan)."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=2, default=_json_default)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_open(target, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2, default=_json_default)
         return target
 
     @classmethod

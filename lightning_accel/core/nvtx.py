@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DOMAIN", "NvtxBackend", "StageRanges", "nvtx_range"]
+__all__ = ["DOMAIN", "NvtxBackend", "SearchPhaseRanges", "StageRanges", "nvtx_range"]
 
 #: the NVTX domain of every range this package emits
 DOMAIN = "lightning_accel"
@@ -160,3 +160,37 @@ def nvtx_range(name: str, ranges: StageRanges | None = None) -> Iterator[None]:
         yield
     finally:
         emitter.backend.pop_range(emitter.domain)
+
+
+class SearchPhaseRanges:
+    """The Autopilot's search phases as NVTX ranges, one open at a time (``autopilot/measuring compile``), around
+    another progress view it forwards to (the live line). Used by ``Autopilot(nvtx=True)``; framework-free: it only
+    needs ``phase(status)`` / ``record(record)`` / ``close()`` and a status with ``phase`` and ``candidate``.
+
+    Args:
+        inner: the progress view to forward to (its ``close()`` is called too, when it has one).
+        ranges: the emitter (default: a new :class:`StageRanges` in the ``lightning_accel`` domain); tests pass
+            one with a mock backend.
+    """
+
+    def __init__(self, inner: Any, ranges: StageRanges | None = None) -> None:
+        self.inner = inner
+        self.ranges = ranges if ranges is not None else StageRanges()
+        self._name: str | None = None
+
+    def phase(self, status: Any) -> None:
+        name = f"autopilot/{status.phase}" + (f" {status.candidate}" if status.candidate else "")
+        if name != self._name:
+            self.ranges.switch(self._name, name)
+            self._name = name
+        self.inner.phase(status)
+
+    def record(self, record: Any) -> None:
+        self.inner.record(record)
+
+    def close(self) -> None:
+        self.ranges.close_all()
+        self._name = None
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()

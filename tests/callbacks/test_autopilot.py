@@ -384,6 +384,24 @@ def test_arguments_are_validated() -> None:
         Autopilot(interventions=[object()])
     with pytest.raises(ValueError, match="tolerances"):
         Autopilot(tolerances={"data": 0.1})
+    with pytest.raises(ValueError, match="nvtx='yes'"):
+        Autopilot(nvtx="yes")
+
+
+def test_nvtx_shows_each_search_phase_as_one_balanced_range(monkeypatch) -> None:
+    from lightning_accel.core import nvtx
+    from tests.core.test_nvtx import MockNvtx
+
+    mock = MockNvtx()
+    monkeypatch.setattr(nvtx, "_default_backend", lambda: mock)
+    slow = Sleeps()
+    autopilot = Autopilot(**FAST, patience=1, only=[], interventions=[slow], save_plan=False, nvtx=True)
+    _trainer([autopilot], max_steps=1).fit(Model(sleep_s=0.0), _loader(sleep_s=0.0))
+    names = mock.pushed()
+    assert mock.balanced(), mock.calls
+    assert {c[-1] for c in mock.calls if c[0] in ("push", "pop")} == {"lightning_accel"}
+    assert names[0] == "autopilot/baseline" and "autopilot/measuring sleeps" in names, names
+    assert all(a != b for a, b in zip(names, names[1:]))  # one range per phase, never the same one twice in a row
 
 
 # ------------------------------------------------------------------------------------------------ compute fixes
