@@ -113,14 +113,7 @@ def test_fits_with_fast_dev_run(name, tmp_path):
     assert len(model.losses) == 1
 
 
-# the Autopilot's resumed plan says search_seconds=None (it replayed, it did not search) where the saved plan had the
-# search's seconds: its state is not what it saved. Its files are being rebuilt in another branch; strict, so the
-# mark must go when the rebuilt Autopilot keeps its state.
-_AUTOPILOT_STATE = pytest.mark.xfail(strict=True, reason="Autopilot: the resumed plan drops search_seconds")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_AUTOPILOT_STATE) if n == "Autopilot" else n
-                                  for n in sorted(COMPONENTS)])
+@pytest.mark.parametrize("name", sorted(COMPONENTS))
 def test_its_state_survives_a_checkpoint(name, tmp_path):
     component = COMPONENTS[name]
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)

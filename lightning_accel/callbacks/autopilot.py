@@ -217,6 +217,10 @@ class Autopilot(Callback):
     # ------------------------------------------------------------------ checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._restored_plan is not None and self.plan_path is None:
+            # a resumed fit saves the plan it resumed with, unchanged (its search's numbers included), so every
+            # later resume replays the same plan and reports the same search
+            return {"plan": self._restored_plan}
         return {"plan": self.plan.to_dict()} if self.plan is not None else {}
 
     @override
