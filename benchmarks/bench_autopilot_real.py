@@ -100,7 +100,7 @@ def _autopilot_row(autopilot: Any) -> dict[str, Any]:
             "final_autopilot": plan.final_samples_per_sec,
             "trials": [{"index": r.index, "name": r.name, "change": r.change, "samples_per_sec": r.samples_per_sec,
                         "vs_baseline": r.vs_baseline, "kept": r.kept, "reason": r.reason, "seconds": r.seconds,
-                        "shares": r.shares} for r in autopilot.records]}
+                        "shares": r.shares, "ratio": getattr(r, "ratio", None)} for r in autopilot.records]}
 
 
 def run_real(spec: dict[str, Any]) -> dict[str, Any]:
@@ -334,6 +334,8 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
             for t in r["trials"]:
                 sps = f"{t['samples_per_sec']:9.1f}" if t["samples_per_sec"] else " " * 9
                 vs = f"{t['vs_baseline']:.3f}" if t["vs_baseline"] else "     "
+                if t.get("ratio"):
+                    vs += f" (paired {t['ratio']:.3f})"
                 lines.append(f"    {t['index']:2d} {t['name']:22s} {sps} {vs} {'kept' if t['kept'] else '    '}  "
                              f"{t['change']} — {t['reason']}")
     return "\n".join(lines)
