@@ -10,9 +10,10 @@ Checks:
 3. DALI: ``DALIImageDataModule`` images/s with ``decode_device="mixed"`` (nvJPEG) and ``"cpu"`` (both delivering on
    the GPU) vs a PIL DataLoader with as many workers, if DALI is installed (issue 7's GPU target: >= 3x);
 4. the doctor's stage timer: CUDA-event timings of a forward pass vs a synchronised ``perf_counter`` reference;
-5. the Autopilot on CUDA: the demo GPT in fp32 (``AutoMixedPrecision(dtype="fp32")``), ``num_workers=0``, a
-   micro-batch of 8 × accumulation 4: what it kept (expected: bf16, workers or prefetch, a larger micro-batch),
-   its speed-up over the baseline and its search seconds.
+5. the Autopilot on CUDA: the demo GPT on Lightning's default ``32-true`` precision, ``num_workers=0``, a
+   micro-batch of 8 × accumulation 4: what it kept (expected: bf16 through the ``AutoMixedPrecision`` it installs
+   itself, or TF32 if bf16 does not pay; workers or prefetch; a larger micro-batch), the precision plugin it
+   trained with, its speed-up over the baseline and its search seconds.
 """
 
 from __future__ import annotations
@@ -160,16 +161,21 @@ def check_autopilot(args: argparse.Namespace) -> list[Row]:
     monitor = la.MFUMonitor(window=10, print_summary=False)
     trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=4,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0,
-                         plugins=[la.AutoMixedPrecision(dtype="fp32")], callbacks=[autopilot, monitor])
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[autopilot, monitor])
     trainer.fit(GPTTask(cfg), datamodule=data)
     plan = autopilot.plan
     speedup = (plan.final_samples_per_sec or 0.0) / (plan.baseline_samples_per_sec or float("nan"))
     kept = "; ".join(k["change"] for k in plan.kept) or "nothing"
     rejected = "; ".join(f"{r.name}: {r.reason[:60]}" for r in autopilot.records[1:]
                          if not r.kept and r.samples_per_sec is not None)
+    plugin = trainer.precision_plugin
+    precision = f"{type(plugin).__name__} {getattr(plugin, 'precision', '?')}"
+    import torch
+
     return [("autopilot", f"{speedup:.2f}x its baseline (trial windows)",
              f"kept: {kept}; search {plan.search_seconds:.0f} s; stopped: {plan.stopped}"),
+            ("autopilot precision", precision, "from Lightning's default 32-true; float32 matmul precision "
+                                               f"{torch.get_float32_matmul_precision()!r}"),
             ("autopilot training", f"{monitor.summary.get('samples_per_sec') or 0:,.0f} samples/s",
              f"after the search; rejected: {rejected or 'none'}")]
 

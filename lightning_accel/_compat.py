@@ -463,3 +463,9 @@ def hf_attn_implementation(module: nn.Module) -> str | None:
         return None
     value = getattr(config, "_attn_implementation", None)
     return value if isinstance(value, str) else None
+
+
+def val_loop_data_source(trainer: Any) -> Any:
+    """Where the fit's validation dataloader comes from (``_DataLoaderSource``: datamodule, LightningModule, or
+    ``fit(val_dataloaders=)``); checked against Lightning 2.6: ``fit_loop.epoch_loop.val_loop._data_source``."""
+    return trainer.fit_loop.epoch_loop.val_loop._data_source

@@ -244,8 +244,8 @@ class TrialRunner:
             self.state.restore()
         return out
 
-    def probe(self, probe_steps: list[list[Any]], with_update: bool = True,
-              through_strategy: bool = False, digests: bool = True) -> ProbeResult:
+    def probe(self, probe_steps: list[list[Any]], through_strategy: bool = False,
+              digests: bool = True) -> ProbeResult:
         """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and
         (``digests``) the digests of the batches the current loader delivers in their place; the state is restored
         afterwards.
@@ -290,14 +290,13 @@ class TrialRunner:
                         params = [p for p in self.module.parameters() if p.requires_grad]
                         grads = [p.grad.detach().double().flatten().cpu() for p in params if p.grad is not None]
                         result.grad = torch.cat(grads) if grads else None
-                        if with_update:
-                            before = [p.detach().double().flatten().cpu() for p in params]
-                            for opt in self.trainer.optimizers:
-                                (scaler.step(opt) if scaler is not None else opt.step())
-                            if scaler is not None:
-                                scaler.update()
-                            after = [p.detach().double().flatten().cpu() for p in params]
-                            result.update = torch.cat([a - b for a, b in zip(after, before)]) if params else None
+                        before = [p.detach().double().flatten().cpu() for p in params]
+                        for opt in self.trainer.optimizers:
+                            (scaler.step(opt) if scaler is not None else opt.step())
+                        if scaler is not None:
+                            scaler.update()
+                        after = [p.detach().double().flatten().cpu() for p in params]
+                        result.update = torch.cat([a - b for a, b in zip(after, before)]) if params else None
                     self.state.restore()
         finally:
             self.state.restore()

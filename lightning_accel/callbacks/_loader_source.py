@@ -223,3 +223,60 @@ def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> Data
     except Exception as err:
         raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
                          f"{dict(overrides)}: {type(err).__name__}: {err}") from err
+
+
+#: the settings of the train loader that also suit validation: how batches are produced, never what they hold
+VALIDATION_KEYS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+
+
+def apply_to_validation_loader(trainer: Any, values: Mapping[str, Any], check_batches: int = 2) -> str:
+    """Give the fit's validation DataLoader the loader settings kept for the train loader (workers, prefetch,
+    persistent workers, pinned memory: never its batch size, and never how often validation runs), when it is one
+    torch DataLoader and the rebuilt loader delivers bit-identical first ``check_batches`` batches.
+
+    Returns one line for the Autopilot's notes: what changed, or why nothing did.
+    """
+    from lightning_accel._compat import val_loop_data_source
+    from lightning_accel.core.autopilot import batch_digest
+
+    values = {k: v for k, v in values.items() if k in VALIDATION_KEYS}
+    if not values:
+        return "validation DataLoader: no loader setting to share"
+    if trainer.limit_val_batches == 0 or not trainer.enable_validation:
+        return "validation DataLoader: validation is off"
+    source = val_loop_data_source(trainer)
+    if not source.is_defined():
+        return "validation DataLoader: none"
+    if source.is_module() and trainer.reload_dataloaders_every_n_epochs:
+        return ("validation DataLoader left as built: `val_dataloader()` is re-called every "
+                f"{trainer.reload_dataloaders_every_n_epochs} epoch(s); build it from the same attributes")
+    loader = source.dataloader()
+    if not isinstance(loader, DataLoader):
+        return f"validation DataLoader left alone: it is a {type(loader).__name__}, not one torch DataLoader"
+    current = TrainLoaderSource.settings_of(loader)
+    wanted = {k: v for k, v in _sanitise({**current, **values}).items() if k in values and current.get(k) != v}
+    if not wanted:
+        return "validation DataLoader: already uses the kept settings"
+    try:
+        rebuilt = rebuild_dataloader(loader, wanted)
+    except ValueError as err:
+        return f"validation DataLoader left alone: {err}"
+
+    def digests(dl: DataLoader) -> list[str]:
+        out = []
+        for i, batch in enumerate(dl):
+            if i >= check_batches:
+                break
+            out.append(batch_digest(batch))
+        return out
+
+    try:
+        same = digests(loader) == digests(rebuilt)
+    except Exception as err:  # noqa: BLE001 - a loader that cannot be read twice stays as it is
+        return f"validation DataLoader left alone: reading it raised {type(err).__name__}: {err}"
+    if not same:
+        return ("validation DataLoader left alone: with the train loader's settings it delivered different batches "
+                "(e.g. augmentation seeded per worker)")
+    source.instance = rebuilt
+    shown = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
+    return f"validation DataLoader: {shown} (as the train loader; same batches, validation as often as before)"

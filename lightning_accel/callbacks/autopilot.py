@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,24 +14,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
+from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
-from lightning_accel.callbacks._trainer import gather_floats
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
     NUMERICS_KINDS,
     AutopilotPlan,
-    SearchBudget,
     Tolerance,
     TrialRecord,
-    compare_probes,
-    decide,
-    propose,
-    relative_noise,
     render_python,
     render_yaml,
 )
-from lightning_accel.core.breakdown import MEASURED_STAGES
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -49,34 +41,36 @@ class Autopilot(Callback):
     again, until no finding or candidate is left or the time budget is spent; then train with the result.
 
     ``Trainer(callbacks=[la.Autopilot()])`` needs nothing else. At ``on_fit_start`` (before the fit loop builds its
-    dataloader):
+    dataloader) it runs :class:`~lightning_accel.core.autopilot_search.AutopilotSearch` (the loop, in the core;
+    its module docstring argues each step from measured noise) with this callback as its Lightning backend:
 
-    1. **Baseline**: two measuring windows of the run as configured (``warmup_steps`` untimed optimizer steps —
-       worker start-up, allocator, compilation — then ``measure_steps`` timed), each step split into the doctor's
-       stages (data wait, transfer, forward, backward, optimizer) with its :class:`StageTimer`. The two windows'
-       spread is the run's own noise floor (A/A).
-    2. **Diagnosis**: the shares go through the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`) and
-       its code smells (:func:`~lightning_accel.core.smells.find_smells`); the findings, a larger micro-batch
-       where ``accumulate_grad_batches > 1`` leaves room for one, the smells, then the stage holding the run back,
-       then the other stages by share, name the fixes to try
-       (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``): DataLoader workers (chosen by
-       ``DataLoaderTuner``'s search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the
-       global batch held fixed through ``accumulate_grad_batches``, fused / foreach optimizer steps, another
-       ``AutoMixedPrecision`` dtype (when the plugin is in use), ``TorchCompile`` (kept only if it pays back its
-       compile time within the fit), fused attention (``use_fused_attention``), activation checkpointing with a
-       larger micro-batch (only when memory is the limit).
-    3. **Trial**: each candidate is applied, checked by the **numerics guard** — on fixed probe batches at the same
-       weights, its loss, gradient direction and optimizer update against the current configuration's, within
-       the tolerance of its kind (bit-identical batches for data-loading changes; ``DEFAULT_TOLERANCES``) — then
-       measured with the same protocol. It is kept only when its samples/s beat the current configuration's by
-       more than ``max(threshold, noise)`` in a first window and again in a confirmation window measured after
-       re-measuring the current configuration (A B A B). Otherwise it is reverted. After a kept change the run is
-       diagnosed again (the bottleneck moves).
-    4. **Result**: the kept changes stay applied for the real training; a table (trial, change, samples/s,
-       × baseline, kept, reason) is printed, ``autopilot/*`` keys are logged, and the plan is written as JSON
-       (``save_plan``) with the configuration as a LightningCLI YAML fragment (next to it, ``.yaml``) and a Python
-       snippet (:attr:`yaml`, :attr:`python`). ``Autopilot(plan="autopilot_plan.json")`` replays a plan without
-       searching.
+    1. **Pay-back**: with a fit length and the fractional ``budget``, three steps estimate the step time and its
+       stage shares; a fit too short for the best fix on offer to repay a baseline and a trial is not searched
+       (one line says why) and trains untouched.
+    2. **Baseline**: two windows of the run as configured (``warmup_steps`` untimed optimizer steps, then
+       ``measure_steps`` timed), each step split into the doctor's stages with its :class:`StageTimer`; their
+       spread is the noise floor (A/A).
+    3. **Diagnosis**: the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`), its code smells
+       (:func:`~lightning_accel.core.smells.find_smells`), a larger micro-batch where ``accumulate_grad_batches > 1``,
+       the stage holding the run back and the other stages name the fixes
+       (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``), ordered by expected gain (stage share
+       × :data:`~lightning_accel.core.autopilot.EXPECTED_REMOVAL`): DataLoader workers (``DataLoaderTuner``'s
+       search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the global batch fixed,
+       fused / foreach optimizer steps, mixed precision (``AutoMixedPrecision`` installed from Lightning's
+       default ``32-true``, or another dtype of the user's plugin), TF32 (CUDA), ``TorchCompile`` (kept only if it
+       pays back its compile time), fused attention, activation checkpointing with a larger micro-batch.
+    4. **Trial**: each candidate is applied (its undo kept), checked by the **numerics guard** — on fixed probe
+       batches at the same weights, its loss, gradient direction and optimizer update against the current
+       configuration's, within the tolerance of its kind (bit-identical batches for data-loading changes;
+       ``DEFAULT_TOLERANCES``) — and measured in a window paired with one of the current configuration right
+       before it; a ratio above ``1 + max(threshold, noise)`` is confirmed by a second pair (A B A B). A change
+       measured faster but below the gate is held; the held ones are confirmed together as a bundle (split on a
+       numerics failure). After a kept change the run is diagnosed again (the bottleneck moves).
+    5. **Result**: the kept changes stay applied for the real training; a live line and each trial's row are
+       printed while it searches, then the table (trial, change, samples/s, × baseline, kept, reason);
+       ``autopilot/*`` keys are logged, and the plan is written as JSON (``save_plan``) with the configuration as
+       a LightningCLI YAML fragment (next to it, ``.yaml``) and a Python snippet (:attr:`yaml`, :attr:`python`).
+       ``Autopilot(plan="autopilot_plan.json")`` replays a plan without searching.
 
     **Trial steps are undone.** Every trial runs real training steps (the module's ``training_step``, backward and
     optimizer step, as the fit loop runs them) outside the fit loop, and the parameters, gradients, buffers,
@@ -94,11 +88,15 @@ class Autopilot(Callback):
     the interrupt propagates. A budget too small for one trial after the baseline changes nothing and says so.
     ``freeze`` pins settings the search must never touch.
 
-    Logged once through every logger (``logger.log_metrics``):
+    Logged through every logger (``logger.log_metrics``): per trial when it is decided (step = trial index), then
+    once at the end:
 
     =====================================  ==========  ===========================================================
     key                                    unit        meaning
     =====================================  ==========  ===========================================================
+    ``autopilot/trial_speedup``            ratio       per trial: mean paired ratio against the configuration it
+                                                       was trialled against (only when measured)
+    ``autopilot/trial_kept``               0/1         per trial: whether it was kept
     ``autopilot/baseline_samples_per_sec``  samples/s  global, the run as configured (median of its windows)
     ``autopilot/final_samples_per_sec``    samples/s   global, with the kept changes (median of its windows)
     ``autopilot/speedup``                  ratio       final ÷ baseline
@@ -109,9 +107,10 @@ class Autopilot(Callback):
     =====================================  ==========  ===========================================================
 
     Args:
-        budget: the search's share of the fit's expected wall time (steps × the baseline's step time), e.g. 0.05;
-            the baseline itself is always measured.
-        budget_seconds: an absolute budget in seconds instead (overrides ``budget``).
+        budget: the search's share of the fit's expected wall time (steps × the estimated step time), e.g. 0.05;
+            raised to a baseline and one trial when the best fix on offer is expected to repay them; a fit whose
+            best fix cannot repay a search is not searched.
+        budget_seconds: an absolute budget in seconds instead (overrides ``budget``; no pay-back estimate).
         threshold: smallest relative gain worth keeping (0.05 = 5 %, DeepSpeed Autotuning's plateau); the
             measured noise raises it.
         warmup_steps / measure_steps: untimed and timed optimizer steps per window.
@@ -127,7 +126,8 @@ class Autopilot(Callback):
             :class:`~lightning_accel.core.autopilot.Tolerance` replacing the default.
         plan: path of a plan to replay instead of searching.
         save_plan: where to write the plan (default ``<default_root_dir>/autopilot_plan.json``; ``False``: nowhere).
-        print_summary: print the table and the configuration on rank 0.
+        print_summary: on rank 0, show the search while it runs (a live line on a terminal with the progress bar,
+            plain lines otherwise; each trial's row when decided) and print the table and the configuration.
 
     After ``on_fit_start``: :attr:`records` (the table's rows), :attr:`plan` (:class:`AutopilotPlan`),
     :attr:`yaml` and :attr:`python` (the configuration), :attr:`kept` (the kept interventions).
@@ -312,30 +312,7 @@ class Autopilot(Callback):
     def _frozen(self, candidate: Intervention) -> bool:
         return candidate.name in self.freeze or any(k in self.freeze for k in candidate.knobs)
 
-    # ------------------------------------------------------------------ measuring (aggregated over ranks)
-    def _measure(self, run: Run, extra_warmup: int = 0) -> Window:
-        local = run.runner.measure(self.warmup_steps + extra_warmup, self.measure_steps)
-        stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
-        if rows.shape[0] == 1:
-            return local
-        # global samples over the slowest rank's time; stage seconds averaged over ranks
-        seconds = float(rows[:, 1].max())
-        return Window(samples=int(rows[:, 0].sum()), seconds=seconds, steps=int(rows[:, 2].min()),
-                      stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
-                      warmup_seconds=float(rows[:, 3].max()))
-
-    def _agree(self, run: Run, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
-        """Every rank's verdict: all must be ok and none may have failed."""
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0])
-        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
-        if failed:
-            return False, (f"{type(error).__name__}: {_short(error)}" if error is not None
-                           else f"failed on rank(s) {failed}")
-        return bool(rows[:, 0].min() > 0), None
-
+    # ------------------------------------------------------------------ the search
     def _context(self, run: Run) -> Any:
         """The doctor's run facts (``_doctor_facts.static_context``) with the current configuration's loader
         settings and accumulation."""
@@ -351,83 +328,47 @@ class Autopilot(Callback):
 
     # ------------------------------------------------------------------ the search
     def _search(self, run: Run) -> None:
-        from lightning_accel.core.rules import diagnose, holding_back
+        """The core loop (:class:`~lightning_accel.core.autopilot_search.AutopilotSearch`) on this fit's backend."""
+        from lightning_accel.callbacks._autopilot_backend import LightningSearchBackend
+        from lightning_accel.callbacks._autopilot_display import SearchDisplay
+        from lightning_accel.core.autopilot_search import AutopilotSearch
 
-        started = time.perf_counter()
-        plan = AutopilotPlan(world_size=run.trainer.world_size, model=type(run.module).__name__)
+        trainer = run.trainer
+        plan = AutopilotPlan(world_size=trainer.world_size, model=type(run.module).__name__)
         self.plan = plan
+        live = trainer.progress_bar_callback is not None and _is_terminal()
+        display = SearchDisplay(enabled=self.print_summary and trainer.is_global_zero, live=live,
+                                on_record=lambda record: self._log_trial(trainer, record))
+        search = AutopilotSearch(
+            LightningSearchBackend(self, run), threshold=self.threshold, warmup_steps=self.warmup_steps,
+            measure_steps=self.measure_steps, patience=self.patience, budget=self.budget,
+            budget_seconds=self.budget_seconds, steps_left=run.steps_left,
+            unknown_length_seconds=UNKNOWN_LENGTH_BUDGET_SECONDS, progress=display)
+        self._searching = search
+        started = time.perf_counter()
         try:
-            first = self._measure(run)
-            second = self._measure(run)
-            baseline_rates = [first.samples_per_sec, second.samples_per_sec]
-            baseline = second if second.samples_per_sec >= first.samples_per_sec else first
-            run.baseline = run.current = baseline
-            current_rates = list(baseline_rates)
-            plan.baseline_samples_per_sec = statistics.median(baseline_rates)
-            plan.noise = relative_noise(baseline_rates)
-            window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
-            budget = self._budget(run, baseline, started)
-            self.records.append(TrialRecord(0, "baseline", "as configured", plan.baseline_samples_per_sec, 1.0, True,
-                                            f"A/A noise {plan.noise:.1%}", seconds=time.perf_counter() - started,
-                                            shares=baseline.shares()))
-            probe_steps = run.runner.probe_batches(self.probe_steps)
-            reference = run.runner.probe(probe_steps)
-            candidates = self._candidates(run)
-            tried: set[str] = set()
-            misses = 0
-            stopped = "no candidate left"
-            while True:
-                shares = run.current.shares()
-                ctx = self._context(run)
-                diagnosis = diagnose(shares, ctx)
-                bottleneck = holding_back(shares, diagnosis.findings)
-                # the measured findings first, then a larger micro-batch where accumulation leaves room for one,
-                # then the doctor's code smells of the current configuration
-                rules = [f.rule for f in diagnosis.findings]
-                rules += ["accumulation"] * (run.config.accumulate > 1) + self._smells(run, ctx)
-                names = propose(rules, bottleneck, candidates, tried, shares, self.threshold)
-                names += [e.name for e in self.extra if e.name not in tried and e.name not in names]
-                candidate = None
-                for name in names:
-                    tried.add(name)
-                    c = candidates[name]
-                    why = "frozen by Autopilot(freeze=...)" if self._frozen(c) else c.unavailable(run)
-                    if why is None:
-                        candidate = c
-                        break
-                    self.records.append(TrialRecord(len(self.records), name, c.describe(run), None, None, False,
-                                                    f"not applicable: {why}"))
-                if candidate is None:
-                    stopped = ("no finding and no fix left for the bottleneck"
-                               if not diagnosis.findings else "no fix left for the findings")
-                    break
-                cost = 2.2 * window_seconds + candidate.warmup_steps * baseline.step_seconds * 10
-                if not budget.affords(cost):
-                    stopped = (f"time budget spent ({budget.spent():.1f} of {budget.seconds:.1f} s; the next trial "
-                               f"needs ~{cost:.1f} s)")
-                    if len(self.records) == 1:
-                        self.notes.append(f"the budget ({budget.seconds:.1f} s) is too small for one trial "
-                                          f"(~{cost:.1f} s): nothing was changed")
-                    break
-                kept, window, rates, probe = self._trial(run, candidate, current_rates, reference, probe_steps,
-                                                         plan.baseline_samples_per_sec)
-                if kept:
-                    misses = 0
-                    self.kept.append(candidate)
-                    run.current, current_rates, reference = window, rates, probe
-                    if candidate.repeatable and candidate.name in INTERVENTIONS:  # e.g. the micro-batch once more
-                        tried.discard(candidate.name)
-                        candidates[candidate.name] = INTERVENTIONS[candidate.name]()
-                elif self.records[-1].samples_per_sec is not None:  # a measured miss (not a void or broken one)
-                    misses += 1
-                    if misses >= self.patience:
-                        stopped = f"{misses} measured candidate(s) in a row without a gain"
-                        break
-            plan.stopped = stopped
-            plan.final_samples_per_sec = statistics.median(current_rates)
+            result = search.run()
         finally:
-            run.runner.state.restore()
+            display.close()
+            result = search.result
+            self.records, self.kept = result.records, result.kept
+            self.notes.extend(result.notes)
+            plan.baseline_samples_per_sec = result.baseline_samples_per_sec
+            plan.final_samples_per_sec = result.final_samples_per_sec
+            plan.noise = result.noise
+            plan.stopped = result.stopped or None
             plan.search_seconds = time.perf_counter() - started
+
+    def _log_trial(self, trainer: pl.Trainer, record: TrialRecord) -> None:
+        """``autopilot/trial_speedup`` (paired ratio against the configuration it was trialled against) and
+        ``autopilot/trial_kept`` of each trial, at step = trial index, when the trial is decided."""
+        if not record.index or record.reason.startswith(("not applicable", "not trialled")):
+            return
+        metrics = {"autopilot/trial_kept": 1.0 if record.kept else 0.0}
+        if record.ratio is not None:
+            metrics["autopilot/trial_speedup"] = float(record.ratio)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.index)
 
     @staticmethod
     def _smells(run: Run, ctx: Any) -> list[str]:
@@ -445,122 +386,6 @@ class Autopilot(Callback):
         except Exception:  # noqa: BLE001
             return []
         return [f.rule for f in found.findings]
-
-    def _budget(self, run: Run, baseline: Window, started: float) -> SearchBudget:
-        if self.budget_seconds is not None:
-            seconds = float(self.budget_seconds)
-        elif run.steps_left is None:
-            seconds = UNKNOWN_LENGTH_BUDGET_SECONDS
-            self.notes.append(f"the fit's length is unknown (no max_steps / max_epochs): searching for at most "
-                              f"{seconds:.0f} s")
-        else:
-            seconds = self.budget * run.steps_left * baseline.step_seconds
-        return SearchBudget(seconds, started=started)  # the baseline counts against the budget
-
-    def _trial(self, run: Run, candidate: Intervention, current_rates: list[float], reference: Any,
-               probe_steps: list[list[Any]], baseline_rate: float
-               ) -> tuple[bool, Window | None, list[float], Any]:
-        started = time.perf_counter()
-        record = TrialRecord(len(self.records), candidate.name, candidate.describe(run), None, None, False, "")
-        self.records.append(record)
-        applied = kept = False
-        window: Window | None = None
-        rates: list[float] = []
-        probe = None
-        try:
-            error: BaseException | None = None
-            try:
-                candidate.apply(run)
-                applied = True
-            except Exception as err:  # noqa: BLE001 - reported and skipped
-                error = err
-                try:  # undo what the failed apply may have changed before it raised
-                    candidate.revert(run)
-                except Exception:  # noqa: BLE001 - it may have raised before changing anything
-                    pass
-            record.change = candidate.describe(run)
-            ok, failure = self._agree(run, error is None, error)
-            if failure is not None or not ok:
-                record.reason = f"could not apply: {failure}"
-                return False, None, current_rates, reference
-            error = None
-            check = None
-            try:
-                probe = run.runner.probe(probe_steps, through_strategy=candidate.probe_through_strategy,
-                                         digests=candidate.kind == "data")
-                if not probe.digests:  # a change of another kind delivers the same samples: no loader pass
-                    probe.digests = list(reference.digests)
-                ref = reference
-                if candidate.probe_through_strategy:  # the reference through the same path, without the change
-                    candidate.revert(run)
-                    ref = run.runner.probe(probe_steps, through_strategy=True, digests=False)
-                    candidate.apply(run)
-                check = compare_probes(ref, probe, candidate.kind, self.tolerances[candidate.kind])
-            except Exception as err:  # noqa: BLE001
-                error = err
-            ok, failure = self._agree(run, check is not None and check.ok, error)
-            if check is not None:
-                record.numerics = check.to_dict()
-            if failure is not None:
-                record.reason = f"failed in the numerics probe: {failure}"
-                return False, None, current_rates, reference
-            if not ok:
-                record.reason = (check.reason if check is not None and not check.ok
-                                 else "numerics guard failed on another rank")
-                return False, None, current_rates, reference
-            void: str | None = None
-            try:
-                void = candidate.changed_nothing(run)
-            except Exception as err:  # noqa: BLE001
-                error = err
-            ok, failure = self._agree(run, void is None, error)
-            if failure is not None:
-                record.reason = f"failed in the numerics probe: {failure}"
-                return False, None, current_rates, reference
-            if not ok:
-                record.reason = void or "changed nothing on another rank"
-                return False, None, current_rates, reference
-            window = self._measure(run, candidate.warmup_steps)
-            rates = [window.samples_per_sec]
-            record.samples_per_sec = window.samples_per_sec
-            record.vs_baseline = window.samples_per_sec / baseline_rate if baseline_rate else None
-            record.shares = window.shares()
-            decision = decide(current_rates, rates, self.threshold)
-            if decision.keep:  # confirm A B: the current configuration again, then the candidate again
-                candidate.revert(run)
-                applied = False
-                current_rates = [*current_rates, self._measure(run).samples_per_sec]
-                candidate.apply(run)
-                applied = True
-                second = self._measure(run)
-                rates.append(second.samples_per_sec)
-                decision = decide(current_rates, rates, self.threshold)
-                record.samples_per_sec = statistics.median(rates)
-                record.vs_baseline = record.samples_per_sec / baseline_rate if baseline_rate else None
-            reason = decision.reason
-            keep = decision.keep
-            if keep:
-                verdict = candidate.judge(run, run.current, window)
-                if verdict is not None:
-                    keep, why = verdict
-                    reason = f"{reason}; {why}"
-            if check is not None and keep:
-                reason = f"{reason}; numerics ok ({check.reason})"
-            record.reason = reason
-            kept = keep
-            return kept, window, rates, probe
-        except Exception as err:  # noqa: BLE001 - a trial that raises is reverted and reported
-            record.reason = f"failed during the trial: {type(err).__name__}: {_short(err)}"
-            return False, None, current_rates, reference
-        finally:
-            record.kept = kept
-            record.seconds = time.perf_counter() - started
-            if applied and not kept:
-                try:
-                    candidate.revert(run)
-                except Exception as err:  # noqa: BLE001
-                    self.notes.append(f"reverting {candidate.name} raised {err!r}")
-            run.runner.state.restore()
 
     # ------------------------------------------------------------------ replay
     def _replay(self, run: Run, plan: AutopilotPlan) -> None:
@@ -619,6 +444,22 @@ class Autopilot(Callback):
 
             self._prefetcher = DevicePrefetcher(depth=run.config.prefetch_depth)
             self._prefetcher.setup(trainer, run.module, "fit")
+        self._validation_loader(run)
+
+    def _validation_loader(self, run: Run) -> None:
+        """The kept loader settings (workers, prefetch, pinned memory) also for the validation DataLoader, when it
+        delivers the same batches with them; how often the user validates is never changed."""
+        from lightning_accel.callbacks._loader_source import VALIDATION_KEYS, apply_to_validation_loader
+
+        source = run.source
+        changed = {k: v for k, v in source.current().items() if k in VALIDATION_KEYS and source.initial.get(k) != v}
+        if not changed:
+            return
+        try:
+            note = apply_to_validation_loader(run.trainer, changed)
+        except Exception as err:  # noqa: BLE001 - validation stays as the user built it
+            note = f"validation DataLoader left alone: {type(err).__name__}: {_short(err)}"
+        self.notes.append(note)
 
     def _finish(self, run: Run) -> None:
         plan = self.plan
@@ -659,7 +500,7 @@ class Autopilot(Callback):
         rank_zero_info(summary)
         for note in self.notes:
             rank_zero_info(f"Autopilot: {note}")
-        if self.print_summary and trainer.is_global_zero:
+        if self.print_summary and trainer.is_global_zero and self.records:
             from rich.console import Console
 
             console = Console()
@@ -703,8 +544,16 @@ class Autopilot(Callback):
 
 
 def _short(err: BaseException | None, chars: int = 240) -> str:
-    text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
-    return text if len(text) <= chars else text[:chars] + "…"
+    from lightning_accel.callbacks._autopilot_backend import short_error
+
+    return short_error(err, chars)
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _jsonable(value: Any) -> Any:

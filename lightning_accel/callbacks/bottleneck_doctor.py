@@ -117,7 +117,9 @@ class BottleneckDoctor(Callback):
     * **variability** (``report.variability``, one entry per rank): p5/p50/p95 of the batch times, spikes and the
       ``step_variability`` finding with the likely cause (:mod:`lightning_accel.core.variability`);
     * **code smells** (``report.smells``): found at ``on_train_start`` before the first step by
-      :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0).
+      :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0) when the first window says
+      what fixing it would save: below 3 % of the step (:func:`~lightning_accel.core.smells.gate_smells`) it is
+      listed in the report only.
 
     One collective per window: the gather of every rank's row, at the same batch count on every rank (counted even
     on a rank whose measuring broke: it sends a row of NaN, which the aggregate leaves out). Nothing else is
@@ -255,6 +257,7 @@ class BottleneckDoctor(Callback):
         self._restore: list[Callable[[], None]] = []
         self._mfu_monitor: Any = None
         self._smells = Diagnosis()
+        self._pending_smells: list[Finding] = []  # found, not yet warned (waiting for the first window's shares)
         self._grads_checked = not self.smells
         self._find_unused: bool | None = None
         self._epoch_paused = False
@@ -431,7 +434,15 @@ class BottleneckDoctor(Callback):
             device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
             accumulate_grad_batches=ctx.accumulate_grad_batches or 1, find_unused_parameters=self._find_unused,
             cpu_count=ctx.cpu_count)
-        for finding in self._smells.findings:
+        # warned once the first window's shares say what each is worth (gate_smells: < 3 % goes to the report only)
+        self._pending_smells.extend(self._smells.findings)
+
+    def _warn_pending_smells(self, trainer: pl.Trainer, shares: dict[str, float]) -> None:
+        from lightning_accel.core.smells import gate_smells
+
+        live, _report_only = gate_smells(self._pending_smells, shares)
+        self._pending_smells = []
+        for finding in live:
             self._warn_smell(trainer, finding)
 
     def _warn_smell(self, trainer: pl.Trainer, finding: Finding) -> None:
@@ -452,8 +463,7 @@ class BottleneckDoctor(Callback):
         self._smells.skipped = [s for s in self._smells.skipped if s.rule != "ddp_find_unused_parameters"]
         self._smells.findings.extend(found.findings)
         self._smells.skipped.extend(found.skipped)
-        for finding in found.findings:
-            self._warn_smell(trainer, finding)
+        self._pending_smells.extend(found.findings)
 
     # ------------------------------------------------------------------ the training loop
     @override
@@ -650,6 +660,8 @@ class BottleneckDoctor(Callback):
                                "step_seconds": window.step_seconds})
         if log:
             self._log(trainer, pl_module, window.shares, window.step_seconds, util)
+        if self._pending_smells:
+            self._warn_pending_smells(trainer, window.shares)
         if self.warn:
             ranks = [r for r in window.per_rank_seconds if r is not None]
             diagnosis = diagnose(window.shares, self._live_context(), self.thresholds,

@@ -1,7 +1,9 @@
 """The fixes the Autopilot can apply and undo, each built on the existing component that implements it.
 
 An :class:`Intervention` is one machine-applicable change: ``unavailable(run)`` says why it cannot apply (or
-``None``), ``apply(run)`` / ``revert(run)`` change and restore the run in place, ``describe(run)`` names the change
+``None``), ``apply(run)`` changes the run in place and returns its :class:`~lightning_accel.core.autopilot_search.Undo`
+(built-ins implement ``change(run, undo)``, pushing the undo of each part as they make it, so an apply that raises
+halfway leaves nothing applied; ``revert(run)`` runs the last undo), ``describe(run)`` names the change
 for the table, ``config(run)`` gives its LightningCLI keys and Python lines, and ``params`` are what a plan stores to
 replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autopilot.NUMERICS_KINDS``) and
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
@@ -17,7 +19,11 @@ name                        change                                       built o
                             batch fixed)                                 lookup
 ``optimizer_fused``         ``fused=True`` optimizer step                torch.optim                     reorder
 ``optimizer_foreach``       ``foreach=True`` optimizer step              torch.optim                     exact
-``precision``               another autocast dtype                       ``AutoMixedPrecision``          low_precision
+``precision``               bf16 (fp16 + scaler where bf16 is missing)   ``AutoMixedPrecision``,         low_precision
+                            from Lightning's default ``32-true``, or     installed by the Autopilot
+                            another dtype of the user's plugin
+``tf32``                    TF32 matmuls for a run that stays fp32       ``torch.set_float32_matmul_``   reorder
+                            (CUDA, compute capability >= 8.0)            ``precision("high")``
 ``compile``                 torch.compile in place (pays back or not)    ``TorchCompile``                reorder
 ``fused_attention``         hand-written attention → SDPA                ``use_fused_attention``         reorder
 ``activation_checkpointing``  recompute blocks + larger micro-batch      ``core.checkpointing``          reorder
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
 
     from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
     from lightning_accel.callbacks._loader_source import TrainLoaderSource
+
+from lightning_accel.core.autopilot_search import Undo
 
 __all__ = ["INTERVENTIONS", "Intervention", "Run"]
 
@@ -83,11 +91,30 @@ class Intervention:
     def unavailable(self, run: Run) -> str | None:
         return None
 
-    def apply(self, run: Run) -> None:
-        raise NotImplementedError
+    def apply(self, run: Run) -> Undo:
+        """Make the change and return its undo. If :meth:`change` raises, what it did so far is undone first."""
+        undo = Undo()
+        try:
+            self.change(run, undo)
+        except BaseException as err:
+            try:
+                undo()
+            except BaseException as undo_err:  # noqa: BLE001 - the original error is the one to see
+                err.add_note(f"undoing the partial {self.name} change also raised {undo_err!r}")
+            raise
+        self._undo = undo
+        return undo
+
+    def change(self, run: Run, undo: Undo) -> None:
+        """Make the change, pushing onto ``undo`` the undo of each part as it is made (or override ``apply`` and
+        ``revert`` instead, as fixes written for earlier versions do)."""
+        raise NotImplementedError(f"{type(self).__name__}: implement change(run, undo), or apply(run) and revert(run)")
 
     def revert(self, run: Run) -> None:
-        raise NotImplementedError
+        """Undo the last :meth:`apply` (nothing if it is undone already)."""
+        undo = self.__dict__.pop("_undo", None)
+        if undo is not None:
+            undo()
 
     def describe(self, run: Run) -> str:
         return self.name
@@ -164,14 +191,12 @@ class DataLoaderSettings(Intervention):
         return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
                 "persistent_workers": True}
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         if not self.params:
             self.params = self._choose(run)
-        self._before = {k: run.source.current()[k] for k in self.params}
+        before = {k: run.source.current()[k] for k in self.params}
+        undo.push(lambda: run.source.set(before))
         run.source.set(self.params)
-
-    def revert(self, run: Run) -> None:
-        run.source.set(self._before)
 
     def describe(self, run: Run) -> str:
         p = self.params
@@ -197,11 +222,10 @@ class PinMemory(Intervention):
             return "the loader already pins memory"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
+        before = run.source.current()["pin_memory"]
+        undo.push(lambda: run.source.set({"pin_memory": before}))
         run.source.set({"pin_memory": True})
-
-    def revert(self, run: Run) -> None:
-        run.source.set({"pin_memory": False})
 
     def describe(self, run: Run) -> str:
         return "pin_memory=True"
@@ -226,11 +250,10 @@ class Prefetch(Intervention):
             return f"no prefetching on {run.device.type}"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
+        before = run.config.prefetch
+        undo.push(lambda: setattr(run.config, "prefetch", before))
         run.config.prefetch = True
-
-    def revert(self, run: Run) -> None:
-        run.config.prefetch = False
 
     def describe(self, run: Run) -> str:
         return "DevicePrefetcher (batches fetched ahead in a thread)"
@@ -272,7 +295,7 @@ class MicroBatch(Intervention):
             return "the loader's batch size is unknown"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         current = run.source.current()
         if not self.params:
             factor = _smallest_factor(run.config.accumulate)
@@ -283,13 +306,11 @@ class MicroBatch(Intervention):
         if global_before != global_after:
             raise ValueError(f"micro_batch {self.params} changes the global batch per device from {global_before} "
                              f"to {global_after}; the plan was made for another batch size or accumulation")
-        self._before = (current["batch_size"], run.config.accumulate)
+        batch_size, accumulate = current["batch_size"], run.config.accumulate
+        undo.push(lambda: run.source.set({"batch_size": batch_size}))
         run.source.set({"batch_size": self.params["batch_size"]})
+        undo.push(lambda: setattr(run.config, "accumulate", accumulate))
         run.config.accumulate = self.params["accumulate_grad_batches"]
-
-    def revert(self, run: Run) -> None:
-        run.source.set({"batch_size": self._before[0]})
-        run.config.accumulate = self._before[1]
 
     def describe(self, run: Run) -> str:
         p = self.params
@@ -335,10 +356,11 @@ class OptimizerImplementation(Intervention):
                 return f"no fused optimizer kernels on {sorted(unsupported)}"
         return None
 
-    def apply(self, run: Run) -> None:
-        self._before = [[(g.get("foreach"), g.get("fused")) for g in opt.param_groups]
-                        for opt in run.trainer.optimizers]
+    def change(self, run: Run, undo: Undo) -> None:
         for opt in run.trainer.optimizers:
+            saved = [_flags(d) for d in (opt.defaults, *opt.param_groups)]
+            undo.push(lambda opt=opt, saved=saved: [_set_flags(d, f) for d, f in
+                                                    zip((opt.defaults, *opt.param_groups), saved)])
             for group in opt.param_groups:
                 if self.flag == "fused":
                     group["fused"] = True
@@ -350,15 +372,6 @@ class OptimizerImplementation(Intervention):
                         group["fused"] = False if group["fused"] else group["fused"]
             opt.defaults[self.flag] = True
 
-    def revert(self, run: Run) -> None:
-        for opt, saved in zip(run.trainer.optimizers, self._before):
-            for group, (foreach, fused) in zip(opt.param_groups, saved):
-                if "foreach" in group:
-                    group["foreach"] = foreach
-                if "fused" in group:
-                    group["fused"] = fused
-            opt.defaults[self.flag] = saved[0][0 if self.flag == "foreach" else 1] if saved else None
-
     def describe(self, run: Run) -> str:
         names = sorted({type(o).__name__ for o in run.trainer.optimizers})
         return f"{'/'.join(names)}({self.flag}=True)"
@@ -367,6 +380,18 @@ class OptimizerImplementation(Intervention):
         names = sorted({type(o).__name__ for o in run.trainer.optimizers})
         line = f"# in configure_optimizers: torch.optim.{names[0]}(..., {self.flag}=True)"
         return [], [line]
+
+
+def _flags(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: d[k] for k in ("foreach", "fused") if k in d}
+
+
+def _set_flags(d: dict[str, Any], saved: dict[str, Any]) -> None:
+    for k in ("foreach", "fused"):
+        if k in saved:
+            d[k] = saved[k]
+        else:
+            d.pop(k, None)
 
 
 class FusedOptimizer(OptimizerImplementation):
@@ -384,26 +409,44 @@ class ForeachOptimizer(OptimizerImplementation):
 
 
 # ------------------------------------------------------------------------------------------------ compute
-class Precision(Intervention):
-    """Another autocast dtype for ``AutoMixedPrecision`` (only where the plugin is in use): fp32 → bf16/fp16 when
-    the device supports them, and back to fp32 when the plugin's micro-probe chose a half dtype — the whole step
-    decides, not a matmul probe."""
+class MixedPrecisionDtype(Intervention):
+    """Mixed precision chosen by the whole step, not a matmul probe.
+
+    * With Lightning's default ``32-true`` (the plain ``Precision`` plugin): installs ``AutoMixedPrecision`` itself
+      with bf16 where the device has it, else fp16 with its ``GradScaler`` (the playbook's defaults); autocast
+      keeps its fp32 op list (softmax, norms, losses) in fp32, and the ``low_precision`` numerics guard checks the
+      loss and gradient direction on the probe batches. The plan, YAML and Python snippet carry the plugin.
+    * With ``AutoMixedPrecision`` already in ``plugins=``: another dtype (fp32 -> bf16/fp16, or back to fp32 when
+      its micro-probe chose a half dtype).
+
+    ``Autopilot(freeze=["precision"])`` opts out. Other precision plugins (the user's own choice) are left alone.
+    """
 
     name = "precision"
     kind = "low_precision"
     knobs = ("precision",)
 
-    def _plugin(self, run: Run) -> Any:
+    @staticmethod
+    def _plugin(run: Run) -> Any:
         from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
 
         plugin = run.trainer.precision_plugin
         return plugin if isinstance(plugin, AutoMixedPrecision) else None
 
+    @staticmethod
+    def _default(run: Run) -> bool:
+        from lightning.pytorch.plugins.precision import Precision
+
+        return type(run.trainer.precision_plugin) is Precision  # Lightning's 32-true
+
     def _target(self, run: Run) -> str | None:
         from lightning_accel.core.precision import supported_autocast_dtypes
 
         plugin = self._plugin(run)
-        current = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(plugin.compute_dtype, "fp32")
+        if plugin is None:
+            current = "fp32"
+        else:
+            current = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(plugin.compute_dtype, "fp32")
         if "dtype" in self.params:
             return self.params["dtype"] if self.params["dtype"] != current else None
         if current != "fp32":
@@ -412,34 +455,49 @@ class Precision(Intervention):
         return "bf16" if "bf16" in supported else ("fp16" if "fp16" in supported else None)
 
     def unavailable(self, run: Run) -> str | None:
-        if self._plugin(run) is None:
-            return ("the run's precision is not AutoMixedPrecision (add plugins=[la.AutoMixedPrecision()] to let "
-                    "the Autopilot choose the dtype)")
+        if self._plugin(run) is None and not self._default(run):
+            return (f"the run's precision plugin is {type(run.trainer.precision_plugin).__name__} (the user's "
+                    "choice); use Lightning's default or plugins=[la.AutoMixedPrecision()] to let the Autopilot "
+                    "choose the dtype")
         if self._target(run) is None:
             return "no other autocast dtype on this device"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         from lightning_accel.core.precision import DtypeChoice, choose_autocast_dtype
+        from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
 
-        plugin = self._plugin(run)
         target = self._target(run)
-        assert target is not None
+        if target is None:
+            raise ValueError(f"precision: dtype {self.params.get('dtype')!r} is what the run already computes in")
         self.params = {"dtype": target}
-        self._before = (plugin.choice, plugin.precision, plugin.scaler)
+        strategy = run.trainer.strategy
+        plugin = self._plugin(run)
+        if plugin is None:  # Lightning's default: install the plugin (undo puts the user's back)
+            original = strategy.precision_plugin
+            plugin = AutoMixedPrecision(dtype=target)
+
+            def uninstall() -> None:
+                plugin.remove_islands()
+                strategy.precision_plugin = original
+
+            undo.push(uninstall)
+            strategy.precision_plugin = plugin
+            plugin.convert_module(run.module)
+            return
+        saved = (plugin.choice, plugin.precision, plugin.scaler)
+        undo.push(lambda: (setattr(plugin, "choice", saved[0]), setattr(plugin, "precision", saved[1]),
+                           setattr(plugin, "scaler", saved[2])))
         choice = choose_autocast_dtype(run.device, target)
         plugin.choice = DtypeChoice(choice.dtype, f"{target}: measured faster end to end by the Autopilot")
         plugin.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(choice.dtype, "32-true")
         plugin.scaler = torch.amp.GradScaler(run.device.type, **plugin.scaler_kwargs) if choice.needs_scaler \
             else None
 
-    def revert(self, run: Run) -> None:
-        plugin = self._plugin(run)
-        plugin.choice, plugin.precision, plugin.scaler = self._before
-
     def describe(self, run: Run) -> str:
         if "dtype" not in self.params:
-            return "another AutoMixedPrecision dtype"
+            return ("AutoMixedPrecision (bf16, fp16 + scaler without bf16)" if self._plugin(run) is None
+                    else "another AutoMixedPrecision dtype")
         return f"AutoMixedPrecision(dtype={self.params['dtype']!r})"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
@@ -447,6 +505,41 @@ class Precision(Intervention):
         return ([("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision",
                                        "init_args": {"dtype": dtype}}])],
                 [f"plugins = [la.AutoMixedPrecision(dtype={dtype!r})]"])
+
+
+class Tf32Matmul(Intervention):
+    """TF32 tensor-core matmuls (``torch.set_float32_matmul_precision("high")``) for a run that stays in fp32 on a
+    CUDA GPU of compute capability >= 8.0: 10 mantissa bits in the products, fp32 accumulation (the doctor's
+    ``tf32_off`` smell). Kind ``reorder``: the numbers move at the level of a reordered sum."""
+
+    name = "tf32"
+    kind = "reorder"
+    knobs = ("precision",)
+
+    def unavailable(self, run: Run) -> str | None:
+        if run.device.type != "cuda":
+            return f"TF32 is a mode of CUDA tensor cores; this run is on {run.device.type}"
+        major = torch.cuda.get_device_capability(run.device)[0]
+        if major < 8:
+            return f"compute capability {major}.x has no TF32 (needs >= 8.0)"
+        plugin = run.trainer.precision_plugin
+        dtype = getattr(plugin, "compute_dtype", None)
+        if dtype in (torch.bfloat16, torch.float16) or str(getattr(plugin, "precision", "32")).startswith(("16", "bf16")):
+            return "the run computes its matmuls in 16 bits"
+        if torch.get_float32_matmul_precision() != "highest":
+            return f"float32 matmul precision is already {torch.get_float32_matmul_precision()!r}"
+        return None
+
+    def change(self, run: Run, undo: Undo) -> None:
+        before = torch.get_float32_matmul_precision()
+        undo.push(lambda: torch.set_float32_matmul_precision(before))
+        torch.set_float32_matmul_precision("high")
+
+    def describe(self, run: Run) -> str:
+        return 'torch.set_float32_matmul_precision("high") (TF32 matmuls)'
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return [], ['torch.set_float32_matmul_precision("high")  # TF32 matmuls, before building the Trainer']
 
 
 #: the playbook's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
@@ -484,16 +577,14 @@ class Compile(Intervention):
                         f"first compile (~{TYPICAL_COMPILE_SECONDS[run.device.type == 'cuda']:.0f} s)")
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         from lightning_accel.callbacks.torch_compile import TorchCompile
 
-        self._callback = TorchCompile(**self.params)
-        self._callback.setup(run.trainer, run.module, "fit")
-        if self._callback.fallback_reason:
-            raise RuntimeError(self._callback.fallback_reason)
-
-    def revert(self, run: Run) -> None:
-        self._callback.uncompile()
+        callback = self._callback = TorchCompile(**self.params)
+        undo.push(callback.uncompile)  # uncompiles whatever setup compiled, also if it raised halfway
+        callback.setup(run.trainer, run.module, "fit")
+        if callback.fallback_reason:
+            raise RuntimeError(callback.fallback_reason)
 
     def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
         from lightning_accel.core.autopilot import compile_pays_back
@@ -503,7 +594,6 @@ class Compile(Intervention):
         # the trial's first window warmed up with the compile: its warm-up time beyond that of compiled steps
         warmup_steps = run.extras.get("warmup_steps", 0) + self.warmup_steps
         compile_seconds = max(0.0, after.warmup_seconds - warmup_steps * after.step_seconds)
-        self.params_measured = {"compile_seconds": compile_seconds}
         return compile_pays_back(compile_seconds, before.step_seconds, after.step_seconds, run.steps_left)
 
     def describe(self, run: Run) -> str:
@@ -544,16 +634,14 @@ class FusedAttention(Intervention):
             return "no hand-written attention block found (modules named *attn / *Attention*)"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         from lightning_accel.attention import use_fused_attention
 
         blocks = self.params.get("blocks") or _attention_blocks(run.module)
         self.params = {"blocks": list(blocks)}
         # the table reports what fused and what did not: no warning per block that already calls SDPA
         self._result = use_fused_attention(run.module, blocks=blocks, warn=False)
-
-    def revert(self, run: Run) -> None:
-        self._result.restore()
+        undo.push(self._result.restore)
 
     def changed_nothing(self, run: Run) -> str | None:
         result = self._result
@@ -606,20 +694,33 @@ class ActivationCheckpointingWithLargerBatch(Intervention):
             return "no repeated block (an nn.ModuleList of 2+ modules of one class) to checkpoint"
         return None
 
-    def apply(self, run: Run) -> None:
-        from lightning_accel.core.checkpointing import apply_activation_checkpointing
+    def change(self, run: Run, undo: Undo) -> None:
+        from lightning_accel.core.checkpointing import (
+            CHECKPOINT_PREFIX,
+            apply_activation_checkpointing,
+            clean_module_name,
+            remove_activation_checkpointing,
+        )
+
+        def wrappers() -> set[str]:
+            return {clean_module_name(n) for n, m in run.module.named_modules() if n and hasattr(m, CHECKPOINT_PREFIX)}
 
         block = self._block_type(run)
+        if block is None:
+            raise ValueError("no repeated block (an nn.ModuleList of 2+ modules of one class) to checkpoint")
         self._micro = MicroBatch(**{k: v for k, v in self.params.items() if k != "block"})
-        self._micro.apply(run)
+        # the micro-batch change's undo goes on the same stack first: if checkpointing raises, it is undone too
+        self._micro.change(run, undo)
         self.params = {**self._micro.params, "block": f"{block.__module__}.{block.__qualname__}"}
-        self._names = apply_activation_checkpointing(run.module, [block])
+        already = wrappers()
 
-    def revert(self, run: Run) -> None:
-        from lightning_accel.core.checkpointing import remove_activation_checkpointing
+        def unwrap() -> None:  # every wrapper this change added, also those of a wrap that raised halfway
+            added = sorted(wrappers() - already)
+            if added:
+                remove_activation_checkpointing(run.module, added)
 
-        remove_activation_checkpointing(run.module, self._names)
-        self._micro.revert(run)
+        undo.push(unwrap)
+        apply_activation_checkpointing(run.module, [block])
 
     def describe(self, run: Run) -> str:
         block = self.params.get("block", "blocks").rsplit(".", 1)[-1]
@@ -683,7 +784,7 @@ class Compression(Intervention):
             return f"{type(strategy).__name__} is not plain DDP"
         return None
 
-    def apply(self, run: Run) -> None:
+    def change(self, run: Run, undo: Undo) -> None:
         switch = run.extras.get("comm_switch")
         if switch is None:
             switch = SwitchableCompression()
@@ -694,10 +795,9 @@ class Compression(Intervention):
                                  "strategy='ddp_bf16_compress' to compress") from err
             run.extras["comm_switch"] = switch
         self.params = {"compression": self.params.get("compression", "bf16")}
+        before = switch.mode
+        undo.push(lambda: setattr(switch, "mode", before))
         switch.mode = self.params["compression"]
-
-    def revert(self, run: Run) -> None:
-        run.extras["comm_switch"].mode = "allreduce"
 
     def describe(self, run: Run) -> str:
         return f"strategy='ddp_{self.params.get('compression', 'bf16')}_compress'"
@@ -710,8 +810,8 @@ class Compression(Intervention):
 #: Built-in interventions by name, in the order the table lists them.
 INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
     cls.name: cls for cls in (DataLoaderSettings, PinMemory, Prefetch, MicroBatch, FusedOptimizer, ForeachOptimizer,
-                              Precision, Compile, FusedAttention, ActivationCheckpointingWithLargerBatch,
-                              Compression)
+                              MixedPrecisionDtype, Tf32Matmul, Compile, FusedAttention,
+                              ActivationCheckpointingWithLargerBatch, Compression)
 }
 
 

@@ -36,8 +36,8 @@ from lightning_accel.core.batch import iter_tensors
 __all__ = [
     "DEFAULT_TOLERANCES", "NUMERICS_KINDS", "PLAN_VERSION", "RULE_FIXES", "STAGE_FIXES", "AutopilotPlan",
     "Decision", "NumericsCheck", "ProbeResult", "SearchBudget", "Tolerance", "TrialRecord", "batch_digest",
-    "compare_probes", "compile_pays_back", "cosine", "decide", "propose", "relative_noise", "render_python",
-    "render_yaml",
+    "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide", "expected_gain", "propose",
+    "rank_by_expected_gain", "relative_noise", "render_python", "render_yaml",
 ]
 
 PLAN_VERSION = 1
@@ -144,16 +144,19 @@ class NumericsCheck:
 
 
 def compare_probes(reference: ProbeResult, candidate: ProbeResult, kind: str,
-                   tolerance: Tolerance | None = None) -> NumericsCheck:
+                   tolerance: Tolerance | None = None, *, same_batches: bool | None = None) -> NumericsCheck:
     """Whether ``candidate`` computes what ``reference`` computes, within the tolerance of ``kind``.
 
-    ``data`` changes must deliver bit-identical batches; every kind must keep every probe loss within
-    ``max_loss_rel`` and the gradient (and, where measured, the optimizer update) direction above the cosines.
+    ``data`` changes (and ``same_batches=True``: a bundle with a data-loading member) must deliver bit-identical
+    batches; every kind must keep every probe loss within ``max_loss_rel`` and the gradient (and, where measured,
+    the optimizer update) direction above the cosines.
     """
     if kind not in NUMERICS_KINDS:
         raise ValueError(f"numerics kind {kind!r} is unknown; kinds are {list(NUMERICS_KINDS)}")
     tol = tolerance or DEFAULT_TOLERANCES[kind]
-    if kind == "data" and reference.digests != candidate.digests:
+    if same_batches is None:
+        same_batches = kind == "data"
+    if same_batches and reference.digests != candidate.digests:
         differ = [i for i, (a, b) in enumerate(zip(reference.digests, candidate.digests)) if a != b]
         if len(reference.digests) != len(candidate.digests):
             differ.append(min(len(reference.digests), len(candidate.digests)))
@@ -271,7 +274,8 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
     "num_workers_zero": ("dataloader",),
     "transfer": ("pin_memory", "prefetch"),
     "pin_memory_off": ("pin_memory",),
-    "fp32_compute": ("precision",),
+    "fp32_compute": ("precision", "tf32"),
+    "tf32_off": ("tf32",),
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "optimizer_not_foreach": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
@@ -289,9 +293,9 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
 STAGE_FIXES: dict[str, tuple[str, ...]] = {
     "data": ("dataloader", "prefetch", "micro_batch"),
     "transfer": ("pin_memory", "prefetch"),
-    "forward": ("precision", "fused_attention", "compile", "micro_batch"),
+    "forward": ("precision", "tf32", "fused_attention", "compile", "micro_batch"),
     # under DDP the trial steps' backward includes the all-reduce not hidden behind it
-    "backward": ("precision", "fused_attention", "compile", "micro_batch", "compression"),
+    "backward": ("precision", "tf32", "fused_attention", "compile", "micro_batch", "compression"),
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
     "other": ("micro_batch",),
@@ -324,6 +328,50 @@ def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable
     return out
 
 
+#: What each fix can remove, as a fraction of a stage's time: the prior that orders the candidates (expected gain
+#: = stage share x this) and decides whether a trial can pay back. Sources: the playbook's figures (mixed
+#: precision 1.5-2x on tensor cores; torch.compile 10-30 %; FlashAttention several x on the attention itself,
+#: taken as a quarter of the compute; fused optimizer kernels remove most of a for-loop step; workers hide nearly
+#: all of an in-process data wait) and this project's CPU measurements (BENCHMARKS.md: bf16 autocast rarely pays on
+#: CPU; the micro-batch amortises per-call costs). ``cuda`` / ``cpu`` override per device type.
+EXPECTED_REMOVAL: dict[str, dict[str, Any]] = {
+    "dataloader": {"data": 0.9},
+    "prefetch": {"data": 0.5, "transfer": 0.5},
+    "pin_memory": {"transfer": 0.5},
+    "micro_batch": {"data": 0.3, "forward": 0.15, "backward": 0.15, "optimizer": 0.5, "other": 0.3},
+    "optimizer_fused": {"optimizer": 0.6},
+    "optimizer_foreach": {"optimizer": 0.5},
+    "precision": {"forward": 0.4, "backward": 0.4, "cpu": {"forward": 0.1, "backward": 0.1}},
+    "tf32": {"forward": 0.3, "backward": 0.3},
+    "compile": {"forward": 0.2, "backward": 0.2},
+    "fused_attention": {"forward": 0.25, "backward": 0.25},
+    "activation_checkpointing": {"forward": 0.1, "backward": 0.1},
+    "compression": {"communication": 0.5, "backward": 0.1},
+}
+
+
+def expected_gain(name: str, shares: Mapping[str, float], device_type: str | None = None) -> float | None:
+    """The fraction of the step fix ``name`` is expected to remove (:data:`EXPECTED_REMOVAL` x the stage shares);
+    ``None`` for a fix without a prior (one of the user's own)."""
+    table = EXPECTED_REMOVAL.get(name)
+    if table is None:
+        return None
+    fractions = {**{k: v for k, v in table.items() if not isinstance(v, Mapping)},
+                 **(table.get(device_type or "", {}) if isinstance(table.get(device_type or ""), Mapping) else {})}
+    return min(0.95, sum(float(shares.get(stage, 0.0)) * fraction for stage, fraction in fractions.items()))
+
+
+def rank_by_expected_gain(names: Sequence[str], shares: Mapping[str, float],
+                          device_type: str | None = None) -> list[str]:
+    """``names`` by decreasing expected gain; fixes without a prior keep their place after those with one; ties
+    keep the given order (the doctor's findings first)."""
+    order = {n: i for i, n in enumerate(names)}
+    known = [n for n in names if expected_gain(n, shares, device_type) is not None]
+    unknown = [n for n in names if n not in known]
+    known.sort(key=lambda n: (-round(expected_gain(n, shares, device_type) or 0.0, 4), order[n]))
+    return known + unknown
+
+
 # ------------------------------------------------------------------------------------------------ the plan
 @dataclass
 class TrialRecord:
@@ -339,6 +387,8 @@ class TrialRecord:
     numerics: dict[str, Any] | None = None
     seconds: float = 0.0
     shares: dict[str, float] | None = None
+    #: mean paired ratio B/A against the configuration it was trialled against
+    ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -45,7 +45,8 @@ import torch
 
 from lightning_accel.core.findings import Diagnosis, Finding, SkippedRule
 
-__all__ = ["SMELLS", "find_smells", "loader_settings", "preview_optimizer_step"]
+__all__ = ["LIVE_SMELL_MIN_SHARE", "SMELLS", "find_smells", "gate_smells", "loader_settings", "preview_optimizer_step",
+           "smell_share"]
 
 # BatchNorm statistics degrade below ~32 samples per device and sharply below 16 (Wu & He, "Group Normalization",
 # ECCV 2018, Fig. 1).
@@ -473,3 +474,47 @@ def find_smells(model: Any, optimizers: Iterable[Any] = (), *, loader: Any = Non
         if finding is not None:
             out.findings.append(finding)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ the share gate
+#: A smell whose fix is expected to save less than this share of the step is listed in the report, not warned live
+#: (a warning costs the reader's attention: the demo's for-loop optimizer, 3.4 % of its step, would save ~2.4 %).
+LIVE_SMELL_MIN_SHARE = 0.03
+
+#: What the fix of each smell removes of its stage when no preview measured it (the Autopilot's priors,
+#: ``core.autopilot.EXPECTED_REMOVAL``); ``None``: not a speed smell (BatchNorm statistics), always warned.
+_REMOVABLE: dict[str, float | None] = {
+    "tf32_off": 0.3, "optimizer_not_foreach": 0.5, "ddp_find_unused_parameters": 0.1,
+    "batchnorm_accumulation": None, "dims_not_multiple_of_8": 0.1, "num_workers_zero": 0.9,
+    "pin_memory_off": 0.5, "persistent_workers_off": 0.1, "hf_eager_attention": 0.25,
+}
+
+
+def smell_share(finding: Finding, shares: Mapping[str, float]) -> float | None:
+    """The share of the step fixing ``finding`` is expected to save: its stage's share times what the fix removes
+    (``1 - 1/gain`` where the preview measured a gain, else the prior); ``None`` when unknown or not about speed."""
+    removable = _REMOVABLE.get(finding.rule, 0.0)
+    if removable is None or finding.stage not in shares:
+        return None
+    if finding.gain is not None and finding.gain > 0:
+        removable = max(0.0, 1.0 - 1.0 / finding.gain)
+    return float(shares[finding.stage]) * removable
+
+
+def gate_smells(findings: Iterable[Finding], shares: Mapping[str, float],
+                min_share: float = LIVE_SMELL_MIN_SHARE) -> tuple[list[Finding], list[Finding]]:
+    """Split smells into those worth a live warning and those for the report only (expected saving below
+    ``min_share`` of the step); each carries its expected saving in its evidence."""
+    from dataclasses import replace
+
+    live: list[Finding] = []
+    report_only: list[Finding] = []
+    for finding in findings:
+        share = smell_share(finding, shares)
+        if share is None:
+            live.append(finding)
+            continue
+        finding = replace(finding, evidence=f"{finding.evidence} (fixing it is expected to save ~{share:.1%} of the "
+                                            f"step: {finding.stage} is {shares[finding.stage]:.1%} of it)")
+        (report_only if share < min_share else live).append(finding)
+    return live, report_only

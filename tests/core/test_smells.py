@@ -178,3 +178,23 @@ def test_smells_on_a_real_gpu():
     gain = by_rule["optimizer_not_foreach"].gain
     assert gain is not None and gain >= 1.1  # 80 small tensors: one fused kernel beats 80 x several launches
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_share_gate_lists_small_smells_in_the_report_only() -> None:
+    from lightning_accel.core.findings import Finding
+    from lightning_accel.core.smells import gate_smells, smell_share
+
+    optimizer = Finding("optimizer_not_foreach", "optimizer", "a for-loop step.", "foreach=True", 1.0, gain=3.4,
+                        kind="smell")
+    workers = Finding("num_workers_zero", "data", "num_workers=0.", "num_workers=2", 1.0, kind="smell")
+    batchnorm = Finding("batchnorm_accumulation", "forward", "BN on micro-batches.", "GroupNorm", 1.0, kind="smell")
+    demo = {"optimizer": 0.034, "data": 0.009, "forward": 0.5}  # the demo's shares
+    assert smell_share(optimizer, demo) == pytest.approx(0.034 * (1 - 1 / 3.4))  # ~2.4 %: the preview's gain
+    assert smell_share(workers, demo) == pytest.approx(0.009 * 0.9)
+    assert smell_share(batchnorm, demo) is None  # about the statistics, not speed
+    live, report_only = gate_smells([optimizer, workers, batchnorm], demo)
+    assert [f.rule for f in live] == ["batchnorm_accumulation"]
+    assert [f.rule for f in report_only] == ["optimizer_not_foreach", "num_workers_zero"]
+    assert "expected to save ~2.4% of the step" in report_only[0].evidence
+    live, report_only = gate_smells([optimizer, workers], {"optimizer": 0.3, "data": 0.6})
+    assert [f.rule for f in live] == ["optimizer_not_foreach", "num_workers_zero"] and report_only == []

@@ -1,0 +1,164 @@
+"""The Lightning backend of the Autopilot's search loop (:class:`~lightning_accel.core.autopilot_search.SearchBackend`):
+windows and probes through :class:`~lightning_accel.callbacks._autopilot_trials.TrialRunner`, agreement across ranks
+with one ``all_gather``, the doctor's rules and code smells to propose fixes, the interventions' own undo."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel.callbacks._autopilot_trials import Window
+from lightning_accel.callbacks._trainer import gather_floats
+from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run
+from lightning_accel.core.autopilot import (
+    NumericsCheck,
+    compare_probes,
+    expected_gain,
+    propose,
+    rank_by_expected_gain,
+)
+from lightning_accel.core.autopilot_search import Bundle, Offer
+from lightning_accel.core.breakdown import MEASURED_STAGES
+
+if TYPE_CHECKING:
+    from lightning_accel.callbacks.autopilot import Autopilot
+
+__all__ = ["LightningSearchBackend", "short_error"]
+
+
+def short_error(err: BaseException | None, chars: int = 240) -> str:
+    text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
+    return text if len(text) <= chars else text[:chars] + "…"
+
+
+class LightningSearchBackend:
+    """One fit's backend: ``run`` is what the interventions see and change."""
+
+    def __init__(self, autopilot: Autopilot, run: Run) -> None:
+        self.autopilot, self.run = autopilot, run
+        self.candidates = autopilot._candidates(run)
+        # the built-in fixes the diagnosis proposes; fixes passed in `interventions=` are tried after them
+        self._builtin = {name for name, c in self.candidates.items()
+                         if name in INTERVENTIONS and not any(c is e for e in autopilot.extra)}
+        self._probe_steps: list[list[Any]] | None = None
+        self._reference: Any = None
+        self._strategy_reference: Any = None
+
+    # ------------------------------------------------------------------ clock, ranks, state
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def agree(self, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
+        run = self.run
+        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
+                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0])
+        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+        if failed:
+            return False, (f"{type(error).__name__}: {short_error(error)}" if error is not None
+                           else f"failed on rank(s) {failed}")
+        return bool(rows[:, 0].min() > 0), None
+
+    def restore(self) -> None:
+        self.run.runner.state.restore()
+
+    def adopt(self, current: Any, baseline: Any) -> None:
+        self.run.current = current
+        if baseline is not None:
+            self.run.baseline = baseline
+
+    # ------------------------------------------------------------------ measuring (aggregated over ranks)
+    def measure(self, warmup_steps: int, steps: int) -> Window:
+        run = self.run
+        local = run.runner.measure(warmup_steps, steps)
+        stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
+        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
+                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
+        if rows.shape[0] == 1:
+            return local
+        # global samples over the slowest rank's time; stage seconds averaged over ranks
+        return Window(samples=int(rows[:, 0].sum()), seconds=float(rows[:, 1].max()), steps=int(rows[:, 2].min()),
+                      stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
+                      warmup_seconds=float(rows[:, 3].max()))
+
+    # ------------------------------------------------------------------ numerics
+    def reference(self) -> None:
+        runner = self.run.runner
+        if self._probe_steps is None:
+            self._probe_steps = runner.probe_batches(self.autopilot.probe_steps)
+        self._reference = runner.probe(self._probe_steps)
+
+    def prepare(self, candidate: Any) -> None:
+        self._strategy_reference = None
+        if getattr(candidate, "probe_through_strategy", False):  # the reference through the same path, unchanged
+            self._strategy_reference = self.run.runner.probe(self._probe_steps, through_strategy=True, digests=False)
+
+    def check(self, candidate: Any) -> NumericsCheck:
+        members = candidate.members if isinstance(candidate, Bundle) else [candidate]
+        data = any(m.kind == "data" for m in members)
+        through = bool(getattr(candidate, "probe_through_strategy", False))
+        probe = self.run.runner.probe(self._probe_steps, through_strategy=through, digests=data)
+        if not probe.digests:  # a change of another kind delivers the same samples: no loader pass
+            probe.digests = list(self._reference.digests)
+        reference = self._strategy_reference if through and self._strategy_reference is not None \
+            else self._reference
+        kind = candidate.kind
+        return compare_probes(reference, probe, kind, self.autopilot.tolerances[kind], same_batches=data)
+
+    # ------------------------------------------------------------------ changes
+    def apply(self, candidate: Intervention) -> Callable[[], None]:
+        run = self.run
+        legacy = type(candidate).apply is not Intervention.apply  # a fix written as apply() + revert()
+        try:
+            result = candidate.apply(run)
+        except BaseException:
+            if legacy:  # undo what the failed apply may have changed before it raised
+                try:
+                    candidate.revert(run)
+                except Exception:  # noqa: BLE001 - it may have raised before changing anything
+                    pass
+            raise
+        if callable(result):
+            return result
+        return lambda: candidate.revert(run)
+
+    def changed_nothing(self, candidate: Intervention) -> str | None:
+        return candidate.changed_nothing(self.run)
+
+    def judge(self, candidate: Intervention, before: Any, after: Any) -> tuple[bool, str] | None:
+        return candidate.judge(self.run, before, after)
+
+    def describe(self, candidate: Intervention) -> str:
+        return candidate.describe(self.run)
+
+    def renew(self, candidate: Intervention) -> bool:
+        name = candidate.name
+        if candidate.repeatable and name in self._builtin and self.candidates.get(name) is candidate:
+            self.candidates[name] = INTERVENTIONS[name]()  # e.g. the micro-batch doubled once more
+            return True
+        return False
+
+    # ------------------------------------------------------------------ what to try
+    def offers(self, shares: Mapping[str, float], tried: set[str]) -> list[Offer]:
+        from lightning_accel.core.rules import diagnose, holding_back
+
+        autopilot, run = self.autopilot, self.run
+        shares = dict(shares)
+        ctx = autopilot._context(run)
+        diagnosis = diagnose(shares, ctx)
+        bottleneck = holding_back(shares, diagnosis.findings)
+        # the measured findings, a larger micro-batch where accumulation leaves room for one, the code smells
+        rules = [f.rule for f in diagnosis.findings]
+        rules += ["accumulation"] * (run.config.accumulate > 1) + autopilot._smells(run, ctx)
+        device = run.device.type
+        builtin = {n: c for n, c in self.candidates.items() if n in self._builtin}
+        names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)
+        names = rank_by_expected_gain(names, shares, device)
+        names += [n for n in self.candidates if n not in self._builtin and n not in tried and n not in names]
+        out = []
+        for name in names:
+            candidate = self.candidates[name]
+            why = "frozen by Autopilot(freeze=...)" if autopilot._frozen(candidate) else candidate.unavailable(run)
+            gain = expected_gain(name, shares, device) if name in self._builtin else None
+            out.append(Offer(candidate, why, gain))
+        return out

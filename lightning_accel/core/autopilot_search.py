@@ -1,0 +1,677 @@
+"""The Autopilot's search loop, behind a small backend protocol: nothing here runs a step or imports Lightning.
+
+:class:`AutopilotSearch` decides; a :class:`SearchBackend` measures a window, applies a change (returning its
+undo), probes numerics, agrees across ranks, proposes what to try for the current stage shares, and restores the
+training state. :class:`lightning_accel.Autopilot` is the Lightning backend; the tests drive the loop with a
+scripted backend and a fake clock, so every decision below is checked with exact numbers and no timing.
+
+The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PLAYBOOK.md``, "Closing the loop"):
+
+1. **Does a search pay?** With a fit length and the default fractional budget, three steps (one warm-up, two timed)
+   estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
+   offer (:func:`~lightning_accel.core.autopilot.expected_gain`: the stage share times what the fix can remove)
+   times the fit's duration is the saving to expect; when it does not exceed twice the cost of a baseline and one
+   trial, the search does not start and says so in one line: a 300-step balanced fit trains untouched. The search
+   may spend ``max(budget x fit, baseline + first trial)`` when that first trial pays back, so a short fit whose
+   data wait is 77 % of the step is still searched.
+2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current
+   configuration measured right before it (A), never with a baseline measured minutes earlier: on the shared
+   2-core VM the rate of one configuration drifted by up to 12 % between windows a minute apart while adjacent
+   windows agreed within 3-5 %. A window of the current configuration is reused by the next trial only when no
+   other window was measured since (a candidate rejected by its numerics probe measured nothing).
+3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the
+   baseline's two windows) is confirmed by a second pair (A B A B); the change is kept when both ratios exceed 1
+   and their mean clears the gate.
+4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not
+   thrown away: it is reverted and held. On the naive GPT-2 script the worker, SDPA, fused-optimizer and
+   micro-batch gains were 2-9 % each, within the 5 % gate alone and 1.45x together. When no candidate is left
+   (or the patience runs out), the held changes are applied together as a *bundle*, checked by the numerics guard
+   (the loosest member's tolerance; bit-identical batches when a member changes data loading) and confirmed with
+   A B A B against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone sits
+   inside the 3-5 % pair-to-pair spread. A bundle that fails numerics is split: its members are re-applied one at
+   a time with the guard after each, and a member that breaks the numbers is dropped (the culprit is named).
+5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
+   trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
+
+Faults: an apply that raises leaves nothing applied (the backend's undo runs); any error in a trial is reported in
+the table and the search goes on from the last good configuration; every decision that depends on a rank's own
+clock or outcome goes through :meth:`SearchBackend.agree`, so all ranks take the same branch.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lightning_accel.core.autopilot import NUMERICS_KINDS, NumericsCheck, TrialRecord, relative_noise
+
+__all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend", "SearchProgress", "SearchResult",
+           "SearchStatus", "Undo", "decide_paired"]
+
+
+class Undo:
+    """The undo of one applied change: steps pushed as the change is made, run in reverse by calling it.
+
+    A change pushes the undo of each part *as it makes it*, so an apply that raises halfway is undone exactly as
+    far as it got. Calling it twice does nothing the second time; every step runs even if one raises (the first
+    error is raised after all ran)."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], Any]] = []
+
+    def push(self, step: Callable[[], Any]) -> None:
+        self._steps.append(step)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __call__(self) -> None:
+        error: BaseException | None = None
+        while self._steps:
+            step = self._steps.pop()
+            try:
+                step()
+            except BaseException as err:  # noqa: BLE001 - run every step, raise the first error afterwards
+                error = error or err
+        if error is not None:
+            raise error
+
+
+class MeasurementLike(Protocol):
+    samples_per_sec: float
+    step_seconds: float
+    seconds: float
+    warmup_seconds: float
+
+    def shares(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured window as the loop sees it (the Lightning backend returns its own ``Window`` with these fields)."""
+
+    samples_per_sec: float
+    step_seconds: float
+    seconds: float
+    warmup_seconds: float = 0.0
+    stage_shares: Mapping[str, float] = field(default_factory=dict)
+
+    def shares(self) -> dict[str, float]:
+        return dict(self.stage_shares)
+
+
+@dataclass
+class Offer:
+    """A candidate the backend proposes: ``why_not`` is why it cannot be tried (``None``: it can), ``gain`` the
+    fraction of the step it is expected to remove (``None``: unknown, e.g. a fix of the user's own)."""
+
+    candidate: Any
+    why_not: str | None = None
+    gain: float | None = None
+
+
+@dataclass
+class Bundle:
+    """Changes applied together (each measured positive but below the gate alone)."""
+
+    members: list[Any]
+    name: str = "bundle"
+
+    @property
+    def kind(self) -> str:
+        return max((m.kind for m in self.members), key=NUMERICS_KINDS.index)
+
+    @property
+    def same_batches(self) -> bool:
+        return any(m.kind == "data" for m in self.members)
+
+    @property
+    def probe_through_strategy(self) -> bool:
+        return any(getattr(m, "probe_through_strategy", False) for m in self.members)
+
+    @property
+    def warmup_steps(self) -> int:
+        return sum(int(getattr(m, "warmup_steps", 0)) for m in self.members)
+
+
+class SearchBackend(Protocol):
+    """What the loop needs from a training framework (see the module docstring)."""
+
+    def clock(self) -> float:
+        """Seconds on a monotonic clock (this rank)."""
+
+    def measure(self, warmup_steps: int, steps: int) -> MeasurementLike:
+        """One window of the current configuration, aggregated over ranks; the training state restored after."""
+
+    def reference(self) -> None:
+        """Probe the current configuration on the fixed probe batches: the numerics reference."""
+
+    def prepare(self, candidate: Any) -> None:
+        """Called before ``candidate`` is applied (e.g. a reference probe through the DDP wrapper)."""
+
+    def apply(self, candidate: Any) -> Callable[[], None]:
+        """Apply ``candidate`` (a change or a :class:`Bundle`'s member); return its undo. Raising leaves nothing
+        applied."""
+
+    def check(self, candidate: Any) -> NumericsCheck:
+        """The numerics guard's verdict on the applied ``candidate`` (or :class:`Bundle`) against the reference."""
+
+    def changed_nothing(self, candidate: Any) -> str | None:
+        """Why the applied candidate turned out to change nothing, or ``None``."""
+
+    def judge(self, candidate: Any, before: MeasurementLike, after: MeasurementLike) -> tuple[bool, str] | None:
+        """An extra keep condition once measured (compile pay-back), or ``None``."""
+
+    def agree(self, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
+        """Every rank's verdict: ``(all ok, description of a failure on any rank or None)``."""
+
+    def offers(self, shares: Mapping[str, float], tried: set[str]) -> list[Offer]:
+        """Candidates to try next for these stage shares, most promising first, none named in ``tried``."""
+
+    def describe(self, candidate: Any) -> str:
+        """The change, for the table."""
+
+    def renew(self, candidate: Any) -> bool:
+        """After ``candidate`` was kept: whether a fresh one of its kind may be offered again (micro-batch ×2)."""
+
+    def adopt(self, current: MeasurementLike, baseline: MeasurementLike | None) -> None:
+        """The window of the configuration now current (and the baseline's, once)."""
+
+    def restore(self) -> None:
+        """The training state back to the snapshot taken before the search."""
+
+
+@dataclass
+class SearchStatus:
+    """What the live line shows."""
+
+    phase: str
+    candidate: str | None = None
+    trial: int | None = None
+    max_trials: int | None = None
+    best_speedup: float | None = None
+    spent_seconds: float = 0.0
+    budget_seconds: float | None = None
+
+
+class SearchProgress(Protocol):
+    def phase(self, status: SearchStatus) -> None: ...
+
+    def record(self, record: TrialRecord) -> None: ...
+
+
+class _Silent:
+    def phase(self, status: SearchStatus) -> None:
+        pass
+
+    def record(self, record: TrialRecord) -> None:
+        pass
+
+
+@dataclass
+class SearchResult:
+    records: list[TrialRecord] = field(default_factory=list)
+    kept: list[Any] = field(default_factory=list)
+    baseline_samples_per_sec: float | None = None
+    final_samples_per_sec: float | None = None
+    noise: float | None = None
+    stopped: str = ""
+    budget_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def decide_paired(ratios: Sequence[float], gate: float) -> tuple[bool, str]:
+    """Keep when every paired ratio B/A exceeds 1 and their mean clears ``1 + gate``."""
+    mean = statistics.fmean(ratios)
+    shown = " and ".join(f"{r:.3f}x" for r in ratios)
+    if min(ratios) > 1.0 and mean >= 1.0 + gate:
+        return True, f"paired {shown} beat the {1 + gate:.2f}x gate"
+    return False, f"paired {shown} {'inside' if mean >= 1.0 else 'below'} the {1 + gate:.2f}x gate"
+
+
+@dataclass
+class _Held:
+    candidate: Any
+    ratio: float
+    record: TrialRecord
+
+
+class AutopilotSearch:
+    """The loop (see the module docstring). ``budget_seconds`` set: an absolute budget, no pay-back estimate;
+    otherwise ``budget`` × the fit's expected duration (``steps_left`` × the estimated step time), or
+    ``unknown_length_seconds`` without a fit length."""
+
+    def __init__(self, backend: SearchBackend, *, threshold: float = 0.05, warmup_steps: int = 5,
+                 measure_steps: int = 20, patience: int = 4, budget: float = 0.05,
+                 budget_seconds: float | None = None, steps_left: int | None = None,
+                 unknown_length_seconds: float = 60.0, min_gain: float = 0.01,
+                 progress: SearchProgress | None = None) -> None:
+        self.backend = backend
+        self.threshold, self.warmup_steps, self.measure_steps = threshold, warmup_steps, measure_steps
+        self.patience, self.budget, self.budget_seconds = patience, budget, budget_seconds
+        self.steps_left, self.unknown_length_seconds, self.min_gain = steps_left, unknown_length_seconds, min_gain
+        self.progress = progress or _Silent()
+        self.result = SearchResult()
+        self._started = 0.0
+        self._budget = math.inf
+        self._current: MeasurementLike | None = None
+        self._current_rates: list[float] = []
+        self._fresh: MeasurementLike | None = None  # a window of the current configuration, nothing measured since
+        self._gate = threshold
+        self._window_seconds = 0.0
+        self._held: list[_Held] = []
+        self._max_trials: int | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _spent(self) -> float:
+        return self.backend.clock() - self._started
+
+    def _best(self) -> float | None:
+        base = self.result.baseline_samples_per_sec
+        if not base or not self._current_rates:
+            return None
+        return statistics.median(self._current_rates) / base
+
+    def _phase(self, phase: str, candidate: str | None = None, trial: int | None = None) -> None:
+        self.progress.phase(SearchStatus(phase, candidate, trial, self._max_trials, self._best(), self._spent(),
+                                         None if math.isinf(self._budget) else self._budget))
+
+    def _record(self, record: TrialRecord) -> None:
+        self.progress.record(record)
+
+    def _new_record(self, name: str, change: str, reason: str = "") -> TrialRecord:
+        record = TrialRecord(len(self.result.records), name, change, None, None, False, reason)
+        self.result.records.append(record)
+        return record
+
+    def _measure(self, extra_warmup: int = 0) -> MeasurementLike:
+        return self.backend.measure(self.warmup_steps + extra_warmup, self.measure_steps)
+
+    def _measure_current(self) -> MeasurementLike:
+        """A window of the current configuration adjacent to the candidate's (reused if nothing measured since)."""
+        if self._fresh is None:
+            self._fresh = self._measure()
+        return self._fresh
+
+    def _affords(self, seconds: float) -> bool:
+        ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
+        return ok
+
+    def _trial_cost(self, candidate: Any) -> float:
+        step = self._current.step_seconds if self._current is not None else 0.0
+        fresh = 0 if self._fresh is not None else 1
+        return (fresh + 1.2) * self._window_seconds + int(getattr(candidate, "warmup_steps", 0)) * step * 10
+
+    def _pays_back(self, gain: float | None, cost: float) -> tuple[bool, str]:
+        if gain is None or self.steps_left is None or self._current is None or self.budget_seconds is not None:
+            return True, ""
+        saving = gain * self._current.step_seconds * self.steps_left
+        if saving > cost:
+            return True, ""
+        return False, (f"expected to save ~{saving:.1f} s ({gain:.1%} of the step over the {self.steps_left} steps), "
+                       f"less than the ~{cost:.1f} s a trial costs")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> SearchResult:
+        backend, result = self.backend, self.result
+        self._started = backend.clock()
+        try:
+            if not self._start():
+                return result
+            self._loop()
+            result.final_samples_per_sec = statistics.median(self._current_rates)
+        finally:
+            backend.restore()
+        return result
+
+    def _start(self) -> bool:
+        """The estimate (pay-back), the baseline (A A), the numerics reference; False when the search stops."""
+        backend, result = self.backend, self.result
+        if self.budget_seconds is not None:
+            self._budget = float(self.budget_seconds)
+        elif self.steps_left is None:
+            self._budget = self.unknown_length_seconds
+            result.notes.append(f"the fit's length is unknown (no max_steps / max_epochs): searching for at most "
+                                f"{self._budget:.0f} s")
+        else:
+            self._phase("estimating the step time")
+            estimate = backend.measure(1, 2)
+            step = estimate.step_seconds
+            self._current = estimate
+            fit = step * self.steps_left
+            window = (self.warmup_steps + self.measure_steps) * step
+            start_cost = 2 * window + 2 * window  # baseline A A, then the first trial's B and its confirmation
+            offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
+            gains = [o.gain for o in offers if o.gain is not None]
+            best = max(gains, default=None if offers else 0.0)
+            saving = math.inf if best is None else best * fit
+            self._budget = self.budget * fit
+            if saving <= 2 * start_cost:
+                why = ("no fix is on offer" if not offers else
+                       f"the best fix on offer is expected to save ~{saving:.1f} s ({best:.1%} of a "
+                       f"{step * 1000:.1f} ms step over {self.steps_left} steps)")
+                result.stopped = (f"not searched: the fit (~{fit:.0f} s) is too short to repay a search: {why}, "
+                                  f"less than twice the ~{start_cost:.1f} s a baseline and one trial cost")
+                return False
+            if self._budget < start_cost:
+                self._budget = start_cost * 1.1
+                result.notes.append(f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): the "
+                                    f"best fix on offer is expected to save ~{saving:.1f} s of the ~{fit:.0f} s fit")
+        result.budget_seconds = self._budget
+        self._phase("baseline")
+        first = self._measure()
+        second = self._measure()
+        rates = [first.samples_per_sec, second.samples_per_sec]
+        result.baseline_samples_per_sec = statistics.median(rates)
+        result.noise = relative_noise(rates)
+        self._gate = max(self.threshold, result.noise)
+        self._current, self._current_rates, self._fresh = second, rates, second
+        self._window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
+        backend.adopt(second, second)
+        record = self._new_record("baseline", "as configured", f"A/A noise {result.noise:.1%}")
+        record.samples_per_sec, record.vs_baseline, record.kept = result.baseline_samples_per_sec, 1.0, True
+        record.seconds, record.shares = self._spent(), second.shares()
+        self._record(record)
+        self._phase("numerics reference")
+        backend.reference()
+        return True
+
+    def _loop(self) -> None:
+        backend, result = self.backend, self.result
+        tried: set[str] = set()
+        misses = 0
+        while True:
+            stopped = None
+            while True:
+                offers = backend.offers(self._current.shares(), tried)
+                self._max_trials = len(self.result.records) + len([o for o in offers if o.why_not is None])
+                offer = None
+                for o in offers:
+                    name = o.candidate.name
+                    tried.add(name)
+                    if o.why_not is None:
+                        cost = self._trial_cost(o.candidate)
+                        pays, why = self._pays_back(o.gain, cost)
+                        if pays:
+                            offer = o
+                            break
+                        o.why_not = f"not trialled: {why}"
+                    record = self._new_record(name, backend.describe(o.candidate),
+                                              o.why_not if o.why_not.startswith("not trialled")
+                                              else f"not applicable: {o.why_not}")
+                    self._record(record)
+                if offer is None:
+                    stopped = "no candidate left"
+                    break
+                cost = self._trial_cost(offer.candidate)
+                if not self._affords(cost):
+                    stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
+                               f"needs ~{cost:.1f} s)")
+                    if len(result.records) == 1 or all(r.samples_per_sec is None for r in result.records[1:]):
+                        result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
+                                            f"(~{cost:.1f} s): nothing was changed")
+                    break
+                kept, measured = self._trial(offer.candidate)
+                if kept:
+                    misses = 0
+                    if backend.renew(offer.candidate):
+                        tried.discard(offer.candidate.name)
+                elif measured:
+                    misses += 1
+                    if misses >= self.patience:
+                        stopped = f"{misses} measured candidate(s) in a row without a gain"
+                        break
+            if len(self._held) >= 2 and self._affords(4.4 * self._window_seconds):
+                if self._bundle():
+                    misses = 0
+                    continue  # the bottleneck moved: diagnose again
+            elif len(self._held) >= 2:
+                stopped += f"; {len(self._held)} small gains held, no time left to confirm them together"
+            result.stopped = stopped
+            return
+
+    # ------------------------------------------------------------------ one candidate
+    def _apply(self, candidate: Any) -> tuple[Callable[[], None] | None, str | None]:
+        undo, error = None, None
+        try:
+            undo = self.backend.apply(candidate)
+        except Exception as err:  # noqa: BLE001 - reported and skipped
+            error = err
+        ok, failure = self.backend.agree(error is None, error)
+        if ok and failure is None:
+            return undo, None
+        if undo is not None:
+            undo()
+        return None, failure or "failed on another rank"
+
+    def _guard(self, candidate: Any, record: TrialRecord) -> str | None:
+        """Numerics, then whether it changed anything; ``None`` when it may be measured, else the reason."""
+        check, error = None, None
+        try:
+            check = self.backend.check(candidate)
+        except Exception as err:  # noqa: BLE001
+            error = err
+        ok, failure = self.backend.agree(check is not None and check.ok, error)
+        if check is not None:
+            record.numerics = check.to_dict()
+        if failure is not None:
+            return f"failed in the numerics probe: {failure}"
+        if not ok:
+            return check.reason if check is not None and not check.ok else "numerics guard failed on another rank"
+        members = candidate.members if isinstance(candidate, Bundle) else [candidate]
+        for member in members:
+            void, error = None, None
+            try:
+                void = self.backend.changed_nothing(member)
+            except Exception as err:  # noqa: BLE001
+                error = err
+            ok, failure = self.backend.agree(void is None, error)
+            if failure is not None:
+                return f"failed checking whether it changed anything: {failure}"
+            if not ok:
+                return void or "changed nothing on another rank"
+        return None
+
+    def _trial(self, candidate: Any) -> tuple[bool, bool]:
+        """Trial one change: (kept, measured)."""
+        backend = self.backend
+        started = backend.clock()
+        record = self._new_record(candidate.name, backend.describe(candidate))
+        index = record.index
+        undo = None
+        kept = measured = False
+        try:
+            self._phase("measuring the current configuration", candidate.name, index)
+            before = self._measure_current()
+            backend.prepare(candidate)
+            undo, failure = self._apply(candidate)
+            record.change = backend.describe(candidate)
+            if undo is None:
+                record.reason = f"could not apply: {failure}"
+                return False, False
+            self._phase("numerics probe", candidate.name, index)
+            why = self._guard(candidate, record)
+            if why is not None:
+                record.reason = why
+                return False, False
+            self._phase("measuring", candidate.name, index)
+            warm = int(getattr(candidate, "warmup_steps", 0))
+            after = self._measure(warm)
+            self._fresh = None
+            measured = True
+            ratios = [after.samples_per_sec / max(before.samples_per_sec, 1e-12)]
+            rates = [after.samples_per_sec]
+            record.shares = after.shares()
+            if ratios[0] >= 1.0 + self._gate:
+                self._phase("confirmation (A B A B)", candidate.name, index)
+                undo()
+                undo = None
+                again = self._measure()
+                undo, failure = self._apply(candidate)
+                if undo is None:
+                    raise RuntimeError(f"re-applying for the confirmation failed: {failure}")
+                second = self._measure(warm)
+                ratios.append(second.samples_per_sec / max(again.samples_per_sec, 1e-12))
+                rates.append(second.samples_per_sec)
+                after_window = second
+            else:
+                after_window = after
+            keep, reason = decide_paired(ratios, self._gate)
+            verdict = backend.judge(candidate, before, after)
+            if verdict is not None:
+                ok, why = verdict
+                keep = keep and ok
+                reason = f"{reason}; {why}"
+            if keep and record.numerics:
+                reason = f"{reason}; numerics ok ({record.numerics.get('reason')})"
+            mean = statistics.fmean(ratios)
+            record.samples_per_sec = statistics.median(rates)
+            base = self.result.baseline_samples_per_sec
+            record.vs_baseline = record.samples_per_sec / base if base else None
+            record.ratio = mean
+            if keep:
+                kept = True
+                self._current, self._current_rates, self._fresh = after_window, rates, after_window
+                self.result.kept.append(candidate)
+                backend.adopt(after_window, None)
+                backend.reference()
+            elif mean >= 1.0 + self.min_gain and (verdict is None or verdict[0]):
+                self._held.append(_Held(candidate, mean, record))
+                reason = f"{reason}: held for a bundle with other small gains"
+            record.reason = reason
+            return kept, measured
+        except Exception as err:  # noqa: BLE001 - a trial that raises is reverted and reported
+            record.reason = f"failed during the trial: {type(err).__name__}: {_short(err)}"
+            return False, measured
+        finally:
+            record.kept = kept
+            record.seconds = backend.clock() - started
+            if undo is not None and not kept:
+                try:
+                    undo()
+                except Exception as err:  # noqa: BLE001
+                    self.result.notes.append(f"reverting {candidate.name} raised {err!r}")
+            backend.restore()
+            self._record(record)
+
+    # ------------------------------------------------------------------ the bundle
+    def _apply_all(self, members: list[Any]) -> tuple[list[Callable[[], None]], str | None]:
+        undos: list[Callable[[], None]] = []
+        for member in members:
+            self.backend.prepare(member)
+            undo, failure = self._apply(member)
+            if undo is None:
+                _undo_all(undos)
+                return [], f"{member.name}: {failure}"
+            undos.append(undo)
+        return undos, None
+
+    def _bundle(self) -> bool:
+        """Apply the held changes together, guard, split on a numerics failure, confirm A B A B; True if kept."""
+        backend = self.backend
+        held, self._held = sorted(self._held, key=lambda h: -h.ratio), []
+        bundle = Bundle([h.candidate for h in held])
+        started = backend.clock()
+        record = self._new_record("bundle", " + ".join(backend.describe(m) for m in bundle.members))
+        index = record.index
+        undos: list[Callable[[], None]] = []
+        kept = False
+        try:
+            self._phase("measuring the current configuration", "bundle", index)
+            before = self._measure_current()
+            self._phase("numerics probe", "bundle", index)
+            undos, failure = self._apply_all(bundle.members)
+            if failure is not None:
+                record.reason = f"could not apply: {failure}"
+                return False
+            why = self._guard(bundle, record)
+            dropped: list[str] = []
+            if why is not None:  # split: add the members one at a time, the guard after each
+                _undo_all(undos)
+                undos, survivors = [], []
+                for member in bundle.members:
+                    backend.prepare(member)
+                    undo, failure = self._apply(member)
+                    if undo is None:
+                        dropped.append(f"{member.name} ({failure})")
+                        continue
+                    trial = Bundle([*survivors, member])
+                    probe = TrialRecord(index, "bundle", "", None, None, False, "")
+                    culprit = self._guard(trial, probe)
+                    if culprit is None:
+                        undos.append(undo)
+                        survivors.append(member)
+                    else:
+                        undo()
+                        dropped.append(f"{member.name} ({culprit})")
+                bundle = Bundle(survivors)
+                record.change = " + ".join(backend.describe(m) for m in survivors) or record.change
+                if len(survivors) == 0:
+                    record.reason = "numerics guard failed on the bundle; split: " + "; ".join(dropped)
+                    return False
+            self._phase("measuring", "bundle", index)
+            warm = bundle.warmup_steps
+            after = self._measure(warm)
+            _undo_all(undos)
+            undos = []
+            self._phase("confirmation (A B A B)", "bundle", index)
+            again = self._measure()
+            undos, failure = self._apply_all(bundle.members)
+            if failure is not None:
+                raise RuntimeError(f"re-applying for the confirmation failed: {failure}")
+            second = self._measure(warm)
+            self._fresh = None
+            ratios = [after.samples_per_sec / max(before.samples_per_sec, 1e-12),
+                      second.samples_per_sec / max(again.samples_per_sec, 1e-12)]
+            keep, reason = decide_paired(ratios, self._gate)
+            if dropped:
+                reason = f"{reason}; split by the numerics guard, dropped: " + "; ".join(dropped)
+            rates = [after.samples_per_sec, second.samples_per_sec]
+            record.samples_per_sec = statistics.median(rates)
+            base = self.result.baseline_samples_per_sec
+            record.vs_baseline = record.samples_per_sec / base if base else None
+            record.ratio, record.shares = statistics.fmean(ratios), second.shares()
+            record.reason = reason
+            if keep:
+                kept = True
+                self._current, self._current_rates, self._fresh = second, rates, second
+                self.result.kept.extend(bundle.members)
+                for h in held:
+                    if h.candidate in bundle.members:
+                        h.record.kept = True
+                        h.record.reason += f"; kept in the bundle (trial {index})"
+                backend.adopt(second, None)
+                backend.reference()
+            return kept
+        except Exception as err:  # noqa: BLE001
+            record.reason = f"failed during the trial: {type(err).__name__}: {_short(err)}"
+            return False
+        finally:
+            record.kept = kept
+            record.seconds = backend.clock() - started
+            if not kept:
+                try:
+                    _undo_all(undos)
+                except Exception as err:  # noqa: BLE001
+                    self.result.notes.append(f"reverting the bundle raised {err!r}")
+            backend.restore()
+            self._record(record)
+
+
+def _undo_all(undos: list[Callable[[], None]]) -> None:
+    error: BaseException | None = None
+    while undos:
+        try:
+            undos.pop()()
+        except BaseException as err:  # noqa: BLE001
+            error = error or err
+    if error is not None:
+        raise error
+
+
+def _short(err: BaseException | None, chars: int = 240) -> str:
+    text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
+    return text if len(text) <= chars else text[:chars] + "…"

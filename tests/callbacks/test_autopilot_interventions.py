@@ -1,0 +1,175 @@
+"""Every built-in intervention through apply -> revert, and through an apply that fails halfway, on a real fit's run:
+the training state (weights, module tree, hooks, compiled calls, optimizer flags and state, loader settings and
+attributes, accumulation, prefetching, precision plugin, matmul precision, comm-hook mode) is bit-identical after.
+
+"Fails halfway" is injected generically: ``Undo.push`` raises right after its k-th push, for every k the change
+makes, i.e. a failure after each part of the change in turn. Activation checkpointing also fails inside the wrap
+(the leak of the larger micro-batch this used to cause)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.callbacks.interventions import INTERVENTIONS, SwitchableCompression
+from lightning_accel.core.autopilot_search import Undo
+from tests.callbacks.test_autopilot import Attention
+
+PARAMS = {
+    "dataloader": {"num_workers": 1, "prefetch_factor": 2, "persistent_workers": True},
+    "compile": {"backend": "eager"},
+}
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = Attention(d=16, heads=2, seq=8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)])
+        self.batch_size, self.num_workers = 4, 0
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        x = self.attn(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 8, 16)), batch_size=self.batch_size,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=False)
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.detach().cpu().contiguous().view(-1)
+                .view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def fingerprint(run) -> dict:
+    from lightning_accel._compat import compiled_call
+
+    module, trainer = run.module, run.trainer
+    plugin = trainer.precision_plugin
+    return _plain({
+        "params": dict(module.named_parameters()),
+        "buffers": dict(module.named_buffers()),
+        "modules": [(n, type(m).__name__) for n, m in module.named_modules()],
+        "hooks": [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+                  for n, m in module.named_modules()],
+        "compiled": [n for n, m in module.named_modules() if compiled_call(m) is not None],
+        "patched": [n for n, m in module.named_modules() if "forward" in m.__dict__],
+        "optimizers": [({k: v for k, v in o.defaults.items()},
+                        [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
+                        {i: s for i, s in enumerate(o.state.values())}) for o in trainer.optimizers],
+        "loader": run.source.current(), "overrides": dict(run.source._overrides),
+        "attributes": (module.batch_size, module.num_workers),
+        "config": (run.config.accumulate, run.config.prefetch, run.config.prefetch_depth),
+        "plugin": (id(plugin), type(plugin).__name__, plugin.state_dict(), getattr(plugin, "precision", None)),
+        "matmul": torch.get_float32_matmul_precision(),
+        "comm": run.extras["comm_switch"].mode,
+    })
+
+
+class Sweep(Callback):
+    """Runs ``body(run)`` in on_fit_start with the run the Autopilot would build."""
+
+    def __init__(self, body) -> None:
+        self.body = body
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from lightning_accel.callbacks._loader_source import TrainLoaderSource
+        from lightning_accel.callbacks.autopilot import Autopilot
+
+        run = Autopilot()._make_run(trainer, pl_module, TrainLoaderSource(trainer, pl_module))
+        run.extras["comm_switch"] = SwitchableCompression()  # as if registered on a DDP model (one process here)
+        self.body(run)
+
+
+def _fit(body) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=4,
+                         callbacks=[Sweep(body)])
+    trainer.fit(Net())
+
+
+def test_every_intervention_reverts_bit_identically_after_a_full_and_a_partial_apply(monkeypatch) -> None:
+    outcomes: dict[str, list[str]] = {}
+    precision_before = torch.get_float32_matmul_precision()
+
+    def body(run) -> None:
+        # a real optimizer state, so the sweep also sees it preserved
+        run.runner.measure(1, 2)
+        for name, cls in INTERVENTIONS.items():
+            before = fingerprint(run)
+            change = cls(**PARAMS.get(name, {}))
+            pushes: list[int] = []
+            original_push = Undo.push
+
+            def counting(self, step, _pushes=pushes):
+                _pushes.append(1)
+                original_push(self, step)
+
+            monkeypatch.setattr(Undo, "push", counting)
+            undo = change.apply(run)
+            monkeypatch.setattr(Undo, "push", original_push)
+            assert fingerprint(run) != before, f"{name} changed nothing"
+            undo()
+            assert fingerprint(run) == before, f"{name}: apply -> revert is not bit-identical"
+            outcomes[name] = ["full"]
+            for k in range(1, len(pushes) + 1):
+                count = [0]
+
+                def failing(self, step, _count=count, _k=k):
+                    original_push(self, step)
+                    _count[0] += 1
+                    if _count[0] == _k:
+                        raise RuntimeError(f"injected after part {_k}")
+
+                monkeypatch.setattr(Undo, "push", failing)
+                with pytest.raises(RuntimeError, match=f"injected after part {k}"):
+                    cls(**PARAMS.get(name, {})).apply(run)
+                monkeypatch.setattr(Undo, "push", original_push)
+                assert fingerprint(run) == before, f"{name}: failing after part {k} of {len(pushes)} leaked"
+                outcomes[name].append(f"fail@{k}")
+
+    _fit(body)
+    assert set(outcomes) == set(INTERVENTIONS)
+    assert all(len(v) >= 2 for v in outcomes.values()), outcomes  # every change has at least one part to fail after
+    assert torch.get_float32_matmul_precision() == precision_before
+
+
+def test_activation_checkpointing_failing_inside_the_wrap_leaves_the_micro_batch_alone(monkeypatch) -> None:
+    import lightning_accel.core.checkpointing as checkpointing
+
+    seen = {}
+    real = checkpointing.apply_activation_checkpointing
+
+    def wraps_one_then_raises(model, targets):
+        real(model.blocks[0], [nn.Tanh])  # a wrapper is in place ...
+        raise RuntimeError("checkpoint wrapper unavailable")
+
+    def body(run) -> None:
+        before = fingerprint(run)
+        monkeypatch.setattr(checkpointing, "apply_activation_checkpointing", wraps_one_then_raises)
+        with pytest.raises(RuntimeError, match="checkpoint wrapper unavailable"):
+            INTERVENTIONS["activation_checkpointing"]().apply(run)
+        monkeypatch.setattr(checkpointing, "apply_activation_checkpointing", real)
+        seen["after"] = fingerprint(run) == before
+        seen["micro"] = (run.source.current()["batch_size"], run.config.accumulate)
+
+    _fit(body)
+    assert seen == {"after": True, "micro": (4, 4)}

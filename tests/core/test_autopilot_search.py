@@ -1,0 +1,277 @@
+"""The Autopilot's search loop on a scripted backend with a fake clock: exact decisions, no timing.
+
+The backend's rate is ``100 samples/s x the product of the applied changes' gains x a scripted per-window noise
+factor``; every window advances the fake clock by its steps' duration, so budgets and pay-back are exact too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_accel.core.autopilot import NumericsCheck, expected_gain, rank_by_expected_gain
+from lightning_accel.core.autopilot_search import (
+    AutopilotSearch,
+    Bundle,
+    Measurement,
+    Offer,
+    SearchStatus,
+    Undo,
+    decide_paired,
+)
+
+SAMPLES_PER_STEP = 10
+
+
+class Change:
+    def __init__(self, name: str, gain: float = 1.0, *, kind: str = "exact", numerics_ok: bool = True,
+                 expected: float | None = None, fails_apply: bool = False, repeatable: bool = False) -> None:
+        self.name, self.gain, self.kind, self.numerics_ok = name, gain, kind, numerics_ok
+        self.expected, self.fails_apply, self.repeatable = expected, fails_apply, repeatable
+        self.warmup_steps = 0
+        self.probe_through_strategy = False
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Scripted:
+    def __init__(self, changes: list[Change], *, rate: float = 100.0, noise: list[float] | None = None,
+                 shares: dict[str, float] | None = None, bad_together: list[set[str]] | None = None) -> None:
+        self.changes, self.rate, self.noise = changes, rate, list(noise or [])
+        self.shares = shares or {"forward": 0.5, "backward": 0.3, "data": 0.2}
+        self.bad_together = [frozenset(b) for b in bad_together or []]
+        self.t = 0.0
+        self.applied: list[Change] = []
+        self.log: list[tuple] = []
+        self.restores = 0
+
+    # the protocol
+    def clock(self) -> float:
+        return self.t
+
+    def measure(self, warmup_steps: int, steps: int) -> Measurement:
+        factor = self.noise.pop(0) if self.noise else 1.0
+        rate = self.rate * math.prod(c.gain for c in self.applied) * factor
+        step = SAMPLES_PER_STEP / rate
+        self.t += (warmup_steps + steps) * step
+        self.log.append(("measure", tuple(c.name for c in self.applied)))
+        return Measurement(rate, step, steps * step, warmup_steps * step, self.shares)
+
+    def reference(self) -> None:
+        self.log.append(("reference", tuple(c.name for c in self.applied)))
+
+    def prepare(self, candidate) -> None:
+        pass
+
+    def apply(self, candidate):
+        if candidate.fails_apply:
+            raise RuntimeError(f"{candidate.name} exploded")
+        self.applied.append(candidate)
+        return lambda: self.applied.remove(candidate)
+
+    def check(self, candidate) -> NumericsCheck:
+        members = candidate.members if isinstance(candidate, Bundle) else [candidate]
+        names = frozenset(c.name for c in self.applied)
+        ok = all(m.numerics_ok for m in members) and not any(bad <= names for bad in self.bad_together)
+        self.log.append(("check", tuple(sorted(names))))
+        return NumericsCheck(ok, candidate.kind, "same numbers" if ok else "numerics guard: loss differs")
+
+    def changed_nothing(self, candidate) -> str | None:
+        return None
+
+    def judge(self, candidate, before, after):
+        return None
+
+    def agree(self, ok: bool, error: BaseException | None):
+        return ok and error is None, (f"{type(error).__name__}: {error}" if error is not None else None)
+
+    def offers(self, shares, tried):
+        return [Offer(c, None, c.expected) for c in self.changes if c.name not in tried]
+
+    def describe(self, candidate) -> str:
+        return candidate.name
+
+    def renew(self, candidate) -> bool:
+        return False
+
+    def adopt(self, current, baseline) -> None:
+        pass
+
+    def restore(self) -> None:
+        self.restores += 1
+
+
+class Events:
+    def __init__(self) -> None:
+        self.phases: list[SearchStatus] = []
+        self.rows: list = []
+
+    def phase(self, status: SearchStatus) -> None:
+        self.phases.append(status)
+
+    def record(self, record) -> None:
+        self.rows.append((record.index, record.name, record.kept))
+
+
+def _search(backend: Scripted, **kwargs) -> AutopilotSearch:
+    defaults = {"threshold": 0.05, "warmup_steps": 5, "measure_steps": 20, "patience": 4, "budget_seconds": 1e6}
+    return AutopilotSearch(backend, **{**defaults, **kwargs})
+
+
+def _measured(backend: Scripted) -> list[tuple]:
+    return [entry[1] for entry in backend.log if entry[0] == "measure"]
+
+
+def test_a_clear_gain_is_confirmed_with_paired_windows_and_kept() -> None:
+    backend = Scripted([Change("workers", 1.5)])
+    events = Events()
+    result = _search(backend, progress=events).run()
+    assert [c.name for c in result.kept] == ["workers"]
+    # A A (baseline), then B against the adjacent A (the second baseline window, nothing measured since), then the
+    # confirmation pair A B: never a decision against a window measured before another configuration's
+    assert _measured(backend) == [(), (), ("workers",), (), ("workers",)]
+    trial = result.records[1]
+    assert trial.kept and trial.ratio == pytest.approx(1.5) and trial.vs_baseline == pytest.approx(1.5)
+    assert trial.reason.startswith("paired 1.500x and 1.500x beat the 1.05x gate")
+    assert result.final_samples_per_sec == pytest.approx(150.0) and result.stopped == "no candidate left"
+    assert events.rows == [(0, "baseline", True), (1, "workers", True)]
+    phases = [(p.phase, p.candidate) for p in events.phases]
+    assert phases == [("baseline", None), ("numerics reference", None),
+                      ("measuring the current configuration", "workers"), ("numerics probe", "workers"),
+                      ("measuring", "workers"), ("confirmation (A B A B)", "workers")]
+    assert events.phases[-1].best_speedup == pytest.approx(1.0)  # before the confirmation decided it
+    assert backend.applied == [backend.changes[0]]  # left applied for the training
+
+
+def test_noise_raises_the_gate_and_a_first_window_that_does_not_confirm_is_not_kept() -> None:
+    # baseline windows 100 and 108: their 7.7 % A/A spread is the gate; the candidate (really 1.10x) has a lucky
+    # first window (123.2 against the adjacent 108: 1.14x) and a confirmation pair of 110 against a lucky 112
+    backend = Scripted([Change("compile", 1.10)], noise=[1.0, 1.08, 1.12, 1.12, 1.0])
+    result = _search(backend).run()
+    assert result.noise == pytest.approx(0.08 / 1.04)
+    row = result.records[1]
+    assert not row.kept and row.reason.startswith("paired 1.141x and 0.982x inside the 1.08x gate")
+    assert backend.applied == []
+    assert _measured(backend) == [(), (), ("compile",), (), ("compile",)]
+
+
+def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
+    changes = [Change("sdpa", 1.03), Change("fused_adamw", 1.02), Change("workers", 1.025), Change("slower", 0.97)]
+    backend = Scripted(changes)
+    result = _search(backend).run()
+    rows = {r.name: r for r in result.records}
+    for name in ("sdpa", "fused_adamw", "workers"):
+        assert rows[name].kept and "held for a bundle" in rows[name].reason and "kept in the bundle" in rows[name].reason
+    assert not rows["slower"].kept and "held" not in rows["slower"].reason
+    bundle = rows["bundle"]
+    assert bundle.kept and bundle.change == "sdpa + workers + fused_adamw"  # by measured gain
+    assert bundle.ratio == pytest.approx(1.03 * 1.02 * 1.025)
+    assert {c.name for c in result.kept} == {"sdpa", "fused_adamw", "workers"}
+    assert {c.name for c in backend.applied} == {"sdpa", "fused_adamw", "workers"}
+    # the bundle's numerics were checked on all three together, then A B A B
+    assert ("check", ("fused_adamw", "sdpa", "workers")) in backend.log
+    both = ("sdpa", "workers", "fused_adamw")
+    assert _measured(backend) == [(), (), ("sdpa",), (), ("fused_adamw",), (), ("workers",), (), ("slower",),
+                                  (), both, (), both]
+    assert result.final_samples_per_sec == pytest.approx(100 * 1.03 * 1.02 * 1.025)
+
+
+def test_a_bundle_that_fails_numerics_is_split_and_the_culprit_dropped() -> None:
+    changes = [Change("a", 1.03), Change("b", 1.03), Change("c", 1.03)]
+    backend = Scripted(changes, bad_together=[{"a", "c"}])  # fine alone, wrong together
+    result = _search(backend).run()
+    bundle = next(r for r in result.records if r.name == "bundle")
+    assert bundle.kept and bundle.change == "a + b" and "dropped: c (numerics guard: loss differs)" in bundle.reason
+    assert [c.name for c in result.kept] == ["a", "b"] and {c.name for c in backend.applied} == {"a", "b"}
+
+
+def test_a_bundle_below_the_gate_is_reverted() -> None:
+    backend = Scripted([Change("a", 1.015), Change("b", 1.015)])
+    result = _search(backend).run()
+    bundle = next(r for r in result.records if r.name == "bundle")
+    assert not bundle.kept and "inside the 1.05x gate" in bundle.reason
+    assert result.kept == [] and backend.applied == [] and result.final_samples_per_sec == pytest.approx(100.0)
+
+
+def test_a_failed_apply_leaves_nothing_and_the_next_trial_reuses_the_adjacent_window() -> None:
+    changes = [Change("broken", 2.0, fails_apply=True), Change("wrong", 2.0, numerics_ok=False), Change("good", 1.3)]
+    backend = Scripted(changes)
+    result = _search(backend).run()
+    rows = {r.name: r for r in result.records}
+    assert rows["broken"].reason == "could not apply: RuntimeError: broken exploded"
+    assert rows["wrong"].reason == "numerics guard: loss differs" and rows["wrong"].samples_per_sec is None
+    assert rows["good"].kept
+    # neither rejected candidate measured a window, so "good" was paired with the last baseline window
+    assert _measured(backend) == [(), (), ("good",), (), ("good",)]
+
+
+def test_patience_counts_measured_misses_only() -> None:
+    changes = [Change("wrong", numerics_ok=False), Change("x", 0.9), Change("y", 0.95), Change("z", 1.3)]
+    result = _search(Scripted(changes), patience=2).run()
+    assert [r.name for r in result.records] == ["baseline", "wrong", "x", "y"]
+    assert result.stopped == "2 measured candidate(s) in a row without a gain" and result.kept == []
+
+
+def test_a_fit_too_short_to_repay_a_search_is_not_searched() -> None:
+    balanced = {"forward": 0.35, "backward": 0.35, "optimizer": 0.1, "data": 0.1, "other": 0.1}
+    backend = Scripted([Change("fused_adamw", 1.5, expected=0.02)], shares=balanced)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
+    # three steps estimated the 0.1 s step; 0.02 x 30 s is far below twice a baseline + one trial (4 x 2.5 s)
+    assert _measured(backend) == [()] and result.records == [] and result.kept == []
+    assert result.stopped.startswith("not searched: the fit (~30 s) is too short to repay a search: the best fix on "
+                                     "offer is expected to save ~0.6 s")
+    assert backend.t == pytest.approx(0.3)
+
+
+def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows_its_payback() -> None:
+    data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
+    changes = [Change("dataloader", 3.0, expected=0.69), Change("tiny", 1.3, expected=0.001)]
+    result = _search(Scripted(changes, shares=data_bound), budget_seconds=None, budget=0.05, steps_left=1000).run()
+    assert [c.name for c in result.kept] == ["dataloader"]
+    # 5 % of a 100 s fit (5 s) cannot hold a baseline and a trial (10 s): raised, because the fix pays back
+    assert result.budget_seconds == pytest.approx(11.0) and any("raised" in n for n in result.notes)
+    tiny = next(r for r in result.records if r.name == "tiny")
+    assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
+
+
+def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
+    # 25 steps of 0.1 s per window: the baseline costs 5 s, a trial ~3 s
+    result = _search(Scripted([Change("a", 1.5)]), budget_seconds=6.0).run()
+    assert result.kept == [] and result.stopped.startswith("time budget spent (5.0 of 6.0 s")
+    assert any("too small for one trial" in n for n in result.notes)
+
+
+def test_the_state_is_restored_after_every_trial_and_at_the_end() -> None:
+    backend = Scripted([Change("a", 1.5), Change("b", 0.8)])
+    result = _search(backend).run()
+    assert len(result.records) == 3 and backend.restores == 3  # each trial + the end of the search
+
+
+def test_decide_paired_needs_every_pair_above_one_and_the_mean_above_the_gate() -> None:
+    assert decide_paired([1.10, 1.06], 0.05)[0]
+    assert not decide_paired([1.20, 0.99], 0.05)[0]
+    assert not decide_paired([1.04, 1.05], 0.05)[0]
+
+
+def test_undo_runs_every_step_in_reverse_once() -> None:
+    done: list[int] = []
+    undo = Undo()
+    undo.push(lambda: done.append(1))
+    undo.push(lambda: (_ for _ in ()).throw(RuntimeError("second")))
+    undo.push(lambda: done.append(3))
+    with pytest.raises(RuntimeError, match="second"):
+        undo()
+    assert done == [3, 1]
+    undo()
+    assert done == [3, 1]
+
+
+def test_expected_gain_is_the_stage_share_times_what_the_fix_removes() -> None:
+    shares = {"data": 0.5, "forward": 0.3, "backward": 0.1, "optimizer": 0.1}
+    assert expected_gain("dataloader", shares) == pytest.approx(0.45)
+    assert expected_gain("precision", shares, "cuda") == pytest.approx(0.16)
+    assert expected_gain("precision", shares, "cpu") == pytest.approx(0.04)
+    assert expected_gain("my_fix", shares) is None
+    assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == \
+        ["dataloader", "compile", "optimizer_foreach", "my_fix"]
