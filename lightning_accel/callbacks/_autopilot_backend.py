@@ -155,10 +155,13 @@ class LightningSearchBackend:
         names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)
         names = rank_by_expected_gain(names, shares, device)
         names += [n for n in self.candidates if n not in self._builtin and n not in tried and n not in names]
-        out = []
+        rows = []
         for name in names:
             candidate = self.candidates[name]
             why = "frozen by Autopilot(freeze=...)" if autopilot._frozen(candidate) else candidate.unavailable(run)
             gain = expected_gain(name, shares, device) if name in self._builtin else None
-            out.append(Offer(candidate, why, gain))
-        return out
+            rows.append((name, why, gain))
+        if run.trainer.world_size > 1:
+            # rank 0's list for every rank: a smell previewed on one rank's clock must not make the ranks diverge
+            rows = run.trainer.strategy.broadcast(rows, src=0)
+        return [Offer(self.candidates[name], why, gain) for name, why, gain in rows]

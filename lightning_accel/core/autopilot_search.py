@@ -345,8 +345,9 @@ class AutopilotSearch:
             window = (self.warmup_steps + self.measure_steps) * step
             start_cost = 2 * window + 2 * window  # baseline A A, then the first trial's B and its confirmation
             offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
-            gains = [o.gain for o in offers if o.gain is not None]
-            best = max(gains, default=None if offers else 0.0)
+            # a fix without a prior (one of the user's own) cannot be estimated: it is searched for
+            gains = [o.gain for o in offers]
+            best = None if None in gains else max(gains, default=0.0)
             saving = math.inf if best is None else best * fit
             self._budget = self.budget * fit
             if saving <= 2 * start_cost:
@@ -358,8 +359,10 @@ class AutopilotSearch:
                 return False
             if self._budget < start_cost:
                 self._budget = start_cost * 1.1
-                result.notes.append(f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): the "
-                                    f"best fix on offer is expected to save ~{saving:.1f} s of the ~{fit:.0f} s fit")
+                expected = (f"the best fix on offer is expected to save ~{saving:.1f} s" if best is not None
+                            else "a fix of your own is on offer")
+                result.notes.append(f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): "
+                                    f"{expected} of the ~{fit:.0f} s fit")
         result.budget_seconds = self._budget
         self._phase("baseline")
         first = self._measure()
@@ -538,7 +541,8 @@ class AutopilotSearch:
                 self.result.kept.append(candidate)
                 backend.adopt(after_window, None)
                 backend.reference()
-            elif mean >= 1.0 + self.min_gain and (verdict is None or verdict[0]):
+            elif mean >= 1.0 + self.min_gain and (verdict is None or verdict[0]) \
+                    and not getattr(candidate, "probe_through_strategy", False):
                 self._held.append(_Held(candidate, mean, record))
                 reason = f"{reason}: held for a bundle with other small gains"
             record.reason = reason
@@ -559,6 +563,7 @@ class AutopilotSearch:
 
     # ------------------------------------------------------------------ the bundle
     def _apply_all(self, members: list[Any]) -> tuple[list[Callable[[], None]], str | None]:
+        """Apply every member (all or nothing): the undos, or the failure with nothing left applied."""
         undos: list[Callable[[], None]] = []
         for member in members:
             self.backend.prepare(member)
@@ -568,6 +573,22 @@ class AutopilotSearch:
                 return [], f"{member.name}: {failure}"
             undos.append(undo)
         return undos, None
+
+    def _apply_each(self, members: list[Any]) -> tuple[list[Callable[[], None]], list[Any], list[str]]:
+        """Apply the members that apply (a held change may no longer fit the configuration): undos, members
+        applied, and the dropped ones with their reasons."""
+        undos: list[Callable[[], None]] = []
+        applied: list[Any] = []
+        dropped: list[str] = []
+        for member in members:
+            self.backend.prepare(member)
+            undo, failure = self._apply(member)
+            if undo is None:
+                dropped.append(f"{member.name} (could not apply: {failure})")
+                continue
+            undos.append(undo)
+            applied.append(member)
+        return undos, applied, dropped
 
     def _bundle(self) -> bool:
         """Apply the held changes together, guard, split on a numerics failure, confirm A B A B; True if kept."""
@@ -583,12 +604,12 @@ class AutopilotSearch:
             self._phase("measuring the current configuration", "bundle", index)
             before = self._measure_current()
             self._phase("numerics probe", "bundle", index)
-            undos, failure = self._apply_all(bundle.members)
-            if failure is not None:
-                record.reason = f"could not apply: {failure}"
+            undos, applied, dropped = self._apply_each(bundle.members)
+            if len(applied) < 2:
+                record.reason = "bundle not formed: " + "; ".join(dropped)
                 return False
+            bundle = Bundle(applied)
             why = self._guard(bundle, record)
-            dropped: list[str] = []
             if why is not None:  # split: add the members one at a time, the guard after each
                 _undo_all(undos)
                 undos, survivors = [], []
@@ -608,10 +629,10 @@ class AutopilotSearch:
                         undo()
                         dropped.append(f"{member.name} ({culprit})")
                 bundle = Bundle(survivors)
-                record.change = " + ".join(backend.describe(m) for m in survivors) or record.change
                 if len(survivors) == 0:
                     record.reason = "numerics guard failed on the bundle; split: " + "; ".join(dropped)
                     return False
+            record.change = " + ".join(backend.describe(m) for m in bundle.members)
             self._phase("measuring", "bundle", index)
             warm = bundle.warmup_steps
             after = self._measure(warm)
@@ -628,7 +649,7 @@ class AutopilotSearch:
                       second.samples_per_sec / max(again.samples_per_sec, 1e-12)]
             keep, reason = decide_paired(ratios, self._gate)
             if dropped:
-                reason = f"{reason}; split by the numerics guard, dropped: " + "; ".join(dropped)
+                reason = f"{reason}; dropped: " + "; ".join(dropped)
             rates = [after.samples_per_sec, second.samples_per_sec]
             record.samples_per_sec = statistics.median(rates)
             base = self.result.baseline_samples_per_sec

@@ -183,6 +183,7 @@ def test_a_bundle_that_fails_numerics_is_split_and_the_culprit_dropped() -> None
     result = _search(backend).run()
     bundle = next(r for r in result.records if r.name == "bundle")
     assert bundle.kept and bundle.change == "a + b" and "dropped: c (numerics guard: loss differs)" in bundle.reason
+    assert "could not" not in bundle.reason
     assert [c.name for c in result.kept] == ["a", "b"] and {c.name for c in backend.applied} == {"a", "b"}
 
 
@@ -275,3 +276,29 @@ def test_expected_gain_is_the_stage_share_times_what_the_fix_removes() -> None:
     assert expected_gain("my_fix", shares) is None
     assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == \
         ["dataloader", "compile", "optimizer_foreach", "my_fix"]
+
+
+def test_a_held_change_that_no_longer_applies_is_dropped_from_the_bundle() -> None:
+    stale = Change("stale", 1.03)
+    backend = Scripted([Change("a", 1.03), stale, Change("b", 1.03)])
+    search = _search(backend)
+    original = backend.apply
+
+    def apply(candidate):
+        if candidate is stale and any(r.name == "b" for r in search.result.records):
+            raise ValueError("changes the global batch")  # fine when trialled, not once the config moved
+        return original(candidate)
+
+    backend.apply = apply
+    result = search.run()
+    bundle = next(r for r in result.records if r.name == "bundle")
+    assert bundle.kept and bundle.change == "a + b"
+    assert "dropped: stale (could not apply: ValueError: changes the global batch)" in bundle.reason
+    assert [c.name for c in result.kept] == ["a", "b"]
+
+
+def test_a_fix_without_a_prior_is_always_searched_for() -> None:
+    balanced = {"forward": 0.35, "backward": 0.35, "optimizer": 0.1, "data": 0.1, "other": 0.1}
+    backend = Scripted([Change("fused_adamw", 1.0, expected=0.02), Change("mine", 1.5)], shares=balanced)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
+    assert [c.name for c in result.kept] == ["mine"]
