@@ -117,3 +117,73 @@ def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(dd
     assert 0.99 < numerics["grad_cosine"] < 1.0 or numerics["loss_rel_diff"] > 0
     assert ("ddp_bf16_compress" in rank0["yaml"]) == rank0["kept"]
     assert rank0["weight"] == rank1["weight"]
+
+
+PRECISION = """
+import json
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks import _autopilot_backend
+from lightning_accel.callbacks.autopilot import Autopilot
+from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
+
+torch.set_num_threads(1)
+real = _autopilot_backend.LightningSearchBackend.measure
+
+
+def measure(self, warmup_steps, steps):  # scripted: mixed precision measures 2x (the decision is exact)
+    window = real(self, warmup_steps, steps)
+    window.seconds = window.samples / (100.0 * (2.0 if isinstance(self.run.trainer.precision_plugin,
+                                                                   AutoMixedPrecision) else 1.0))
+    return window
+
+
+_autopilot_backend.LightningSearchBackend.measure = measure
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+
+    def training_step(self, batch, i):
+        (x,) = batch
+        out = self.net(x)
+        self.dtypes.append(str(out.dtype))
+        return (out.float() - x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+autopilot = Autopilot(warmup_steps=1, measure_steps=3, budget_seconds=120, only=["precision"], print_summary=False,
+                      save_plan=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[autopilot])
+model = Model()
+model.dtypes = []
+g = torch.Generator().manual_seed(0)
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(256, 32, generator=g)), batch_size=8))
+row = next(r for r in autopilot.records if r.name == "precision")
+plugin = trainer.precision_plugin
+out = {"kept": row.kept, "reason": row.reason, "plugin": type(plugin).__name__,
+       "precision": getattr(plugin, "precision", None), "yaml": autopilot.yaml, "last_dtype": model.dtypes[-1],
+       "weight": model.net[0].weight.detach().flatten()[:64].tolist()}
+with open(f"precision_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_installs_mixed_precision_from_the_default_on_every_rank(ddp_script, tmp_path):
+    ddp_script(PRECISION, timeout=300)
+    rank0, rank1 = read_rank_json(tmp_path, "precision")
+    assert rank0["kept"] and rank1["kept"], rank0
+    assert rank0["plugin"] == rank1["plugin"] == "AutoMixedPrecision"
+    assert rank0["precision"] == rank1["precision"] == "bf16-mixed"
+    assert rank0["last_dtype"] == rank1["last_dtype"] == "torch.bfloat16"  # the training ran under bf16 autocast
+    assert "lightning_accel.AutoMixedPrecision" in rank0["yaml"]
+    assert rank0["weight"] == rank1["weight"]  # DDP trained in step after the search

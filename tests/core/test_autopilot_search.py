@@ -123,37 +123,45 @@ def _measured(backend: Scripted) -> list[tuple]:
     return [entry[1] for entry in backend.log if entry[0] == "measure"]
 
 
+def test_a_decisive_gain_needs_no_confirmation_pair() -> None:
+    backend = Scripted([Change("workers", 2.0)])
+    result = _search(backend).run()
+    assert [c.name for c in result.kept] == ["workers"] and _measured(backend) == [(), (), ("workers",)]
+    assert result.records[1].reason.startswith("paired 2.000x beat the 1.05x gate (decisive")
+
+
 def test_a_clear_gain_is_confirmed_with_paired_windows_and_kept() -> None:
-    backend = Scripted([Change("workers", 1.5)])
+    backend = Scripted([Change("workers", 1.4)])
     events = Events()
     result = _search(backend, progress=events).run()
     assert [c.name for c in result.kept] == ["workers"]
     # A A (baseline), then B against the adjacent A (the second baseline window, nothing measured since), then the
-    # confirmation pair A B: never a decision against a window measured before another configuration's
-    assert _measured(backend) == [(), (), ("workers",), (), ("workers",)]
+    # confirmation pair in reverse order, B A: never a decision against a window measured before another
+    # configuration's
+    assert _measured(backend) == [(), (), ("workers",), ("workers",), ()]
     trial = result.records[1]
-    assert trial.kept and trial.ratio == pytest.approx(1.5) and trial.vs_baseline == pytest.approx(1.5)
-    assert trial.reason.startswith("paired 1.500x and 1.500x beat the 1.05x gate")
-    assert result.final_samples_per_sec == pytest.approx(150.0) and result.stopped == "no candidate left"
+    assert trial.kept and trial.ratio == pytest.approx(1.4) and trial.vs_baseline == pytest.approx(1.4)
+    assert trial.reason.startswith("paired 1.400x and 1.400x beat the 1.05x gate")
+    assert result.final_samples_per_sec == pytest.approx(140.0) and result.stopped == "no candidate left"
     assert events.rows == [(0, "baseline", True), (1, "workers", True)]
     phases = [(p.phase, p.candidate) for p in events.phases]
     assert phases == [("baseline", None), ("numerics reference", None),
                       ("measuring the current configuration", "workers"), ("numerics probe", "workers"),
-                      ("measuring", "workers"), ("confirmation (A B A B)", "workers")]
+                      ("measuring", "workers"), ("confirmation (A B B A)", "workers")]
     assert events.phases[-1].best_speedup == pytest.approx(1.0)  # before the confirmation decided it
     assert backend.applied == [backend.changes[0]]  # left applied for the training
 
 
 def test_noise_raises_the_gate_and_a_first_window_that_does_not_confirm_is_not_kept() -> None:
     # baseline windows 100 and 108: their 7.7 % A/A spread is the gate; the candidate (really 1.10x) has a lucky
-    # first window (123.2 against the adjacent 108: 1.14x) and a confirmation pair of 110 against a lucky 112
-    backend = Scripted([Change("compile", 1.10)], noise=[1.0, 1.08, 1.12, 1.12, 1.0])
+    # first window (123.2 against the adjacent 108: 1.14x) and an unlucky confirmation pair (99 against 100)
+    backend = Scripted([Change("compile", 1.10)], noise=[1.0, 1.08, 1.12, 0.9, 1.0])
     result = _search(backend).run()
     assert result.noise == pytest.approx(0.08 / 1.04)
     row = result.records[1]
-    assert not row.kept and row.reason.startswith("paired 1.141x and 0.982x inside the 1.08x gate")
+    assert not row.kept and row.reason.startswith("paired 1.141x and 0.990x inside the 1.08x gate")
     assert backend.applied == []
-    assert _measured(backend) == [(), (), ("compile",), (), ("compile",)]
+    assert _measured(backend) == [(), (), ("compile",), ("compile",), ()]
 
 
 def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
@@ -169,11 +177,11 @@ def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
     assert bundle.ratio == pytest.approx(1.03 * 1.02 * 1.025)
     assert {c.name for c in result.kept} == {"sdpa", "fused_adamw", "workers"}
     assert {c.name for c in backend.applied} == {"sdpa", "fused_adamw", "workers"}
-    # the bundle's numerics were checked on all three together, then A B A B
+    # the bundle's numerics were checked on all three together, then A B B A
     assert ("check", ("fused_adamw", "sdpa", "workers")) in backend.log
     both = ("sdpa", "workers", "fused_adamw")
     assert _measured(backend) == [(), (), ("sdpa",), (), ("fused_adamw",), (), ("workers",), (), ("slower",),
-                                  (), both, (), both]
+                                  (), both, both, ()]
     assert result.final_samples_per_sec == pytest.approx(100 * 1.03 * 1.02 * 1.025)
 
 
@@ -204,7 +212,7 @@ def test_a_failed_apply_leaves_nothing_and_the_next_trial_reuses_the_adjacent_wi
     assert rows["wrong"].reason == "numerics guard: loss differs" and rows["wrong"].samples_per_sec is None
     assert rows["good"].kept
     # neither rejected candidate measured a window, so "good" was paired with the last baseline window
-    assert _measured(backend) == [(), (), ("good",), (), ("good",)]
+    assert _measured(backend) == [(), (), ("good",), ("good",), ()]
 
 
 def test_patience_counts_measured_misses_only() -> None:
