@@ -289,6 +289,8 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                   for v in ("vanilla", "hand_fp32", "hand_bf16", "autopilot")}
             med = {v: statistics.median([r["samples_per_sec"] for r in rs]) if rs else float("nan")
                    for v, rs in by.items()}
+            if commit and not by["autopilot"]:
+                continue
             best = max(med["hand_fp32"], med["hand_bf16"])
             auto = [r["samples_per_sec"] for r in by["autopilot"]]
             losses_v = [r["loss"] for r in by["vanilla"]]
@@ -313,12 +315,14 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                 f"{_spread([100 * s / PLANNED_SECONDS for s in search])} % | "
                 f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |")
     short = [r for r in rows if r.get("kind") == "short"]
-    if short:
+    if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
         lines += ["", "| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
                   "wall (each pair) | kept / stopped |", "|---|---|---|---|---|"]
         for name in dict.fromkeys(r["scenario"] for r in short):
             v = [r for r in short if r["scenario"] == name and r["variant"] == "vanilla"]
             a = [r for r in short if r["scenario"] == name and r["variant"] == "autopilot"]
+            if commit and not a:
+                continue
             vm = statistics.median([r["wall_seconds"] for r in v]) if v else float("nan")
             ratios = [vm / r["wall_seconds"] for r in a]
             walls_v = ", ".join(f"{r['wall_seconds']:.1f}" for r in v)
