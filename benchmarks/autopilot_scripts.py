@@ -99,17 +99,17 @@ class TokenizingDataset(Dataset):
 def hf_gpt2(attention: str) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=128, bos_token_id=0, eos_token_id=0, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=128, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      attn_implementation=attention))
 
 
 def hf_llama(attention: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ + 1, bos_token_id=0,
-                                        eos_token_id=0, pad_token_id=0,
-                                        attn_implementation=attention))
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ + 1,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attention))
 
 
 def litgpt_gpt(attention: str) -> nn.Module:

@@ -107,8 +107,14 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
     """One fit of one script in one configuration (in this process)."""
     import lightning.pytorch as pl
     import torch
-
-    from autopilot_scripts import HAND_TUNED, SCRIPTS, VANILLA, build, heldout_batches, heldout_loss
+    from autopilot_scripts import (
+        HAND_TUNED,
+        SCRIPTS,
+        VANILLA,
+        build,
+        heldout_batches,
+        heldout_loss,
+    )
 
     _quiet()
     script = SCRIPTS[spec["script"]]
@@ -120,7 +126,7 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
     samples = (steps + 20) * 32  # the same dataset (and sample order) in every variant; trials may wrap epochs
     pl.seed_everything(0, verbose=False)
     module, kwargs = build(script, config, samples=samples)
-    rate, stop = _callbacks(steps, skip)
+    rate, _ = _callbacks(steps, skip)
     callbacks: list[Any] = [rate]
     autopilot = None
     max_steps = steps
@@ -150,9 +156,8 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_short(spec: dict[str, Any]) -> dict[str, Any]:
     """One 300-step fit (vanilla or with ``Autopilot()`` at its defaults); its whole wall time."""
-    import lightning.pytorch as pl
-
     import bench_autopilot as ba
+    import lightning.pytorch as pl
 
     _quiet()
     steps = spec["steps"]
@@ -160,8 +165,8 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["scenario"] == "short_data":
         model, data, kwargs = ba.build_data({"num_workers": 0})
     else:
-        from lightning_accel.demo.task import DemoDataModule, GPTTask
         from lightning_accel.demo.model import GPTConfig
+        from lightning_accel.demo.task import DemoDataModule, GPTTask
 
         model = GPTTask(GPTConfig(seq_len=64, n_layer=4, d_model=128))
         data, kwargs = DemoDataModule(seq_len=64, batch_size=32, train_tokens=400_000, num_workers=0, seed=0), {}
@@ -192,7 +197,7 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
 def _child(spec: dict[str, Any], out: Path | None, timeout: float) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(Path(__file__)), "--one", json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=str(HERE.parent))
+                          text=True, env=env, timeout=timeout, cwd=str(HERE.parent), check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -218,8 +223,8 @@ def _say(row: dict[str, Any]) -> None:
     extra = ""
     if row["variant"] == "autopilot":
         extra = f"  search {row['search_seconds']:.1f} s, kept: {'; '.join(row['kept']) or 'nothing'}"
-    print(f"  {what:14s} {row['variant']:10s} {row['samples_per_sec']:9.1f} samples/s  wall {row['wall_seconds']:6.1f} s"
-          f"  loss {row.get('loss', float('nan')):.5f}{extra}", flush=True)
+    print(f"  {what:14s} {row['variant']:10s} {row['samples_per_sec']:9.1f} samples/s  "
+          f"wall {row['wall_seconds']:6.1f} s  loss {row.get('loss', float('nan')):.5f}{extra}", flush=True)
 
 
 def drive_real(scripts: list[str], rounds: int, steps: int, skip: int, out: Path | None, planned: dict[str, int],
@@ -281,9 +286,9 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
     lines: list[str] = []
     real = [r for r in rows if r.get("kind") == "real"]
     if real:
-        lines += ["| script | vanilla samples/s | hand fp32 | hand bf16 | autopilot samples/s (each search) | "
-                  "÷ vanilla | ÷ hand-tuned best | held-out loss vanilla → autopilot | search s | "
-                  "search ÷ 10-min fit | kept (how many searches) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [("| script | vanilla samples/s | hand fp32 | hand bf16 | autopilot samples/s (each search) | "
+                   "÷ vanilla | ÷ hand-tuned best | held-out loss vanilla → autopilot | search s | "
+                   "search ÷ 10-min fit | kept (how many searches) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in dict.fromkeys(r["script"] for r in real):
             by = {v: [r for r in real if r["script"] == name and r["variant"] == v]
                   for v in ("vanilla", "hand_fp32", "hand_bf16", "autopilot")}
@@ -316,8 +321,8 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                 f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |")
     short = [r for r in rows if r.get("kind") == "short"]
     if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
-        lines += ["", "| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
-                  "wall (each pair) | kept / stopped |", "|---|---|---|---|---|"]
+        lines += ["", ("| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
+                       "wall (each pair) | kept / stopped |"), "|---|---|---|---|---|"]
         for name in dict.fromkeys(r["scenario"] for r in short):
             v = [r for r in short if r["scenario"] == name and r["variant"] == "vanilla"]
             a = [r for r in short if r["scenario"] == name and r["variant"] == "autopilot"]
