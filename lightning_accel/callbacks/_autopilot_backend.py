@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["LightningSearchBackend", "short_error"]
 
 
-#: A measuring window's timed steps last at least this long (up to 4x its steps): on the shared 2-core VM, windows of
+#: A measuring window's timed steps last at least this long (up to 4x its steps; the count follows from the previous
+#: window's aggregated step time, the same on every rank): on the shared 2-core VM, windows of
 #: 30-70 ms (a tiny model's 10-25 steps) disagreed by 10-15 % between adjacent pairs; a quarter second averages
 #: the scheduler's hiccups out.
 MIN_WINDOW_SECONDS = 0.25
@@ -51,6 +52,7 @@ class LightningSearchBackend:
         self._probe_steps: list[list[Any]] | None = None
         self._reference: Any = None
         self._strategy_reference: Any = None
+        self._step_seconds: float | None = None  # of the last window, aggregated over ranks
 
     # ------------------------------------------------------------------ clock, ranks, state
     def clock(self) -> float:
@@ -91,13 +93,18 @@ class LightningSearchBackend:
         run = self.run
         short = steps <= 2  # the pay-back estimate: three steps, however short
         warmup_steps, steps = self.window_steps(warmup_steps, steps)
-        local = run.runner.measure(warmup_steps, steps, 0.0 if short else MIN_WINDOW_SECONDS)
+        if not short and self._step_seconds:
+            # from the last window's aggregated step time, so every rank runs the same number of DDP steps
+            steps = min(4 * steps, max(steps, math.ceil(MIN_WINDOW_SECONDS / self._step_seconds)))
+        local = run.runner.measure(warmup_steps, steps)
         stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
         rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
                              [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
         if rows.shape[0] == 1:
+            self._step_seconds = local.step_seconds
             return local
         # global samples over the slowest rank's time; stage seconds averaged over ranks
+        self._step_seconds = float(rows[:, 1].max()) / max(1, int(rows[:, 2].min()))
         return Window(samples=int(rows[:, 0].sum()), seconds=float(rows[:, 1].max()), steps=int(rows[:, 2].min()),
                       stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
                       warmup_seconds=float(rows[:, 3].max()))
@@ -170,7 +177,9 @@ class LightningSearchBackend:
         bottleneck = holding_back(shares, diagnosis.findings)
         # the measured findings, a larger micro-batch where accumulation leaves room for one, the code smells
         rules = [f.rule for f in diagnosis.findings]
-        rules += ["accumulation"] * (run.config.accumulate > 1) + autopilot._smells(run, ctx)
+        rules += ["accumulation"] * (run.config.accumulate > 1)
+        if self._probe_steps is not None:  # before the baseline (the pay-back estimate) the shares alone decide:
+            rules += autopilot._smells(run, ctx)  # the smells' previews cost 0.1-0.3 s of a fit that may be short
         device = run.device.type
         builtin = {n: c for n, c in self.candidates.items() if n in self._builtin}
         names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)

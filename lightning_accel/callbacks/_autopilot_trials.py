@@ -188,10 +188,8 @@ class TrialRunner:
             t.stop("optimizer")
         return samples, crossed
 
-    def measure(self, warmup_steps: int, steps: int, min_seconds: float = 0.0) -> Window:
-        """One window with the current configuration, then the training state restored bit for bit. With
-        ``min_seconds``, timed steps go on past ``steps`` until they add up to that long (at most 4 x ``steps``):
-        a window of a few milliseconds measures the machine's hiccups, not the configuration."""
+    def measure(self, warmup_steps: int, steps: int) -> Window:
+        """One window with the current configuration, then the training state restored bit for bit."""
         timer = StageTimer(self.device)
         sync = self._runner.sync
         batches = None
@@ -207,10 +205,9 @@ class TrialRunner:
                 samples, seconds, kept = 0, 0.0, 0
                 totals = dict.fromkeys(MEASURED_STAGES, 0.0)
                 attempts = 0
-                limit = steps if min_seconds <= 0 else 4 * steps
-                while kept < steps or (seconds < min_seconds and kept < limit):
+                while kept < steps:
                     attempts += 1
-                    if attempts > 2 * limit + 2:
+                    if attempts > 2 * steps + 2:
                         raise ValueError("the train loader is too short for a measuring window: every step crossed "
                                          "an epoch boundary; use more data or fewer accumulated batches")
                     timer.flush()

@@ -63,7 +63,8 @@ class Autopilot(Callback):
        batches at the same weights, its loss, gradient direction and optimizer update against the current
        configuration's, within the tolerance of its kind (bit-identical batches for data-loading changes;
        ``DEFAULT_TOLERANCES``) — and measured in a window paired with one of the current configuration right
-       before it; a ratio above ``1 + max(threshold, noise)`` is confirmed by a second pair in reverse order (A B B A). A change
+       before it; a ratio above ``1 + max(threshold, noise)`` is confirmed by a second pair in reverse order
+       (A B B A). A change
        measured faster but below the gate is held; the held ones are confirmed together as a bundle (split on a
        numerics failure). After a kept change the run is diagnosed again (the bottleneck moves).
     5. **Result**: the kept changes stay applied for the real training; a live line and each trial's row are

@@ -524,7 +524,8 @@ class Tf32Matmul(Intervention):
             return f"compute capability {major}.x has no TF32 (needs >= 8.0)"
         plugin = run.trainer.precision_plugin
         dtype = getattr(plugin, "compute_dtype", None)
-        if dtype in (torch.bfloat16, torch.float16) or str(getattr(plugin, "precision", "32")).startswith(("16", "bf16")):
+        precision = str(getattr(plugin, "precision", "32"))
+        if dtype in (torch.bfloat16, torch.float16) or precision.startswith(("16", "bf16")):
             return "the run computes its matmuls in 16 bits"
         if torch.get_float32_matmul_precision() != "highest":
             return f"float32 matmul precision is already {torch.get_float32_matmul_precision()!r}"

@@ -15,22 +15,24 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    may spend ``max(budget x fit, baseline + first trial)`` when that first trial pays back, so a short fit whose
    data wait is 77 % of the step is still searched.
 2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current
-   configuration measured right before it (A), never with a baseline measured minutes earlier: on the shared
-   2-core VM the rate of one configuration drifted by up to 12 % between windows a minute apart while adjacent
-   windows agreed within 3-5 %. A window of the current configuration is reused by the next trial only when no
-   other window was measured since (a candidate rejected by its numerics probe measured nothing).
+   configuration measured right before it (A), never with a baseline measured minutes earlier: in one search on
+   the shared 2-core VM the unchanged configuration measured 1453 samples/s in the baseline and 1058-1222 a few
+   trials later (a neighbour's tests had started), while one candidate's two paired ratios agreed within 3 %
+   (1.162, 1.135). A window of the current configuration is reused by the next trial only when no other window
+   was measured since (a candidate rejected by its numerics probe measured nothing).
 3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the
    baseline's two windows, counted up to twice the threshold: one burst of interference in the baseline measured
-   24.6 % on this VM and would otherwise hide every later gain) is confirmed by a second pair in reverse order (A B B A: a linear drift of the machine's speed cancels); the
+   24.6 % on this VM and would otherwise hide every later gain) is confirmed by a second pair in reverse order
+   (A B B A: a linear drift of the machine's speed cancels); the
    change is kept when both ratios exceed 1 and their mean clears the gate. A first ratio of at least
    ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest burst seen here: 25 %).
 4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not
-   thrown away: it is reverted and held. On the naive GPT-2 script the worker, SDPA, fused-optimizer and
-   micro-batch gains were 2-9 % each, within the 5 % gate alone and 1.45x together. When no candidate is left
+   thrown away: it is reverted and held. On the naive GPT-2 script of issue 19 the worker, SDPA, fused-optimizer
+   and micro-batch gains were 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no candidate is left
    (or the patience runs out), the held changes are applied together as a *bundle*, checked by the numerics guard
    (the loosest member's tolerance; bit-identical batches when a member changes data loading) and confirmed with
-   A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone sits
-   inside the 3-5 % pair-to-pair spread. A bundle that fails numerics is split: its members are re-applied one at
+   A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone
+   cannot, and the bundle's two pairs are measured with the whole sum in them. A bundle that fails numerics is split: its members are re-applied one at
    a time with the guard after each, and a member that breaks the numbers is dropped (the culprit is named).
 5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
    trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
@@ -58,6 +60,8 @@ __all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend",
 #: interference measured on this VM (at most 25 % between two windows) makes a window 1.5x faster, and a short
 #: fit cannot afford two more windows for a fix that halves its data wait.
 DECISIVE_GAIN = 0.5
+#: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
+BUNDLE_WINDOWS = 4.4
 
 
 class Undo:
@@ -346,7 +350,7 @@ class AutopilotSearch:
                                 f"{self._budget:.0f} s")
         else:
             self._phase("estimating the step time")
-            estimate = backend.measure(1, 2)
+            estimate = backend.measure(2, 3)  # the first steps (loader start, allocator) warm up untimed
             step = estimate.step_seconds
             self._current = estimate
             fit = step * self.steps_left
@@ -423,6 +427,11 @@ class AutopilotSearch:
                     stopped = "no candidate left"
                     break
                 cost = self._trial_cost(offer.candidate)
+                # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
+                reserve = BUNDLE_WINDOWS * self._window_seconds if len(self._held) >= 2 else 0.0
+                if reserve and not self._affords(cost + reserve):
+                    stopped = "time left kept for confirming the held small gains together"
+                    break
                 if not self._affords(cost):
                     stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
                                f"needs ~{cost:.1f} s)")
@@ -440,7 +449,7 @@ class AutopilotSearch:
                     if misses >= self.patience:
                         stopped = f"{misses} measured candidate(s) in a row without a gain"
                         break
-            if len(self._held) >= 2 and self._affords(4.4 * self._window_seconds):
+            if len(self._held) >= 2 and self._affords(BUNDLE_WINDOWS * self._window_seconds):
                 if self._bundle():
                     misses = 0
                     continue  # the bottleneck moved: diagnose again
@@ -502,6 +511,7 @@ class AutopilotSearch:
         try:
             self._phase("measuring the current configuration", candidate.name, index)
             before = self._measure_current()
+            self._phase("applying", candidate.name, index)  # some changes search first (the loader's workers)
             backend.prepare(candidate)
             undo, failure = self._apply(candidate)
             record.change = backend.describe(candidate)

@@ -134,8 +134,10 @@ real = _autopilot_backend.LightningSearchBackend.measure
 
 def measure(self, warmup_steps, steps):  # scripted: mixed precision measures 2x (the decision is exact)
     window = real(self, warmup_steps, steps)
-    window.seconds = window.samples / (100.0 * (2.0 if isinstance(self.run.trainer.precision_plugin,
-                                                                   AutoMixedPrecision) else 1.0))
+    scale = window.samples / (100.0 * (2.0 if isinstance(self.run.trainer.precision_plugin,
+                                                          AutoMixedPrecision) else 1.0)) / window.seconds
+    window.seconds *= scale  # the stage split keeps its proportions
+    window.stage_seconds = {k: v * scale for k, v in window.stage_seconds.items()}
     return window
 
 
@@ -146,7 +148,8 @@ class Model(pl.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+        # compute-heavy (forward + backward hold the step), so the diagnosis offers mixed precision
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
 
     def training_step(self, batch, i):
         (x,) = batch
@@ -166,8 +169,10 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, 
 model = Model()
 model.dtypes = []
 g = torch.Generator().manual_seed(0)
-trainer.fit(model, DataLoader(TensorDataset(torch.randn(256, 32, generator=g)), batch_size=8))
-row = next(r for r in autopilot.records if r.name == "precision")
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(512, 256, generator=g)), batch_size=32))
+rows = [r for r in autopilot.records if r.name == "precision"]
+assert rows, (autopilot.plan.stopped, autopilot.notes, [(r.name, r.reason) for r in autopilot.records])
+row = rows[0]
 plugin = trainer.precision_plugin
 out = {"kept": row.kept, "reason": row.reason, "plugin": type(plugin).__name__,
        "precision": getattr(plugin, "precision", None), "yaml": autopilot.yaml, "last_dtype": model.dtypes[-1],

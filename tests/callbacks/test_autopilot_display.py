@@ -51,8 +51,10 @@ def measured(monkeypatch):
     def measure(self, warmup_steps, steps):
         window = real(self, warmup_steps, steps)
         extras = self.run.extras
-        window.seconds = window.samples / (100.0 * (1.3 if "faster" in extras else 1.0)
-                                           * (0.8 if "slower" in extras else 1.0))
+        scale = window.samples / (100.0 * (1.3 if "faster" in extras else 1.0)
+                                  * (0.8 if "slower" in extras else 1.0)) / window.seconds
+        window.seconds *= scale
+        window.stage_seconds = {k: v * scale for k, v in window.stage_seconds.items()}
         return window
 
     monkeypatch.setattr(_autopilot_backend.LightningSearchBackend, "measure", measure)
