@@ -21,6 +21,14 @@ straight to ``fit``), ``compute`` (the demo GPT on memory-mapped tokens: nothing
     python benchmarks/bench_autopilot.py                 # all scenarios (~10 minutes on 2 cores)
     python benchmarks/bench_autopilot.py --scenarios data micro_batch --rounds 1
     python benchmarks/bench_autopilot.py --scenarios attention --verbose   # + every trial of every round
+
+Naive real-model scripts (HF GPT-2 / Llama, litgpt, the demo GPT, several causes at once) against hand-tuned fp32
+and bf16, and the 300-step whole-fit comparison, live in ``bench_autopilot_real.py``; ``--real ARGS`` hands ARGS to
+it (every run in its own process):
+
+    python benchmarks/bench_autopilot.py --real --scripts gpt2 llama --rounds 5 --out results.jsonl
+    python benchmarks/bench_autopilot.py --real --short --rounds 3 --out results.jsonl
+    python benchmarks/bench_autopilot.py --real --report results.jsonl --verbose
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -334,6 +343,14 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
 
 
 def main() -> None:
+    import sys
+
+    if "--real" in sys.argv[1:]:  # the real-script benchmark: its own driver, one process per run
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_autopilot_real import main as real_main
+
+        real_main([a for a in sys.argv[1:] if a != "--real"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--verbose", action="store_true", help="print the Autopilot's trials of every round")

@@ -1,0 +1,402 @@
+"""The Autopilot on naive real-model scripts and on short fits, every run in its own process.
+
+Two parts (both reached through ``benchmarks/bench_autopilot.py --real`` / ``--short``, or this file directly):
+
+**Real scripts** (:mod:`autopilot_scripts`: HF GPT-2 and HF Llama on eager attention, litgpt's GPT, the demo GPT;
+each with Lightning's default fp32, ``AdamW(foreach=False)``, micro-batch 4 × ``accumulate_grad_batches=8`` and a
+``num_workers=0`` loader that tokenises every sample, ~1 ms each). Per round, in separate processes, alternating
+the order (A B C D, D C B A, …):
+
+* ``vanilla``: the script as written;
+* ``hand_fp32`` / ``hand_bf16``: the same knobs set by hand (SDPA, 32 × 1, ``AdamW(foreach=True)``, one worker),
+  in fp32 and in ``bf16-mixed``; the better of the two is the *hand-tuned best*;
+* ``autopilot``: the script as written plus ``Autopilot()`` at its defaults (``budget=0.05`` of the planned fit).
+
+The fit is *planned* 10 minutes long — ``max_steps`` = 600 s ÷ vanilla's seconds per optimizer step, measured by
+the round-0 vanilla run, which runs first — so the Autopilot's default budget is 5 % of a 10-minute fit; the run
+is then stopped after ``--steps`` optimizer steps (a callback sets ``trainer.should_stop``). Training samples/s
+from ``on_train_batch_end`` after ``--skip`` optimizer steps (data wait included; the search happens in
+``on_fit_start``, before, and is reported apart: its seconds and its share of the planned 10-minute fit). The
+held-out loss is the mean loss on fixed held-out batches (another seed) after the same ``--steps`` optimizer steps
+(the same samples in every configuration: the global batch and the sampler's order are the same).
+
+**Short fits** (``--short``): 300-step fits whose whole wall time (``trainer.fit``, the search included) is
+compared, vanilla vs ``Autopilot()`` at its defaults: ``short_data`` (the planted ``data`` scenario of
+``bench_autopilot.py``: a 1.5 ms sleep per sample, ``num_workers=0``; the data wait is most of the step) and
+``short_balanced`` (the demo GPT on memory-mapped tokens, Lightning's default precision, nothing planted).
+
+Every run appends one JSON line to ``--out``; ``--report FILE`` prints the tables from such a file, so repeats
+taken in separate sessions (under a CPU lock, a few minutes at a time) add up.
+
+    python benchmarks/bench_autopilot_real.py --scripts gpt2 --rounds 1 --out /tmp/ap.jsonl
+    python benchmarks/bench_autopilot_real.py --short --rounds 2 --out /tmp/ap.jsonl
+    python benchmarks/bench_autopilot_real.py --report /tmp/ap.jsonl [--verbose]
+    python benchmarks/bench_autopilot_real.py --quick      # smoke test: every script, a few steps, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+RESULT = "RESULT-JSON "
+PLANNED_SECONDS = 600.0  # the fit the Autopilot is told about: 10 minutes of vanilla steps
+
+
+# ------------------------------------------------------------------------------------------------ one run (child)
+def _quiet() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _callbacks(steps: int, skip: int) -> tuple[Any, Any]:
+    import lightning.pytorch as pl
+
+    class Rate(pl.Callback):
+        """Training samples/s after ``skip`` optimizer steps; stops the fit after ``steps`` optimizer steps."""
+
+        def __init__(self) -> None:
+            self.rows: list[tuple[float, int, int]] = []  # (time, global_step after the batch, samples)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            b = batch
+            while isinstance(b, (list, tuple, dict)):
+                b = next(iter(b.values())) if isinstance(b, dict) else b[0]
+            self.rows.append((time.perf_counter(), trainer.global_step, int(b.shape[0])))
+            if trainer.global_step >= steps:
+                trainer.should_stop = True
+
+        def rate(self) -> float:
+            start = next((i for i, r in enumerate(self.rows) if r[1] >= skip), None)
+            if start is None or start + 1 >= len(self.rows):
+                return float("nan")
+            return sum(r[2] for r in self.rows[start + 1:]) / (self.rows[-1][0] - self.rows[start][0])
+
+    rate = Rate()
+    return rate, rate
+
+
+def _autopilot_row(autopilot: Any) -> dict[str, Any]:
+    plan = autopilot.plan
+    return {"search_seconds": plan.search_seconds or 0.0, "kept": [k.get("change") or k.get("name") for k in plan.kept],
+            "stopped": plan.stopped, "noise": plan.noise, "baseline_autopilot": plan.baseline_samples_per_sec,
+            "final_autopilot": plan.final_samples_per_sec,
+            "trials": [{"index": r.index, "name": r.name, "change": r.change, "samples_per_sec": r.samples_per_sec,
+                        "vs_baseline": r.vs_baseline, "kept": r.kept, "reason": r.reason, "seconds": r.seconds,
+                        "shares": r.shares, "ratio": getattr(r, "ratio", None)} for r in autopilot.records]}
+
+
+def run_real(spec: dict[str, Any]) -> dict[str, Any]:
+    """One fit of one script in one configuration (in this process)."""
+    import lightning.pytorch as pl
+    import torch
+    from autopilot_scripts import (
+        HAND_TUNED,
+        SCRIPTS,
+        VANILLA,
+        build,
+        heldout_batches,
+        heldout_loss,
+    )
+
+    _quiet()
+    script = SCRIPTS[spec["script"]]
+    config = dict(VANILLA)
+    if spec["variant"].startswith("hand"):
+        config.update(HAND_TUNED, precision="bf16-mixed" if spec["variant"] == "hand_bf16" else "32-true")
+    config["micro"] = tuple(config["micro"])
+    steps, skip = spec["steps"], spec["skip"]
+    samples = (steps + 20) * 32  # the same dataset (and sample order) in every variant; trials may wrap epochs
+    pl.seed_everything(0, verbose=False)
+    module, kwargs = build(script, config, samples=samples)
+    rate, _ = _callbacks(steps, skip)
+    callbacks: list[Any] = [rate]
+    autopilot = None
+    max_steps = steps
+    if spec["variant"] == "autopilot":
+        from lightning_accel.callbacks.autopilot import Autopilot
+
+        autopilot = Autopilot(print_summary=False, save_plan=False)
+        callbacks.insert(0, autopilot)
+        max_steps = spec["planned_steps"]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=callbacks, **kwargs)
+    t0 = time.perf_counter()
+    trainer.fit(module)
+    wall = time.perf_counter() - t0
+    row = {**spec, "samples_per_sec": rate.rate(), "wall_seconds": wall, "global_step": trainer.global_step,
+           "loss": heldout_loss(module, heldout_batches()), "torch_threads": torch.get_num_threads(),
+           "seconds_per_step": None}
+    rows = rate.rows
+    start = next((i for i, r in enumerate(rows) if r[1] >= skip), None)
+    if start is not None and rows[-1][1] > rows[start][1]:
+        row["seconds_per_step"] = (rows[-1][0] - rows[start][0]) / (rows[-1][1] - rows[start][1])
+    if autopilot is not None:
+        row.update(_autopilot_row(autopilot))
+    return row
+
+
+def run_short(spec: dict[str, Any]) -> dict[str, Any]:
+    """One 300-step fit (vanilla or with ``Autopilot()`` at its defaults); its whole wall time."""
+    import bench_autopilot as ba
+    import lightning.pytorch as pl
+
+    _quiet()
+    steps = spec["steps"]
+    pl.seed_everything(0, verbose=False)
+    if spec["scenario"] == "short_data":
+        model, data, kwargs = ba.build_data({"num_workers": 0})
+    else:
+        from lightning_accel.demo.model import GPTConfig
+        from lightning_accel.demo.task import DemoDataModule, GPTTask
+
+        model = GPTTask(GPTConfig(seq_len=64, n_layer=4, d_model=128))
+        data, kwargs = DemoDataModule(seq_len=64, batch_size=32, train_tokens=400_000, num_workers=0, seed=0), {}
+    rate, _ = _callbacks(steps, 10)
+    callbacks: list[Any] = [*kwargs.pop("callbacks", []), rate]
+    autopilot = None
+    if spec["variant"] == "autopilot":
+        from lightning_accel.callbacks.autopilot import Autopilot
+
+        autopilot = Autopilot(print_summary=False, save_plan=False)
+        callbacks.insert(0, autopilot)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=callbacks, **kwargs)
+    t0 = time.perf_counter()
+    if isinstance(data, pl.LightningDataModule):
+        trainer.fit(model, datamodule=data)
+    else:
+        trainer.fit(model, data)
+    row = {**spec, "wall_seconds": time.perf_counter() - t0, "samples_per_sec": rate.rate(),
+           "global_step": trainer.global_step}
+    if autopilot is not None:
+        row.update(_autopilot_row(autopilot))
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ driver (parent)
+def _child(spec: dict[str, Any], out: Path | None, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "--one", json.dumps(spec)], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=str(HERE.parent), check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    row = json.loads(lines[-1][len(RESULT):])
+    row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    row["commit"] = _commit()
+    if out is not None:
+        with out.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return row
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _say(row: dict[str, Any]) -> None:
+    what = row.get("script") or row.get("scenario")
+    extra = ""
+    if row["variant"] == "autopilot":
+        extra = f"  search {row['search_seconds']:.1f} s, kept: {'; '.join(row['kept']) or 'nothing'}"
+    print(f"  {what:14s} {row['variant']:10s} {row['samples_per_sec']:9.1f} samples/s  "
+          f"wall {row['wall_seconds']:6.1f} s  loss {row.get('loss', float('nan')):.5f}{extra}", flush=True)
+
+
+def drive_real(scripts: list[str], rounds: int, steps: int, skip: int, out: Path | None, planned: dict[str, int],
+               variants: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name in scripts:
+        for r in range(rounds):
+            order = variants if r % 2 == 0 else list(reversed(variants))
+            if name not in planned and "vanilla" in order:  # the vanilla run measures the planned length first
+                order = ["vanilla"] + [v for v in order if v != "vanilla"]
+            for variant in order:
+                spec = {"kind": "real", "script": name, "variant": variant, "steps": steps, "skip": skip,
+                        "planned_steps": planned.get(name, steps)}
+                row = _child(spec, out, timeout=900)
+                rows.append(row)
+                _say(row)
+                if variant == "vanilla" and name not in planned and row.get("seconds_per_step"):
+                    planned[name] = max(steps, math.ceil(PLANNED_SECONDS / row["seconds_per_step"]))
+    return rows
+
+
+def drive_short(scenarios: list[str], rounds: int, steps: int, out: Path | None) -> list[dict[str, Any]]:
+    rows = []
+    for name in scenarios:
+        for r in range(rounds):
+            for variant in (["vanilla", "autopilot"] if r % 2 == 0 else ["autopilot", "vanilla"]):
+                row = _child({"kind": "short", "scenario": name, "variant": variant, "steps": steps}, out, timeout=900)
+                rows.append(row)
+                _say(row)
+    return rows
+
+
+def _planned_from(path: Path | None) -> dict[str, int]:
+    """Planned lengths already measured (the first vanilla run of each script in ``path``), so later sessions
+    tell the Autopilot the same fit length."""
+    planned: dict[str, int] = {}
+    if path is None or not path.exists():
+        return planned
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "real" and row["variant"] == "autopilot" and row["script"] not in planned:
+            planned[row["script"]] = row["planned_steps"]
+    return planned
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None = None) -> str:
+    """The tables (markdown) from result rows: per script, and per short-fit scenario."""
+    if commit:  # the Autopilot's rows of that commit; vanilla and hand-tuned runs do not depend on its code
+        rows = [r for r in rows if r["variant"] != "autopilot" or str(r.get("commit", "")).startswith(commit)]
+    lines: list[str] = []
+    real = [r for r in rows if r.get("kind") == "real"]
+    if real:
+        lines += [("| script | vanilla samples/s | hand fp32 | hand bf16 | autopilot samples/s (each search) | "
+                   "÷ vanilla | ÷ hand-tuned best | held-out loss vanilla → autopilot | search s | "
+                   "search ÷ 10-min fit | kept (how many searches) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in dict.fromkeys(r["script"] for r in real):
+            by = {v: [r for r in real if r["script"] == name and r["variant"] == v]
+                  for v in ("vanilla", "hand_fp32", "hand_bf16", "autopilot")}
+            med = {v: statistics.median([r["samples_per_sec"] for r in rs]) if rs else float("nan")
+                   for v, rs in by.items()}
+            if commit and not by["autopilot"]:
+                continue
+            best = max(med["hand_fp32"], med["hand_bf16"])
+            auto = [r["samples_per_sec"] for r in by["autopilot"]]
+            losses_v = [r["loss"] for r in by["vanilla"]]
+            losses_a = [r["loss"] for r in by["autopilot"]]
+            search = [r["search_seconds"] for r in by["autopilot"]]
+            kept: dict[str, int] = {}
+            for r in by["autopilot"]:
+                key = "; ".join(r["kept"]) or "nothing"
+                kept[key] = kept.get(key, 0) + 1
+
+            def runs(rs: list[dict[str, Any]]) -> str:
+                return ", ".join(f"{r['samples_per_sec']:.0f}" for r in rs)
+
+            lines.append(
+                f"| {name} | {med['vanilla']:.1f} ({runs(by['vanilla'])}) | {med['hand_fp32']:.1f} "
+                f"({runs(by['hand_fp32'])}) | {med['hand_bf16']:.1f} ({runs(by['hand_bf16'])}) | "
+                f"{runs(by['autopilot'])} | {_spread([a / med['vanilla'] for a in auto])} | "
+                f"{_spread([a / best for a in auto])} | "
+                f"{statistics.median(losses_v) if losses_v else float('nan'):.5f} "
+                f"({min(losses_v, default=float('nan')):.5f}–{max(losses_v, default=float('nan')):.5f}) → "
+                f"{', '.join(f'{x:.5f}' for x in losses_a)} | {', '.join(f'{s:.1f}' for s in search)} | "
+                f"{_spread([100 * s / PLANNED_SECONDS for s in search])} % | "
+                f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |")
+    short = [r for r in rows if r.get("kind") == "short"]
+    if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
+        lines += ["", ("| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
+                       "wall (each pair) | kept / stopped |"), "|---|---|---|---|---|"]
+        for name in dict.fromkeys(r["scenario"] for r in short):
+            v = [r for r in short if r["scenario"] == name and r["variant"] == "vanilla"]
+            a = [r for r in short if r["scenario"] == name and r["variant"] == "autopilot"]
+            if commit and not a:
+                continue
+            vm = statistics.median([r["wall_seconds"] for r in v]) if v else float("nan")
+            ratios = [vm / r["wall_seconds"] for r in a]
+            walls_v = ", ".join(f"{r['wall_seconds']:.1f}" for r in v)
+            walls_a = ", ".join(f"{r['wall_seconds']:.1f} ({r['search_seconds']:.1f})" for r in a)
+            outcome = "<br>".join(sorted({("; ".join(r["kept"]) or "nothing") + " / " + str(r["stopped"]) for r in a}))
+            lines.append(f"| {name} | {vm:.1f} ({walls_v}) | {walls_a} | {_spread(ratios)} | {outcome} |")
+    if verbose:
+        for r in rows:
+            if r["variant"] != "autopilot":
+                continue
+            lines.append(f"\n{r.get('script') or r.get('scenario')} @ {r.get('commit')} {r.get('measured_at')}: "
+                         f"search {r['search_seconds']:.1f} s, noise {r.get('noise')}, stopped: {r.get('stopped')}")
+            for t in r["trials"]:
+                sps = f"{t['samples_per_sec']:9.1f}" if t["samples_per_sec"] else " " * 9
+                vs = f"{t['vs_baseline']:.3f}" if t["vs_baseline"] else "     "
+                if t.get("ratio"):
+                    vs += f" (paired {t['ratio']:.3f})"
+                lines.append(f"    {t['index']:2d} {t['name']:22s} {sps} {vs} {'kept' if t['kept'] else '    '}  "
+                             f"{t['change']} — {t['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from autopilot_scripts import SCRIPTS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=None)
+    parser.add_argument("--variants", nargs="+", default=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
+                        choices=["vanilla", "hand_fp32", "hand_bf16", "autopilot"])
+    parser.add_argument("--short", action="store_true", help="the 300-step whole-fit wall-time comparison")
+    parser.add_argument("--short-scenarios", nargs="+", default=["short_data", "short_balanced"],
+                        choices=["short_data", "short_balanced"])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps trained per real-script run")
+    parser.add_argument("--skip", type=int, default=5, help="optimizer steps not timed (warm-up)")
+    parser.add_argument("--short-steps", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=None, help="append every run's JSON row here")
+    parser.add_argument("--report", type=Path, default=None, help="print the tables of a results file and exit")
+    parser.add_argument("--commit", default=None, help="with --report: only the Autopilot rows measured at this commit")
+    parser.add_argument("--verbose", action="store_true", help="with --report: every Autopilot trial row")
+    parser.add_argument("--quick", action="store_true", help="smoke test: every script, 6 steps, one round")
+    args = parser.parse_args(argv)
+    if args.one:
+        spec = json.loads(args.one)
+        row = run_real(spec) if spec["kind"] == "real" else run_short(spec)
+        print(RESULT + json.dumps(row), flush=True)
+        return
+    if args.report:
+        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        print(report(rows, args.verbose, args.commit))
+        return
+    if args.quick:
+        rows = drive_real([n for n in SCRIPTS if SCRIPTS[n].missing() is None], 1, 6, 2, args.out, {}, args.variants)
+        print(report(rows, verbose=True))
+        return
+    rows = []
+    if args.scripts:
+        missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
+        if missing:
+            parser.error("; ".join(missing))
+        rows += drive_real(args.scripts, args.rounds, args.steps, args.skip, args.out, _planned_from(args.out),
+                           args.variants)
+    if args.short:
+        rows += drive_short(args.short_scenarios, args.rounds, args.short_steps, args.out)
+    if not rows:
+        parser.error("give --scripts, --short, --quick or --report")
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""benchmarks/autopilot_scripts.py and bench_autopilot_real.py must not rot: the naive scripts build and train, the
+hand-tuned configuration is the same model (eager and SDPA attention compute the same loss), a run in-process
+returns its row, and the report computes its ratios from the rows."""
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+scripts = importlib.import_module("autopilot_scripts")
+real = importlib.import_module("bench_autopilot_real")
+
+
+def test_tokenizer_is_deterministic_merges_pairs_and_fits_the_vocabulary():
+    table = scripts._merge_table()
+    text = "the cat eats a hat " * 10
+    once, again = scripts.tokenize(text, table, 3), scripts.tokenize(text, table, 3)
+    assert once == again
+    assert len(once) < len(text.encode())  # merges happened
+    assert scripts.tokenize(text, table, 0) == list(text.encode())
+    data = scripts.TokenizingDataset(4, seed=1)
+    item = data[0]
+    assert item.shape == (scripts.SEQ + 1,) and item.dtype == torch.long
+    assert int(item.max()) < scripts.VOCAB and torch.equal(item, data[0])
+
+
+def test_build_refuses_a_micro_batch_that_changes_the_global_batch():
+    with pytest.raises(ValueError, match="global batch must stay 32"):
+        scripts.build(scripts.SCRIPTS["demo"], dict(scripts.VANILLA, micro=(8, 8)), samples=8)
+
+
+@pytest.mark.parametrize("name", list(scripts.SCRIPTS))
+def test_the_hand_tuned_attention_is_the_same_model(name):
+    script = scripts.SCRIPTS[name]
+    if script.missing():
+        pytest.skip(script.missing())
+    batch = torch.stack([scripts.TokenizingDataset(4, seed=3)[i] for i in range(4)])
+    losses = []
+    for attention in ("eager", "sdpa"):
+        module = scripts.NaiveLM(script, attention=attention, micro=4, num_workers=0, optimizer="single", samples=8)
+        with torch.no_grad():
+            losses.append(float(module.loss(batch)))
+    assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    if script.hf:  # the knob exists: the vanilla model really runs eager attention
+        module = scripts.NaiveLM(script, attention="eager", micro=4, num_workers=0, optimizer="single", samples=8)
+        assert module.model.config._attn_implementation == "eager"
+
+
+def test_a_run_in_process_trains_the_asked_steps_and_reports_its_row():
+    row = real.run_real({"kind": "real", "script": "demo", "variant": "hand_fp32", "steps": 3, "skip": 1,
+                         "planned_steps": 3})
+    assert row["global_step"] == 3 and row["samples_per_sec"] > 0 and math.isfinite(row["loss"])
+    assert row["seconds_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_an_autopilot_run_in_process_carries_its_search():
+    row = real.run_real({"kind": "real", "script": "demo", "variant": "autopilot", "steps": 3, "skip": 1,
+                         "planned_steps": 3})
+    assert row["global_step"] == 3 and row["search_seconds"] >= 0 and isinstance(row["trials"], list)
+    assert row["stopped"]  # a 3-step fit cannot repay a search: it says why
+
+
+def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
+    def r(variant, sps, **extra):
+        return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
+
+    rows = [r("vanilla", 100.0), r("hand_fp32", 150.0), r("hand_bf16", 200.0),
+            r("autopilot", 180.0, search_seconds=6.0, kept=["a"], commit="abc"),
+            r("autopilot", 190.0, search_seconds=12.0, kept=["a"], commit="abc"),
+            r("autopilot", 50.0, search_seconds=1.0, kept=[], commit="old")]
+    table = real.report(rows, commit="abc")
+    line = next(ln for ln in table.splitlines() if ln.startswith("| s |"))
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[6] == "1.85 (1.80–1.90)"  # ÷ vanilla
+    assert cells[7] == "0.93 (0.90–0.95)"  # ÷ the bf16 hand-tuned run, the better one
+    assert cells[10] == "1.50 (1.00–2.00) %"  # of a 600 s fit
+    assert cells[11] == "a (2)"  # the old commit's search is not counted
