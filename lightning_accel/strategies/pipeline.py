@@ -595,8 +595,22 @@ class PipelineStrategy(DDPStrategy):
     # ----------------------------------------------------------------------------------------- setup
     @override
     def setup_environment(self) -> None:
+        from lightning_accel._compat import module_trainer
+
+        trainer = module_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if trainer is not None:
+            self._check_trainer(trainer)  # before the process group: nothing has started when it refuses
         super().setup_environment()
         register_clean_exit()  # a finished script ends cleanly without calling anything of ours
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        """The Trainer settings a pipeline cannot honour (checked before the process group starts)."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("pipeline: precision with a gradient scaler (16-mixed) is not supported: the scaler "
+                             "would have to see the loss inside the schedule; use precision='bf16-mixed' or 32")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise ValueError(f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
+                             "stage would compute over its own parameters only; use gradient_clip_algorithm='value'")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -606,12 +620,7 @@ class PipelineStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         module = self.lightning_module
         assert module is not None
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("pipeline: precision with a gradient scaler (16-mixed) is not supported: the scaler "
-                             "would have to see the loss inside the schedule; use precision='bf16-mixed' or 32")
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise ValueError(f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
-                             "stage would compute over its own parameters only; use gradient_clip_algorithm='value'")
+        self._check_trainer(trainer)
         self.accelerator.setup(trainer)
         if self._split_module is not module:  # a validate/test after fit reuses this Trainer's split
             if any(isinstance(m, _Offstage) for m in module.modules()):

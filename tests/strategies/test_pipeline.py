@@ -4,6 +4,7 @@ process (no process group)."""
 from __future__ import annotations
 
 import pytest
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
@@ -204,3 +205,47 @@ def test_the_scaling_model_projects_pp_x_tp_x_dp_with_the_bubble_and_point_to_po
     assert more.efficiency > pp.efficiency  # more micro-batches: a smaller bubble
     with pytest.raises(ValueError, match=r"pp_size=4 x tp_size=8 does not divide n=48"):
         project_scaling(w, link, n=[48], strategies=["pp"], tp_size=8, pp_size=4)
+
+
+class _Tiny(pl.LightningModule):  # a module the split would accept: the refusals come before it is looked at
+    def __init__(self):
+        super().__init__()
+        self.model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16))
+
+    def training_step(self, batch, i):
+        raise AssertionError("the refusal comes before the first step")
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 32, (4, 9))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(**kwargs):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=PipelineStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer.fit(_Tiny())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"gradient_clip_val": 1.0}, r"gradient_clip_val=1.0 clips by the norm.*gradient_clip_algorithm='value'"),
+    ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}, r"clips by the norm"),
+])
+def test_clipping_by_the_norm_is_refused_before_the_process_group(kwargs, match):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=match):
+        _fit(**kwargs)
+    assert not dist.is_initialized()  # refused in setup_environment, before anything started
+
+
+def test_a_gradient_scaler_is_refused_before_the_process_group():
+    import torch.distributed as dist
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"gradient scaler \(16-mixed\) is not supported.*bf16-mixed"):
+        _fit(plugins=[plugin])
+    assert not dist.is_initialized()

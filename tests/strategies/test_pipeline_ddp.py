@@ -209,6 +209,18 @@ try:
 except ValueError as err:
     out["divide"] = str(err)
 
+# LBFGS re-evaluates the loss inside its step: refused before the first step
+class WithLBFGS(Task):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+try:
+    trainer("pp", 2).fit(WithLBFGS("demo"))
+    out["lbfgs"] = "no error"
+except ValueError as err:
+    out["lbfgs"] = str(err)
+
 # measuring: MFUMonitor counts each rank's own stages (per device); BottleneckDoctor reports the bubble per rank
 from lightning_accel.callbacks import BottleneckDoctor, MFUMonitor
 from lightning_accel.core.flops import FlopCounter
@@ -255,6 +267,7 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
         assert rank["hook_ok"] == 2
         assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+        assert "LBFGS re-evaluates the loss" in rank["lbfgs"] and "first-order optimizer" in rank["lbfgs"]
         # each rank counts the FLOPs its own stage ran; together they are the one-process step's
         assert 0 < rank["flops"]["mine"] < rank["flops"]["total"]
         bubble = [f for f in rank["doctor"] if f[0] == "pipeline_bubble"]
