@@ -46,7 +46,13 @@ same global batch. The batch size must be a multiple of ``microbatches``.
 
 **pp_ddp** (``data_parallel_size > 1``): ranks form a ``(pipeline, data_parallel)`` mesh, consecutive ranks being
 replicas of the same stage; each replica gets its own share of the data (``distributed_sampler_kwargs``) and the
-stages' gradients are averaged over the replicas before the optimizer step.
+stages' gradients are averaged over the replicas before the optimizer step. ``compression="fp16"``, ``"bf16"``,
+``"topk"`` (``density=``) or ``"qsgd"`` (``levels=``) runs that average through the same communication hook the
+``ddp_<compression>`` strategies register with DDP (torch's ``fp16_compress_hook`` / ``bf16_compress_hook``,
+:mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults), over the replica group, with all of
+a stage's gradients as one flat bucket; :attr:`PipelineStrategy.comm_stats` counts the bytes before and after
+(:class:`~lightning_accel.strategies.ddp_compression.CommStats`). PowerSGD is not offered here (its per-matrix
+state expects DDP's buckets).
 
 **Faults.** Peers that stop answering (a dead rank, a deadlocked schedule) raise after ``timeout`` (the process
 group's, default 30 min) with this rank and its stage(s) named, instead of hanging.
@@ -69,6 +75,10 @@ Args:
     blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
     network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
     check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
+    compression: compress the data-parallel gradient average (``pp_ddp``): ``"fp16"``, ``"bf16"``, ``"topk"``,
+        ``"qsgd"`` or None (plain all-reduce).
+    density: Top-K's fraction of entries sent (``compression="topk"``).
+    levels: QSGD's quantisation levels (``compression="qsgd"``).
     **kwargs: passed to Lightning's ``DDPStrategy`` (``timeout``, ``process_group_backend``).
 """
 
@@ -92,6 +102,8 @@ from lightning_accel.strategies.shutdown import register_clean_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+_DP_COMPRESSIONS = ("fp16", "bf16", "topk", "qsgd")
 
 __all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "pp", "pp_ddp"]
 
@@ -406,7 +418,8 @@ class PipelineStrategy(DDPStrategy):
                  microbatches: int | None = None, stages: int | None = None,
                  data_parallel_size: Literal["auto"] | int = 1, pipeline_size: Literal["auto"] | int = "auto",
                  blocks_per_stage: list[int] | None = None, network: str | None = None, check_loss: bool = True,
-                 print_plan: bool = True, **kwargs: Any) -> None:
+                 print_plan: bool = True, compression: Literal["fp16", "bf16", "topk", "qsgd"] | None = None,
+                 density: float = 0.01, levels: int = 7, **kwargs: Any) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"PipelineStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
         for name, value in (("microbatches", microbatches), ("stages", stages)):
@@ -415,6 +428,15 @@ class PipelineStrategy(DDPStrategy):
         for name, value in (("data_parallel_size", data_parallel_size), ("pipeline_size", pipeline_size)):
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"PipelineStrategy({name}={value!r}) must be 'auto' or an integer >= 1")
+        if compression is not None and compression not in _DP_COMPRESSIONS:
+            raise ValueError(f"PipelineStrategy(compression={compression!r}): use one of "
+                             f"{', '.join(map(repr, _DP_COMPRESSIONS))} or None (plain all-reduce); PowerSGD is not "
+                             "offered in the data-parallel dimension")
+        if compression == "topk" and (isinstance(density, bool) or not isinstance(density, (int, float))
+                                      or not 0 < density <= 1):
+            raise ValueError(f"PipelineStrategy(density={density!r}) must be a fraction in (0, 1], e.g. 0.01")
+        if compression == "qsgd" and (isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127):
+            raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
         super().__init__(**kwargs)
@@ -443,6 +465,12 @@ class PipelineStrategy(DDPStrategy):
         self._loss_divisor = 1.0
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
         self._layout: _Layout | None = None
+        self.compression = compression
+        self._compression_knobs = {"density": float(density)} if compression == "topk" else (
+            {"levels": levels} if compression == "qsgd" else {})
+        #: the data-parallel gradient exchange's counters (:class:`~.ddp_compression.CommStats`; pp_ddp only)
+        self.comm_stats: Any = None
+        self._dp_hook: tuple[Any, Callable[..., Any]] | None = None
 
     # ----------------------------------------------------------------------------------------- sizes and groups
     def resolve_sizes(self, world: int) -> tuple[int, int]:
@@ -472,6 +500,7 @@ class PipelineStrategy(DDPStrategy):
         self.pp_size, self.dp_size = self.resolve_sizes(world)
         self.pp_rank, self.dp_rank = rank // self.dp_size, rank % self.dp_size
         self._pp_group = self._dp_group = None
+        self._dp_hook = None  # a compression hook's state is bound to the replica group
         # every rank creates every group, in the same order (torch's new_group contract)
         for d in range(self.dp_size):
             ranks = [r * self.dp_size + d for r in range(self.pp_size)]
@@ -912,11 +941,56 @@ class PipelineStrategy(DDPStrategy):
                     grad = p.grad if p.grad is not None else torch.zeros_like(p)
                     dist.all_reduce(grad, group=self._tie_group)
                     p.grad = grad
-        if self._dp_group is not None:
+        if self._dp_group is not None and self.compression is not None:
+            self._reduce_compressed([p for p in module.parameters() if p.grad is not None])
+        elif self._dp_group is not None:
             for p in module.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(self.dp_size)
+
+    def _make_dp_hook(self) -> tuple[Any, Callable[..., Any]]:
+        """(state, hook): the hook ``ddp_<compression>`` registers with DDP, over the replica group."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        from lightning_accel.strategies import compression_hooks
+        from lightning_accel.strategies.ddp_compression import CommStats
+
+        self.comm_stats = CommStats()
+        if self.compression == "fp16":
+            return self._dp_group, default_hooks.fp16_compress_hook
+        if self.compression == "bf16":
+            return self._dp_group, default_hooks.bf16_compress_hook
+        if self.compression == "topk":
+            return (compression_hooks.TopKState(process_group=self._dp_group, **self._compression_knobs),
+                    compression_hooks.topk_hook)
+        return (compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs),
+                compression_hooks.qsgd_hook)
+
+    def _reduce_compressed(self, params: list[nn.Parameter]) -> None:
+        """Average the stage's gradients over the replicas through a DDP compression hook: all of them as one
+        flat bucket (index 0 every step, so Top-K's error residual stays attached to the same entries)."""
+        if self._dp_hook is None:
+            self._dp_hook = self._make_dp_hook()
+        state, hook = self._dp_hook
+        flat = torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in params])  # type: ignore[union-attr]
+        bucket = _FlatBucket(flat, params)
+        started = getattr(state, "iter", 0) >= getattr(state, "start_iter", 0)
+        sent_before = getattr(state, "bytes_sent", 0)
+        reduced = hook(state, bucket).wait()
+        reduced = reduced[0] if isinstance(reduced, list) else reduced
+        stats = self.comm_stats
+        stats.calls += 1
+        stats.steps += 1
+        stats.compressed_steps += int(started)
+        stats.bytes_before += flat.numel() * flat.element_size()
+        stats.bytes_sent += (flat.numel() * 2 if self.compression in ("fp16", "bf16")
+                             else state.bytes_sent - sent_before)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(reduced[offset:offset + n].view_as(p.grad))  # type: ignore[union-attr]
+            offset += n
 
     def bubble_per_rank(self, skip: int = 1) -> list[float | None]:
         """Every rank's measured bubble (a collective: call it on all ranks)."""
@@ -984,6 +1058,25 @@ class PipelineStrategy(DDPStrategy):
         self._stages = []
         super().teardown()
         register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
+
+
+class _FlatBucket:
+    """What a DDP communication hook reads of a ``dist.GradBucket``: one flat fp32 buffer, always bucket 0."""
+
+    def __init__(self, buffer: torch.Tensor, params: list[nn.Parameter]) -> None:
+        self._buffer, self._params = buffer, params
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -164,6 +164,12 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=r"pipeline_size=3 × data_parallel_size=1 does not fit 4 processes"):
         PipelineStrategy(pipeline_size=3).resolve_sizes(4)
     assert PipelineStrategy(data_parallel_size="auto").resolve_sizes(4) == (2, 2)
+    with pytest.raises(ValueError, match=r"compression='powersgd'\): use one of 'fp16', 'bf16', 'topk', 'qsgd'"):
+        PipelineStrategy(compression="powersgd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"density=0\) must be a fraction in \(0, 1\]"):
+        PipelineStrategy(compression="topk", density=0)
+    with pytest.raises(ValueError, match=r"levels=200\) must be an integer in 1..127"):
+        PipelineStrategy(compression="qsgd", levels=200)
     assert PipelineStrategy().resolve_sizes(4) == (4, 1)
 
 

@@ -317,8 +317,20 @@ t = trainer("pp_ddp", STEPS, devices=4, callbacks=[monitor])
 task = Task("demo")
 t.fit(task)
 s = t.strategy
-out = {"dw": max_dw(task, reference("demo", STEPS, size=2 * BATCH)), "sizes": [s.pp_size, s.dp_size],
-       "coords": [s.pp_rank, s.dp_rank], "losses": monitor.losses}
+ref = reference("demo", STEPS, size=2 * BATCH)
+out = {"dw": max_dw(task, ref), "sizes": [s.pp_size, s.dp_size], "coords": [s.pp_rank, s.dp_rank],
+       "losses": monitor.losses}
+# the replica average through the DDP compression hooks (same processes, one more fit each): Top-K at density 1
+# sends every entry (fp32 values + int32 indices: twice the bytes) and must give the plain run's weights; bf16 sends
+# half the bytes and stays close
+for name, kwargs in (("topk", {"compression": "topk", "density": 1.0}), ("bf16", {"compression": "bf16"})):
+    t = trainer(PipelineStrategy(data_parallel_size="auto", **kwargs), STEPS, devices=4)
+    task = Task("demo")
+    t.fit(task)
+    c = t.strategy.comm_stats
+    out[name] = {"dw": max_dw(task, ref), "steps": c.steps, "compressed": c.compressed_steps,
+                 "before": c.bytes_before, "sent": c.bytes_sent,
+                 "n": sum(p.numel() for p in task.parameters())}
 with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -334,3 +346,10 @@ def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_p
         assert r["dw"] <= 1e-4
     assert ranks[0]["losses"] == ranks[2]["losses"]  # a pipeline's stages report its loss
     assert ranks[0]["losses"] != ranks[1]["losses"]  # the replicas saw different data
+    for r in ranks:
+        topk, bf16 = r["topk"], r["bf16"]
+        assert topk["dw"] <= 1e-4 and topk["steps"] == bf16["steps"] == 10
+        assert topk["compressed"] == 8  # Top-K's default warm-up: 2 plain all-reduce steps
+        assert topk["before"] == 10 * 4 * topk["n"] and topk["sent"] == 2 * 4 * topk["n"] + 8 * 8 * topk["n"]
+        assert bf16["sent"] * 2 == bf16["before"] == 10 * 4 * bf16["n"] and bf16["compressed"] == 10
+        assert 0 < bf16["dw"] <= 1e-2  # bf16's 8-bit mantissa: close to, not equal to, the fp32 weights
