@@ -52,7 +52,10 @@ stages' gradients are averaged over the replicas before the optimizer step. ``co
 :mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults), over the replica group, with all of
 a stage's gradients as one flat bucket; :attr:`PipelineStrategy.comm_stats` counts the bytes before and after
 (:class:`~lightning_accel.strategies.ddp_compression.CommStats`). PowerSGD is not offered here (its per-matrix
-state expects DDP's buckets).
+state expects DDP's buckets). ``"pp_fsdp2"`` is refused with the reason (``strategies/registration.py``'s
+``REFUSED``): the split and loss checks run the unsplit network in one process while ``fully_shard`` gathers
+parameters only through the wrapped module's own forward, and the gradient hand-back, the tied-embedding sum and
+the checkpoint gather handle plain tensors, not FSDP2's sharded DTensors.
 
 **Faults.** Peers that stop answering (a dead rank, a deadlocked schedule) raise after ``timeout`` (the process
 group's, default 30 min) with this rank and its stage(s) named, instead of hanging.
@@ -435,7 +438,8 @@ class PipelineStrategy(DDPStrategy):
         if compression == "topk" and (isinstance(density, bool) or not isinstance(density, (int, float))
                                       or not 0 < density <= 1):
             raise ValueError(f"PipelineStrategy(density={density!r}) must be a fraction in (0, 1], e.g. 0.01")
-        if compression == "qsgd" and (isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127):
+        if compression == "qsgd" and (isinstance(levels, bool) or not isinstance(levels, int)
+                                      or not 1 <= levels <= 127):
             raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])

@@ -181,6 +181,14 @@ def test_strings_are_registered():
     assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"
 
 
+
+def test_pp_fsdp2_is_refused_with_the_reason_and_what_to_use():
+    import lightning_accel  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"strategy='pp_fsdp2' is not built: .*fully_shard.*Use strategy='pp_ddp'"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="pp_fsdp2", logger=False)
+
+
 def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
     from lightning_accel.core.pipeline_plan import bubble_finding
 
