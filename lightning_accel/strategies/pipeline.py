@@ -108,7 +108,7 @@ if TYPE_CHECKING:
 
 _DP_COMPRESSIONS = ("fp16", "bf16", "topk", "qsgd")
 
-__all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "pp", "pp_ddp"]
+__all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "measure_stage_costs", "pp", "pp_ddp"]
 
 
 # ------------------------------------------------------------------------------------------------------ layouts
@@ -422,7 +422,8 @@ class PipelineStrategy(DDPStrategy):
                  data_parallel_size: Literal["auto"] | int = 1, pipeline_size: Literal["auto"] | int = "auto",
                  blocks_per_stage: list[int] | None = None, network: str | None = None, check_loss: bool = True,
                  print_plan: bool = True, compression: Literal["fp16", "bf16", "topk", "qsgd"] | None = None,
-                 density: float = 0.01, levels: int = 7, **kwargs: Any) -> None:
+                 density: float = 0.01, levels: int = 7, balance: Literal["parameters", "time"] = "parameters",
+                 balance_shape: tuple[int, int] = (2, 8), **kwargs: Any) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"PipelineStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
         for name, value in (("microbatches", microbatches), ("stages", stages)):
@@ -441,6 +442,12 @@ class PipelineStrategy(DDPStrategy):
         if compression == "qsgd" and (isinstance(levels, bool) or not isinstance(levels, int)
                                       or not 1 <= levels <= 127):
             raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
+        if balance not in ("parameters", "time"):
+            raise ValueError(f"PipelineStrategy(balance={balance!r}): use 'parameters' (the default) or 'time'")
+        if (not isinstance(balance_shape, (tuple, list)) or len(balance_shape) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in balance_shape)):
+            raise ValueError(f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), "
+                             "two integers >= 1")
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
         super().__init__(**kwargs)
@@ -470,6 +477,7 @@ class PipelineStrategy(DDPStrategy):
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
         self._layout: _Layout | None = None
         self.compression = compression
+        self.balance, self.balance_shape = balance, tuple(balance_shape)
         self._compression_knobs = {"density": float(density)} if compression == "topk" else (
             {"levels": levels} if compression == "qsgd" else {})
         #: the data-parallel gradient exchange's counters (:class:`~.ddp_compression.CommStats`; pp_ddp only)
@@ -564,11 +572,16 @@ class PipelineStrategy(DDPStrategy):
         self._tied = [(first_ids[id(p)], n) for path in layout.last
                       for n, p in net.get_submodule(path).named_parameters(prefix=path, remove_duplicate=False)
                       if id(p) in first_ids]
-        costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
-        first_cost = float(sum(p.numel() for path in layout.first for p in net.get_submodule(path).parameters()))
-        last_cost = float(sum(p.numel() for path in layout.last for p in net.get_submodule(path).parameters()))
+        if self.balance == "time" and self.blocks_per_stage is None:
+            first_cost, costs, last_cost = self._timed_costs(layout)
+            unit = "µs fwd+bwd"
+        else:
+            costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+            first_cost = float(sum(p.numel() for path in layout.first for p in net.get_submodule(path).parameters()))
+            last_cost = float(sum(p.numel() for path in layout.last for p in net.get_submodule(path).parameters()))
+            unit = "parameters"
         plan = plan_stages(costs, num_stages, pipeline_ranks=self.pp_size, first_cost=first_cost,
-                           last_cost=last_cost, blocks_per_stage=self.blocks_per_stage)
+                           last_cost=last_cost, unit=unit, blocks_per_stage=self.blocks_per_stage)
         self.plan = plan
         local = plan.stages_of(self.pp_rank)
         self._stage_modules = [_Stage(layout, plan.blocks[s], first=s == 0, last=s == num_stages - 1)
@@ -591,6 +604,20 @@ class PipelineStrategy(DDPStrategy):
                            f"batches, {self.pp_size} pipeline ranks x {self.dp_size} data-parallel:\n"
                            f"{plan.describe(f'{attr}.{layout.blocks}')}"
                            + (f"\n  tied across first and last stage: {self._tied}" if self._tied else ""))
+
+    def _timed_costs(self, layout: _Layout) -> tuple[float, list[float], float]:
+        """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) and every rank gets its numbers,
+        so all ranks build the same plan."""
+        import torch.distributed as dist
+
+        mine = measure_stage_costs(layout, self.root_device, shape=self.balance_shape) if self.global_rank == 0 \
+            else None
+        if dist.is_available() and dist.is_initialized():
+            box = [mine]
+            dist.broadcast_object_list(box, src=0)
+            mine = box[0]
+        assert mine is not None
+        return mine
 
     def _check_split(self, layout: _Layout) -> None:
         """The stages in sequence must be the network's own forward (on a synthetic batch, in eval mode)."""
@@ -1081,6 +1108,58 @@ class _FlatBucket:
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
+
+
+def measure_stage_costs(layout: _Layout, device: torch.device, *, shape: tuple[int, int] = (2, 8), reps: int = 3,
+                        ) -> tuple[float, list[float], float]:
+    """Forward + backward time (µs, the median of ``reps`` after one warm-up) of the embedding, of every block and
+    of the head with the token cross-entropy, on a synthetic batch of ``shape`` token ids, on ``device``. What is
+    not a block stays on the device during the measurement, the blocks go there one at a time (and everything goes
+    back after), so a model whose blocks do not fit the device together can still be measured.
+    """
+    net = layout.net
+    blocks = layout.block_list()
+    in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
+    rest = [t for t in [*net.parameters(), *net.buffers()] if id(t) not in in_blocks]
+    homes = [t.data for t in rest]
+    was = net.training
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(run: Callable[[], torch.Tensor]) -> float:
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            start = time.perf_counter()
+            run().float().sum().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        return float(sorted(times[1:])[len(times[1:]) // 2]) * 1e6
+
+    try:
+        net.train()
+        for t in rest:
+            t.data = t.data.to(device)
+        ids = torch.randint(0, layout.vocab(), shape, generator=torch.Generator().manual_seed(0)).to(device)
+        first = timed(lambda: layout.embed(ids))
+        with torch.no_grad():
+            h = layout.embed(ids)
+        ctx = layout.context(h)
+        costs = []
+        for block in blocks:
+            home = next(iter(block.parameters()), torch.empty(0)).device
+            block.to(device)
+            x = h.detach().requires_grad_(True)
+            costs.append(timed(lambda b=block, x=x: layout.call_block(b, x, ctx)))
+            block.zero_grad(set_to_none=True)
+            block.to(home)
+        x = h.detach().requires_grad_(True)
+        last = timed(lambda: token_cross_entropy(layout.head(x), ids.roll(-1, dims=1)))
+    finally:
+        net.zero_grad(set_to_none=True)
+        for t, data in zip(rest, homes):
+            t.data = data
+        net.train(was)
+    return first, costs, last
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

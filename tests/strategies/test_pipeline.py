@@ -263,3 +263,41 @@ def test_a_gradient_scaler_is_refused_before_the_process_group():
     with pytest.raises(ValueError, match=r"gradient scaler \(16-mixed\) is not supported.*bf16-mixed"):
         _fit(plugins=[plugin])
     assert not dist.is_initialized()
+
+
+def test_balance_by_time_measures_every_block_and_leaves_the_model_as_it_was():
+    from lightning_accel.strategies.pipeline import measure_stage_costs
+
+    net = GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=3, n_head=2, d_model=16))
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    net.eval()
+    first, blocks, last = measure_stage_costs(find_layout(net), torch.device("cpu"), shape=(2, 8), reps=2)
+    assert len(blocks) == 3 and min(blocks) > 0 and first > 0 and last > 0
+    assert not net.training  # the mode restored
+    for n, p in net.named_parameters():
+        assert p.grad is None and torch.equal(p, before[n]) and p.device.type == "cpu", n
+
+
+def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
+    import lightning_accel.strategies.pipeline as pipeline
+
+    class Task(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16))
+
+    # the last block measured 5x slower than the others: 3 blocks on stage 0, the slow one alone on stage 1
+    monkeypatch.setattr(pipeline, "measure_stage_costs", lambda layout, device, shape: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0))
+    strategy = PipelineStrategy(balance="time", print_plan=False)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.pp_size = 2
+    strategy._split(Task())
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1, 2], [3]] and strategy.plan.unit == "µs fwd+bwd"
+    by_params = PipelineStrategy(print_plan=False)
+    by_params.pp_size = 2
+    by_params._split(Task())
+    assert [list(r) for r in by_params.plan.blocks] == [[0, 1], [2, 3]]  # the default: by parameter count
+    with pytest.raises(ValueError, match=r"balance='speed'\): use 'parameters' \(the default\) or 'time'"):
+        PipelineStrategy(balance="speed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"balance_shape=\(2,\)\) must be \(batch, sequence length\)"):
+        PipelineStrategy(balance="time", balance_shape=(2,))  # type: ignore[arg-type]

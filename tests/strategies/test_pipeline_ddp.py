@@ -139,6 +139,13 @@ for kind, schedule, accumulate in RUNS:
                                              "bubble": t.strategy.stats.bubble(),
                                              "expected": t.strategy.stats.expected_bubble}
 
+# balance="time": rank 0 measures every block, both ranks get the same plan; any plan trains the same weights
+t = trainer(PipelineStrategy(balance="time"), STEPS)
+task = Task("demo")
+t.fit(task)
+out["timed"] = {"delta_w": max_dw(task, reference("demo", STEPS)), "plan": [list(r) for r in t.strategy.plan.blocks],
+                "unit": t.strategy.plan.unit, "costs": list(t.strategy.plan.costs)}
+
 # validation runs the pipeline's forward-only loss (val_loss), also as trainer.validate after fit
 class WithValidation(Task):
     def validation_step(self, batch, i):  # as written for one device; the pipeline computes it instead
@@ -267,6 +274,9 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
         assert rank["hook_ok"] == 2
         assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+        assert rank["timed"]["delta_w"] <= 1e-4 and rank["timed"]["unit"] == "µs fwd+bwd"
+        assert rank["timed"]["plan"] == ranks[0]["timed"]["plan"]
+        assert rank["timed"]["costs"] == ranks[0]["timed"]["costs"]
         assert "LBFGS re-evaluates the loss" in rank["lbfgs"] and "first-order optimizer" in rank["lbfgs"]
         # each rank counts the FLOPs its own stage ran; together they are the one-process step's
         assert 0 < rank["flops"]["mine"] < rank["flops"]["total"]
