@@ -1,8 +1,10 @@
 """Pipeline parallelism for the Lightning Trainer: ``strategy="pp"`` and ``"pp_ddp"``, no change to the module.
 
 The network's repeated blocks are divided over the pipeline ranks (:func:`~lightning_accel.core.pipeline_plan.
-plan_stages`: contiguous runs balanced by parameter count, the embedding with the first stage, the final norm, head
-and loss with the last), each rank keeps only its stage(s), and every training step runs one
+plan_stages`: contiguous runs balanced by parameter count, or with ``balance="time"`` by forward + backward time
+measured by :func:`measure_stage_costs` on rank 0 on a synthetic ``balance_shape`` batch, one block at a time on the
+device, every rank getting rank 0's numbers; the embedding with the first stage, the final norm, head and loss with
+the last), each rank keeps only its stage(s), and every training step runs one
 ``torch.distributed.pipelining`` schedule over the batch cut into micro-batches:
 
 ======================  =========================================================================================
@@ -76,6 +78,8 @@ Args:
     data_parallel_size: replicas of each stage (``pp``: 1; ``pp_ddp``: ``"auto"`` = world ÷ pipeline ranks).
     pipeline_size: ranks per pipeline (``"auto"``: world ÷ data_parallel_size).
     blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
+    balance: ``"parameters"`` (default) or ``"time"`` (measured forward + backward time per block).
+    balance_shape: ``(batch, sequence length)`` of the synthetic token ids ``balance="time"`` measures on.
     network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
     check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
     compression: compress the data-parallel gradient average (``pp_ddp``): ``"fp16"``, ``"bf16"``, ``"topk"``,
