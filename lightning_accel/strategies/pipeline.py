@@ -501,6 +501,11 @@ class PipelineStrategy(DDPStrategy):
         if not (p and dp) or p * dp != world:  # type: ignore[operator]
             raise ValueError(f"pipeline: pipeline_size={self._pp_arg} × data_parallel_size={self._dp_arg} does not "
                              f"fit {world} processes; give sizes whose product is {world}")
+        if self.compression is not None and dp == 1:
+            raise ValueError(f"pipeline: compression={self.compression!r} compresses the all-reduce over data-parallel "
+                             f"replicas, but {world} processes with data_parallel_size={self._dp_arg} make 1 replica "
+                             "per stage (nothing to reduce); use strategy='pp_ddp' / data_parallel_size='auto' with "
+                             "more processes, or compression=None")
         return int(p), int(dp)  # type: ignore[arg-type]
 
     @property

@@ -170,6 +170,10 @@ def test_argument_errors():
         PipelineStrategy(compression="topk", density=0)
     with pytest.raises(ValueError, match=r"levels=200\) must be an integer in 1..127"):
         PipelineStrategy(compression="qsgd", levels=200)
+    with pytest.raises(ValueError, match=r"compression='bf16' compresses the all-reduce over data-parallel .*1 "
+                                         r"replica per stage.*strategy='pp_ddp'"):
+        PipelineStrategy(compression="bf16").resolve_sizes(2)
+    assert PipelineStrategy(compression="bf16", data_parallel_size="auto").resolve_sizes(4) == (2, 2)
     assert PipelineStrategy().resolve_sizes(4) == (4, 1)
 
 
