@@ -1082,10 +1082,14 @@ class PipelineStrategy(DDPStrategy):
         from lightning_accel._compat import optimizers_to_device
 
         meta = checkpoint.get("pipeline")
-        if meta is None or meta["pipeline_ranks"] != self.pp_size or (
+        if meta is None:
+            raise ValueError("pipeline: the checkpoint was not written by a pp Trainer (no 'pipeline' entry), so its "
+                             "optimizer states are not split by stage; load its state_dict into the module and fit "
+                             "without ckpt_path (the optimizer starts fresh)")
+        if meta["pipeline_ranks"] != self.pp_size or (
                 self.plan is not None and meta["stages"] != self.plan.num_stages):
-            raise ValueError(f"pipeline: the checkpoint was written with {meta and meta['pipeline_ranks']} pipeline "
-                             f"ranks and {meta and meta['stages']} stages, this run has {self.pp_size} and "
+            raise ValueError(f"pipeline: the checkpoint was written with {meta['pipeline_ranks']} pipeline "
+                             f"ranks and {meta['stages']} stages, this run has {self.pp_size} and "
                              f"{self.plan.num_stages if self.plan else '?'}; resume with the same sizes (its "
                              "state_dict alone loads into any run)")
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"][self.pp_rank]):

@@ -305,3 +305,56 @@ def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
         PipelineStrategy(balance="speed")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"balance_shape=\(2,\)\) must be \(batch, sequence length\)"):
         PipelineStrategy(balance="time", balance_shape=(2,))  # type: ignore[arg-type]
+
+
+def _strategy(**kwargs):
+    strategy = PipelineStrategy(print_plan=False, **kwargs)
+    strategy.pp_size = 2
+    return strategy
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16))
+
+
+def test_a_module_the_split_cannot_place_is_refused_naming_what_to_change():
+    class TwoNets(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.critic = _gpt(), nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"TwoNets has 2 child modules with parameters \(model, critic\).*"
+                                         r"PipelineStrategy\(network='attr'\)"):
+        _strategy()._split(TwoNets())
+    with pytest.raises(ValueError, match=r"network='net' is not a module attribute of TwoNets"):
+        _strategy(network="net")._split(TwoNets())
+    strategy = _strategy(network="model")
+    strategy._split(TwoNets())  # named: the other child is left alone
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1], [2, 3]]
+
+    class OwnParameter(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _gpt()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    with pytest.raises(ValueError, match=r"OwnParameter registers parameters directly.*move them into the network"):
+        _strategy()._split(OwnParameter())
+
+    class Stray(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _gpt()
+            self.model.temperature = nn.Parameter(torch.ones(()))  # not in the embedding, a block or the head
+
+    with pytest.raises(ValueError, match=r"parameters outside the embedding, the blocks and the head.*"
+                                         r"model\.temperature.*pipeline_layout"):
+        _strategy()._split(Stray())
+
+
+def test_resuming_a_checkpoint_of_other_sizes_is_refused_with_the_sizes():
+    strategy = _strategy()
+    with pytest.raises(ValueError, match=r"not written by a pp Trainer.*load its state_dict"):
+        strategy.load_optimizer_state_dict({"optimizer_states": []})
+    with pytest.raises(ValueError, match=r"written with 4 pipeline ranks and 4 stages, this run has 2.*same sizes"):
+        strategy.load_optimizer_state_dict({"pipeline": {"pipeline_ranks": 4, "stages": 4}, "optimizer_states": []})
