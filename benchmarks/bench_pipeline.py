@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pipeline.py [--steps 14] [--layers 8] [--width 256]
     python benchmarks/bench_pipeline.py --projection     # the 70B-class projection only (no processes)
+    python benchmarks/bench_pipeline.py --balance        # balance="parameters" vs "time" (1F1B, m=4), 2 processes
 
 Trains the demo GPT (``--layers`` blocks of width ``--width``, batch 16 x 64 tokens) with ``strategy="pp"``
 (GPipe, 2 stages, one torch thread per process) for m in {1, 2, 4, 8} micro-batches, and reads each rank's bubble
@@ -82,12 +83,37 @@ def projection() -> None:
         print(f"{name:<34} " + " ".join(f"{p.efficiency:>7.2f}" for p in points))
 
 
+def balance(cfg: GPTConfig, data: torch.Tensor, steps: int) -> None:
+    """1F1B, m=4 on 2 stages: the plan and median step time by parameter count and by measured time (measured on
+    one micro-batch's shape, BATCH/4 x SEQ)."""
+    out = []
+    for how in ("parameters", "time"):
+        times = Times()
+        strategy = PipelineStrategy(microbatches=4, balance=how, balance_shape=(BATCH // 4, SEQ), print_plan=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, strategy=strategy,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[times])
+        trainer.fit(Task(cfg, data))
+        mine = {"bubble": strategy.stats.bubble(skip=2), "step": statistics.median(times.times[2:])}
+        gathered = [None, None]
+        torch.distributed.all_gather_object(gathered, mine)
+        out.append({"balance": how, "plan": [[r.start, r.stop - 1] for r in strategy.plan.blocks],
+                    "costs": list(strategy.plan.costs), "bubbles": [g["bubble"] for g in gathered],
+                    "step_ms": 1e3 * max(g["step"] for g in gathered)})
+    if trainer.global_rank == 0:
+        for row in out:
+            print(f"balance={row['balance']:<10} blocks per stage {row['plan']}  bubble rank0/1 "
+                  f"{row['bubbles'][0]:.3f}/{row['bubbles'][1]:.3f}  median step {row['step_ms']:.1f} ms")
+        print(json.dumps(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--projection", action="store_true", help="print the 70B-class projection and stop")
+    parser.add_argument("--balance", action="store_true", help="compare balance='parameters' with 'time' and stop")
     args = parser.parse_args()
     if args.projection:
         projection()
@@ -95,6 +121,9 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=args.layers, n_head=4, d_model=args.width)
     data = torch.randint(0, VOCAB, (BATCH * args.steps, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    if args.balance:
+        balance(cfg, data, args.steps)
+        return
     rows = []
     rank = 0
     for m in (1, 2, 4, 8):

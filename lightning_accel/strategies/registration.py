@@ -43,6 +43,26 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: strings refused with the reason (not registered as strategies: a Trainer given one stops with this error)
+REFUSED: dict[str, str] = {
+    "pp_fsdp2": ("strategy='pp_fsdp2' is not built: the pipeline strategy runs the unsplit network in one process "
+                 "before the first step (the split check and the loss check), while fully_shard gathers parameters "
+                 "only through the wrapped module's own forward; it sets the schedule's gradients aside and hands "
+                 "them back in backward(), sums the tied embedding's gradients across the first and last stage, and "
+                 "gathers plain tensors into the checkpoint, none of which handles FSDP2's sharded DTensor "
+                 "parameters and gradients yet. Use strategy='pp_ddp' (stages x data-parallel replicas, "
+                 "compression= for the replica all-reduce), or 'fsdp2' alone"),
+}
+
+
+def _refusal(name: str) -> Callable[..., Any]:
+    def refuse(**kwargs: Any) -> Any:
+        raise ValueError(REFUSED[name])
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
 def _lazy_factory(module: str, factory: str) -> Callable[..., Any]:
     def build(**kwargs: Any) -> Any:
         return getattr(importlib.import_module(module), factory)(**kwargs)
@@ -59,4 +79,7 @@ def register_strategies() -> list[str]:
     for name, (module, factory, description) in STRATEGIES.items():
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, _lazy_factory(module, factory), description=description)
+    for name in REFUSED:
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, _refusal(name), description=f"refused: {REFUSED[name][:60]}...")
     return list(STRATEGIES)

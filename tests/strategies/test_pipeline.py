@@ -4,6 +4,7 @@ process (no process group)."""
 from __future__ import annotations
 
 import pytest
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
@@ -163,6 +164,16 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=r"pipeline_size=3 × data_parallel_size=1 does not fit 4 processes"):
         PipelineStrategy(pipeline_size=3).resolve_sizes(4)
     assert PipelineStrategy(data_parallel_size="auto").resolve_sizes(4) == (2, 2)
+    with pytest.raises(ValueError, match=r"compression='powersgd'\): use one of 'fp16', 'bf16', 'topk', 'qsgd'"):
+        PipelineStrategy(compression="powersgd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"density=0\) must be a fraction in \(0, 1\]"):
+        PipelineStrategy(compression="topk", density=0)
+    with pytest.raises(ValueError, match=r"levels=200\) must be an integer in 1..127"):
+        PipelineStrategy(compression="qsgd", levels=200)
+    with pytest.raises(ValueError, match=r"compression='bf16' compresses the all-reduce over data-parallel .*1 "
+                                         r"replica per stage.*strategy='pp_ddp'"):
+        PipelineStrategy(compression="bf16").resolve_sizes(2)
+    assert PipelineStrategy(compression="bf16", data_parallel_size="auto").resolve_sizes(4) == (2, 2)
     assert PipelineStrategy().resolve_sizes(4) == (4, 1)
 
 
@@ -172,6 +183,14 @@ def test_strings_are_registered():
 
     assert "pp" in StrategyRegistry and "pp_ddp" in StrategyRegistry
     assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"
+
+
+
+def test_pp_fsdp2_is_refused_with_the_reason_and_what_to_use():
+    import lightning_accel  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"strategy='pp_fsdp2' is not built: .*fully_shard.*Use strategy='pp_ddp'"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="pp_fsdp2", logger=False)
 
 
 def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
@@ -204,3 +223,138 @@ def test_the_scaling_model_projects_pp_x_tp_x_dp_with_the_bubble_and_point_to_po
     assert more.efficiency > pp.efficiency  # more micro-batches: a smaller bubble
     with pytest.raises(ValueError, match=r"pp_size=4 x tp_size=8 does not divide n=48"):
         project_scaling(w, link, n=[48], strategies=["pp"], tp_size=8, pp_size=4)
+
+
+class _Tiny(pl.LightningModule):  # a module the split would accept: the refusals come before it is looked at
+    def __init__(self):
+        super().__init__()
+        self.model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16))
+
+    def training_step(self, batch, i):
+        raise AssertionError("the refusal comes before the first step")
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 32, (4, 9))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(**kwargs):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=PipelineStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer.fit(_Tiny())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"gradient_clip_val": 1.0}, r"gradient_clip_val=1.0 clips by the norm.*gradient_clip_algorithm='value'"),
+    ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}, r"clips by the norm"),
+])
+def test_clipping_by_the_norm_is_refused_before_the_process_group(kwargs, match):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=match):
+        _fit(**kwargs)
+    assert not dist.is_initialized()  # refused in setup_environment, before anything started
+
+
+def test_a_gradient_scaler_is_refused_before_the_process_group():
+    import torch.distributed as dist
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"gradient scaler \(16-mixed\) is not supported.*bf16-mixed"):
+        _fit(plugins=[plugin])
+    assert not dist.is_initialized()
+
+
+def test_balance_by_time_measures_every_block_and_leaves_the_model_as_it_was():
+    from lightning_accel.strategies.pipeline import measure_stage_costs
+
+    net = GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=3, n_head=2, d_model=16))
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    net.eval()
+    first, blocks, last = measure_stage_costs(find_layout(net), torch.device("cpu"), shape=(2, 8), reps=2)
+    assert len(blocks) == 3 and min(blocks) > 0 and first > 0 and last > 0
+    assert not net.training  # the mode restored
+    for n, p in net.named_parameters():
+        assert p.grad is None and torch.equal(p, before[n]) and p.device.type == "cpu", n
+
+
+def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
+    import lightning_accel.strategies.pipeline as pipeline
+
+    class Task(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16))
+
+    # the last block measured 5x slower than the others: 3 blocks on stage 0, the slow one alone on stage 1
+    monkeypatch.setattr(pipeline, "measure_stage_costs", lambda layout, device, shape: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0))
+    strategy = PipelineStrategy(balance="time", print_plan=False)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.pp_size = 2
+    strategy._split(Task())
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1, 2], [3]] and strategy.plan.unit == "µs fwd+bwd"
+    by_params = PipelineStrategy(print_plan=False)
+    by_params.pp_size = 2
+    by_params._split(Task())
+    assert [list(r) for r in by_params.plan.blocks] == [[0, 1], [2, 3]]  # the default: by parameter count
+    with pytest.raises(ValueError, match=r"balance='speed'\): use 'parameters' \(the default\) or 'time'"):
+        PipelineStrategy(balance="speed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"balance_shape=\(2,\)\) must be \(batch, sequence length\)"):
+        PipelineStrategy(balance="time", balance_shape=(2,))  # type: ignore[arg-type]
+
+
+def _strategy(**kwargs):
+    strategy = PipelineStrategy(print_plan=False, **kwargs)
+    strategy.pp_size = 2
+    return strategy
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16))
+
+
+def test_a_module_the_split_cannot_place_is_refused_naming_what_to_change():
+    class TwoNets(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.critic = _gpt(), nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"TwoNets has 2 child modules with parameters \(model, critic\).*"
+                                         r"PipelineStrategy\(network='attr'\)"):
+        _strategy()._split(TwoNets())
+    with pytest.raises(ValueError, match=r"network='net' is not a module attribute of TwoNets"):
+        _strategy(network="net")._split(TwoNets())
+    strategy = _strategy(network="model")
+    strategy._split(TwoNets())  # named: the other child is left alone
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1], [2, 3]]
+
+    class OwnParameter(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _gpt()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    with pytest.raises(ValueError, match=r"OwnParameter registers parameters directly.*move them into the network"):
+        _strategy()._split(OwnParameter())
+
+    class Stray(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _gpt()
+            self.model.temperature = nn.Parameter(torch.ones(()))  # not in the embedding, a block or the head
+
+    with pytest.raises(ValueError, match=r"parameters outside the embedding, the blocks and the head.*"
+                                         r"model\.temperature.*pipeline_layout"):
+        _strategy()._split(Stray())
+
+
+def test_resuming_a_checkpoint_of_other_sizes_is_refused_with_the_sizes():
+    strategy = _strategy()
+    with pytest.raises(ValueError, match=r"not written by a pp Trainer.*load its state_dict"):
+        strategy.load_optimizer_state_dict({"optimizer_states": []})
+    with pytest.raises(ValueError, match=r"written with 4 pipeline ranks and 4 stages, this run has 2.*same sizes"):
+        strategy.load_optimizer_state_dict({"pipeline": {"pipeline_ranks": 4, "stages": 4}, "optimizer_states": []})

@@ -139,6 +139,13 @@ for kind, schedule, accumulate in RUNS:
                                              "bubble": t.strategy.stats.bubble(),
                                              "expected": t.strategy.stats.expected_bubble}
 
+# balance="time": rank 0 measures every block, both ranks get the same plan; any plan trains the same weights
+t = trainer(PipelineStrategy(balance="time"), STEPS)
+task = Task("demo")
+t.fit(task)
+out["timed"] = {"delta_w": max_dw(task, reference("demo", STEPS)), "plan": [list(r) for r in t.strategy.plan.blocks],
+                "unit": t.strategy.plan.unit, "costs": list(t.strategy.plan.costs)}
+
 # validation runs the pipeline's forward-only loss (val_loss), also as trainer.validate after fit
 class WithValidation(Task):
     def validation_step(self, batch, i):  # as written for one device; the pipeline computes it instead
@@ -209,6 +216,18 @@ try:
 except ValueError as err:
     out["divide"] = str(err)
 
+# LBFGS re-evaluates the loss inside its step: refused before the first step
+class WithLBFGS(Task):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+try:
+    trainer("pp", 2).fit(WithLBFGS("demo"))
+    out["lbfgs"] = "no error"
+except ValueError as err:
+    out["lbfgs"] = str(err)
+
 # measuring: MFUMonitor counts each rank's own stages (per device); BottleneckDoctor reports the bubble per rank
 from lightning_accel.callbacks import BottleneckDoctor, MFUMonitor
 from lightning_accel.core.flops import FlopCounter
@@ -255,6 +274,10 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         assert "differs from SecondHalf.training_step's" in rank["mismatch"] and "pipeline_loss" in rank["mismatch"]
         assert rank["hook_ok"] == 2
         assert "a batch of 6 does not divide into microbatches=4" in rank["divide"]
+        assert rank["timed"]["delta_w"] <= 1e-4 and rank["timed"]["unit"] == "µs fwd+bwd"
+        assert rank["timed"]["plan"] == ranks[0]["timed"]["plan"]
+        assert rank["timed"]["costs"] == ranks[0]["timed"]["costs"]
+        assert "LBFGS re-evaluates the loss" in rank["lbfgs"] and "first-order optimizer" in rank["lbfgs"]
         # each rank counts the FLOPs its own stage ran; together they are the one-process step's
         assert 0 < rank["flops"]["mine"] < rank["flops"]["total"]
         bubble = [f for f in rank["doctor"] if f[0] == "pipeline_bubble"]
@@ -304,8 +327,20 @@ t = trainer("pp_ddp", STEPS, devices=4, callbacks=[monitor])
 task = Task("demo")
 t.fit(task)
 s = t.strategy
-out = {"dw": max_dw(task, reference("demo", STEPS, size=2 * BATCH)), "sizes": [s.pp_size, s.dp_size],
-       "coords": [s.pp_rank, s.dp_rank], "losses": monitor.losses}
+ref = reference("demo", STEPS, size=2 * BATCH)
+out = {"dw": max_dw(task, ref), "sizes": [s.pp_size, s.dp_size], "coords": [s.pp_rank, s.dp_rank],
+       "losses": monitor.losses}
+# the replica average through the DDP compression hooks (same processes, one more fit each): Top-K at density 1
+# sends every entry (fp32 values + int32 indices: twice the bytes) and must give the plain run's weights; bf16 sends
+# half the bytes and stays close
+for name, kwargs in (("topk", {"compression": "topk", "density": 1.0}), ("bf16", {"compression": "bf16"})):
+    t = trainer(PipelineStrategy(data_parallel_size="auto", **kwargs), STEPS, devices=4)
+    task = Task("demo")
+    t.fit(task)
+    c = t.strategy.comm_stats
+    out[name] = {"dw": max_dw(task, ref), "steps": c.steps, "compressed": c.compressed_steps,
+                 "before": c.bytes_before, "sent": c.bytes_sent,
+                 "n": sum(p.numel() for p in task.parameters())}
 with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -321,3 +356,10 @@ def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_p
         assert r["dw"] <= 1e-4
     assert ranks[0]["losses"] == ranks[2]["losses"]  # a pipeline's stages report its loss
     assert ranks[0]["losses"] != ranks[1]["losses"]  # the replicas saw different data
+    for r in ranks:
+        topk, bf16 = r["topk"], r["bf16"]
+        assert topk["dw"] <= 1e-4 and topk["steps"] == bf16["steps"] == 10
+        assert topk["compressed"] == 8  # Top-K's default warm-up: 2 plain all-reduce steps
+        assert topk["before"] == 10 * 4 * topk["n"] and topk["sent"] == 2 * 4 * topk["n"] + 8 * 8 * topk["n"]
+        assert bf16["sent"] * 2 == bf16["before"] == 10 * 4 * bf16["n"] and bf16["compressed"] == 10
+        assert 0 < bf16["dw"] <= 1e-2  # bf16's 8-bit mantissa: close to, not equal to, the fp32 weights
