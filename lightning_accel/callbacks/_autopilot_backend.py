@@ -167,6 +167,16 @@ class LightningSearchBackend:
             return True
         return False
 
+    def fall_back(self, candidate: Intervention) -> bool:
+        name = candidate.name
+        nxt = getattr(candidate, "fallback", None)
+        if name in self._builtin and self.candidates.get(name) is candidate and callable(nxt):
+            following = nxt()
+            if following is not None:
+                self.candidates[name] = following  # e.g. bf16 after a refused Top-K
+                return True
+        return False
+
     # ------------------------------------------------------------------ what to try
     def offers(self, shares: Mapping[str, float], tried: set[str]) -> list[Offer]:
         from lightning_accel.core.rules import diagnose, holding_back

@@ -943,6 +943,13 @@ class Compression(Intervention):
         undo.push(revert)
         switch.mode = mode
 
+    def fallback(self) -> Compression | None:
+        """After a trial that was not kept: bf16 where the projection had chosen Top-K / QSGD (its one-step
+        gradient is what the probe refuses most often), else nothing."""
+        if self.why is not None and self.params.get("compression") in ("topk", "qsgd"):
+            return Compression(compression="bf16")
+        return None
+
     def describe(self, run: Run) -> str:
         name = COMPRESSION_STRATEGIES[self.params.get("compression", "bf16")]
         return f"strategy={name!r}" + (f" ({self.why})" if self.why else "")

@@ -210,3 +210,14 @@ def test_compression_names_the_matching_strategy_string_and_refuses_bad_modes() 
         Compression(compression="int8")
     with pytest.raises(ValueError, match="unknown interconnect 'wifi'"):
         Compression(interconnect="wifi")
+
+
+def test_a_projected_topk_falls_back_to_bf16_and_a_replayed_mode_does_not() -> None:
+    from lightning_accel.callbacks.interventions import Compression
+
+    chosen = Compression()
+    chosen.params, chosen.why = {"compression": "topk"}, "projected step (ms) ..."  # as _choose leaves it
+    following = chosen.fallback()
+    assert isinstance(following, Compression) and following.params == {"compression": "bf16"}
+    assert following.fallback() is None
+    assert Compression(compression="topk").fallback() is None  # a plan's mode is replayed as it is
