@@ -872,7 +872,8 @@ class Compression(Intervention):
     on the run's link and rank count (:func:`choose_compression`; the link is measured with a few all-reduces
     unless ``interconnect=`` names a preset). The numerics probe runs through the DDP wrapper here, so the
     compressed all-reduce is what it checks (Top-K's error feedback evens out over steps, a one-step probe sees the
-    sparse gradient: it refuses a Top-K the tolerance cannot take). If the trial is not kept, the registered hook
+    sparse gradient: it refuses a Top-K the tolerance cannot take, and bf16 is trialled next, see
+    :meth:`fallback`). If the trial is not kept, the registered hook
     stays as torch's plain averaged all-reduce for the fit (the same sums, reduced in Python instead of DDP's
     built-in reducer): DDP cannot unregister a hook; Top-K's unsent residual is dropped.
 
