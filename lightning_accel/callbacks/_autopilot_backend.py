@@ -61,7 +61,7 @@ class LightningSearchBackend:
     def agree(self, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
         run = self.run
         rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0])
+                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0], what="Autopilot trial outcome")
         failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
         if failed:
             return False, (f"{type(error).__name__}: {short_error(error)}" if error is not None
@@ -99,7 +99,8 @@ class LightningSearchBackend:
         local = run.runner.measure(warmup_steps, steps)
         stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
         rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages])
+                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages],
+                             what="Autopilot measurement window")
         if rows.shape[0] == 1:
             self._step_seconds = local.step_seconds
             return local
@@ -164,6 +165,16 @@ class LightningSearchBackend:
         if candidate.repeatable and name in self._builtin and self.candidates.get(name) is candidate:
             self.candidates[name] = INTERVENTIONS[name]()  # e.g. the micro-batch doubled once more
             return True
+        return False
+
+    def fall_back(self, candidate: Intervention) -> bool:
+        name = candidate.name
+        nxt = getattr(candidate, "fallback", None)
+        if name in self._builtin and self.candidates.get(name) is candidate and callable(nxt):
+            following = nxt()
+            if following is not None:
+                self.candidates[name] = following  # e.g. bf16 after a refused Top-K
+                return True
         return False
 
     # ------------------------------------------------------------------ what to try

@@ -189,6 +189,10 @@ class SearchBackend(Protocol):
     def renew(self, candidate: Any) -> bool:
         """After ``candidate`` was kept: whether a fresh one of its kind may be offered again (micro-batch ×2)."""
 
+    def fall_back(self, candidate: Any) -> bool:
+        """After ``candidate`` was not kept: whether its kind offers a next choice (optional: a backend without
+        this method offers none; e.g. the compression fix falls back from a projected Top-K to bf16)."""
+
     def adopt(self, current: MeasurementLike, baseline: MeasurementLike | None) -> None:
         """The window of the configuration now current (and the baseline's, once)."""
 
@@ -444,7 +448,11 @@ class AutopilotSearch:
                     misses = 0
                     if backend.renew(offer.candidate):
                         tried.discard(offer.candidate.name)
-                elif measured:
+                else:
+                    fall_back = getattr(backend, "fall_back", None)
+                    if fall_back is not None and fall_back(offer.candidate):
+                        tried.discard(offer.candidate.name)
+                if not kept and measured:
                     misses += 1
                     if misses >= self.patience:
                         stopped = f"{misses} measured candidate(s) in a row without a gain"

@@ -67,13 +67,35 @@ def test_ddp_ranks_take_identical_decisions(ddp_script, tmp_path):
 
 
 COMPRESSION = """
-import json
+import json, os
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks import interventions
 from lightning_accel.callbacks.autopilot import Autopilot
+from lightning_accel.core.scaling import Interconnect
 
 torch.set_num_threads(1)
+switches, links = [], []
+real_init, real_link = interventions.SwitchableCompression.__init__, interventions.measure_link
+
+
+def init(self):
+    real_init(self)
+    switches.append(self)
+
+
+def measure_link(run):
+    links.append(real_link(run))  # the real measurement runs (both ranks, lockstep) ...
+    # ... a 10 MB/s link may stand in for it, so the projection's choice is known (Top-K at 2 ranks)
+    return Interconnect("slow", 1e7, 1e-4) if LINK == "slow" else links[-1]
+
+
+interventions.SwitchableCompression.__init__ = init
+interventions.measure_link = measure_link
+LINK = os.environ.get("COMPRESSION_LINK")
+if LINK == "qsgd":  # the projection does not rank QSGD first at 1 % Top-K density: the test chooses it
+    interventions.choose_compression = lambda **kwargs: ("qsgd", "chosen by the test")
 
 
 class Model(pl.LightningModule):
@@ -98,8 +120,11 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, 
 model = Model()
 g = torch.Generator().manual_seed(0)
 trainer.fit(model, DataLoader(TensorDataset(torch.randn(256, 512, generator=g)), batch_size=8))
-row = next(r for r in autopilot.records if r.name == "compression")
-out = {"kept": row.kept, "numerics": row.numerics, "reason": row.reason, "yaml": autopilot.yaml,
+rows = [r for r in autopilot.records if r.name == "compression"]
+switch = switches[0]
+out = {"rows": [[r.change, r.kept, r.reason, r.numerics] for r in rows], "yaml": autopilot.yaml,
+       "mode": switch.mode, "residuals": {m: len(r) for m, r in switch.residuals().items()},
+       "link": [links[0].bandwidth, links[0].latency],
        "weight": model.net[0].weight.detach().flatten()[:64].tolist()}
 with open(f"compression_rank{trainer.global_rank}.json", "w") as fh:
     json.dump(out, fh)
@@ -107,15 +132,36 @@ with open(f"compression_rank{trainer.global_rank}.json", "w") as fh:
 
 
 @pytest.mark.distributed
-def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(ddp_script, tmp_path):
-    ddp_script(COMPRESSION, timeout=300)
+@pytest.mark.parametrize("link", ["measured", "slow", "qsgd"])
+def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(ddp_script, tmp_path, link):
+    from lightning_accel.callbacks.interventions import COMPRESSION_STRATEGIES
+
+    ddp_script(COMPRESSION, timeout=300, env={"COMPRESSION_LINK": link})
     rank0, rank1 = read_rank_json(tmp_path, "compression")
-    assert rank0["kept"] == rank1["kept"] and rank0["reason"] == rank1["reason"]
-    numerics = rank0["numerics"]
-    assert numerics["kind"] == "low_precision" and numerics["ok"], rank0
-    # bf16 all-reduce: close to, but not exactly, the fp32 gradients
-    assert 0.99 < numerics["grad_cosine"] < 1.0 or numerics["loss_rel_diff"] > 0
-    assert ("ddp_bf16_compress" in rank0["yaml"]) == rank0["kept"]
+    print(link, {k: v for k, v in rank0.items() if k != "weight"})  # what the Autopilot did (-s shows it)
+    for key in ("rows", "mode", "residuals", "yaml"):
+        assert rank0[key] == rank1[key], key  # the ranks measured one link and chose alike
+    modes = [next(m for m, name in COMPRESSION_STRATEGIES.items() if f"strategy='{name}'" in change)
+             for change, _, _, _ in rank0["rows"]]
+    if link == "slow":  # 10 MB/s: Top-K's all-gather of 1 % beats bf16's all-reduce at 2 ranks
+        assert modes[0] == "topk" and "slow" in rank0["rows"][0][0], rank0["rows"]
+    if link == "qsgd":
+        assert modes[0] == "qsgd", rank0["rows"]
+    for mode, (_, kept, _, numerics) in zip(modes, rank0["rows"]):
+        assert numerics["kind"] == "low_precision", rank0
+        if mode == "bf16":  # bf16 all-reduce: close to, but not exactly, the fp32 gradients
+            assert numerics["ok"] and (0.99 < numerics["grad_cosine"] < 1.0 or numerics["loss_rel_diff"] > 0)
+        else:  # the sparse / quantised gradient differs from the dense one: the hook ran
+            assert numerics["grad_cosine"] < 0.999, rank0
+    # a projected Top-K / QSGD that is not kept falls back to bf16, trialled next; bf16 has no fall-back
+    assert modes in (["bf16"], ["topk"], ["qsgd"], ["topk", "bf16"], ["qsgd", "bf16"]), modes
+    assert len(modes) == 1 or not rank0["rows"][0][1]
+    kept = [mode for mode, row in zip(modes, rank0["rows"]) if row[1]]
+    for mode in COMPRESSION_STRATEGIES:
+        assert (COMPRESSION_STRATEGIES[mode] in rank0["yaml"]) == (mode in kept), (mode, rank0["yaml"])
+    # kept: the switch stays on the kept hook; not kept: back to the plain all-reduce, no residual left
+    assert rank0["mode"] == (kept[0] if kept else "allreduce")
+    assert "topk" in kept or not rank0["residuals"].get("topk")
     assert rank0["weight"] == rank1["weight"]
 
 

@@ -321,3 +321,29 @@ def test_the_budget_keeps_the_time_to_confirm_held_gains() -> None:
     bundle = next(r for r in result.records if r.name == "bundle")
     assert bundle.kept and bundle.change == "a + b"
     assert [r.name for r in result.records] == ["baseline", "a", "b", "bundle"]
+
+
+class FallingBack(Scripted):
+    """A backend whose refused ``compression:topk`` falls back to ``compression:bf16`` (one fall-back only)."""
+
+    def fall_back(self, candidate) -> bool:
+        if candidate.name == "compression" and candidate.mode == "topk":
+            bf16 = Change("compression", 1.5, kind="low_precision")
+            bf16.mode = "bf16"
+            self.changes = [bf16 if c is candidate else c for c in self.changes]
+            return True
+        return False
+
+
+def test_a_refused_change_with_a_fall_back_is_tried_once_more_and_a_backend_without_one_is_not() -> None:
+    def topk() -> Change:
+        change = Change("compression", 3.0, kind="low_precision", numerics_ok=False)
+        change.mode = "topk"
+        return change
+
+    backend = FallingBack([topk()])
+    result = _search(backend).run()
+    assert [(r.name, r.kept) for r in result.records[1:]] == [("compression", False), ("compression", True)]
+    assert [c.mode for c in result.kept] == ["bf16"]
+    plain = Scripted([topk()])  # no fall_back method: the protocol's optional part
+    assert not _search(plain).run().kept and len(_search(Scripted([topk()])).run().records) == 2
