@@ -507,6 +507,24 @@ def hf_attn_implementation(module: nn.Module) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def hf_causal_mask(config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """The causal attention mask a Hugging Face decoder builds for ``hidden`` (no padding, no cache), as its own
+    forward does: ``transformers.masking_utils.create_causal_mask``, whose signature changed inside 5.x
+    (5.0: ``input_embeds``, ``cache_position``, ``past_key_values``; 5.24: ``inputs_embeds``, ``cache``). Checked
+    against transformers 5.0.0 and 5.24."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    if "inputs_embeds" in params:
+        return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+    cache_position = torch.arange(hidden.shape[1], device=hidden.device)
+    return create_causal_mask(config=config, input_embeds=hidden, attention_mask=None, cache_position=cache_position,
+                              past_key_values=None, position_ids=position_ids)
+
+
 def val_loop_data_source(trainer: Any) -> Any:
     """Where the fit's validation dataloader comes from (``_DataLoaderSource``: datamodule, LightningModule, or
     ``fit(val_dataloaders=)``); checked against Lightning 2.6: ``fit_loop.epoch_loop.val_loop._data_source``."""

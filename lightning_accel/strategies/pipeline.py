@@ -169,12 +169,12 @@ class _HFLlama(_Layout):
         return self.net.model.embed_tokens(ids)
 
     def context(self, h: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask
+        from lightning_accel._compat import hf_causal_mask
 
         base = self.net.model
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        ctx: dict[str, Any] = {"position_ids": position_ids, "attention_mask": create_causal_mask(
-            config=base.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids)}
+        ctx: dict[str, Any] = {"position_ids": position_ids,
+                               "attention_mask": hf_causal_mask(base.config, h, position_ids)}
         if getattr(base, "rotary_emb", None) is not None:
             ctx["position_embeddings"] = base.rotary_emb(h, position_ids=position_ids)
         return ctx
@@ -199,11 +199,10 @@ class _HFGPT2(_Layout):
         return t.drop(t.wte(ids) + t.wpe(pos))
 
     def context(self, h: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask
+        from lightning_accel._compat import hf_causal_mask
 
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        return {"attention_mask": create_causal_mask(config=self.net.config, inputs_embeds=h, attention_mask=None,
-                                                     cache=None, position_ids=position_ids)}
+        return {"attention_mask": hf_causal_mask(self.net.config, h, position_ids)}
 
     def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
         out = block(h, **ctx)
