@@ -77,9 +77,11 @@ def test_checkpoint_every_step_with_a_large_state_is_a_fit_finding(tmp_path):
     [finding] = [f for f in report.fit_findings if f.rule == "checkpoint_heavy"]
     assert "every 1 training step(s)" in finding.evidence
     assert "ModelCheckpoint(every_n_train_steps=" in finding.fix and "AsyncCheckpointIO" in finding.fix
-    # the saves (run after the doctor's on_train_batch_end) are not counted as the next batch's data wait
-    assert report.shares["data"] < 0.3
+    # the saves (run after the doctor's on_train_batch_end) are not counted as the next batch's data wait: they take
+    # longer than the training itself (below), so counted as data they would make it more than half of the step;
+    # the 32 MB writes' page-cache writeback can still stall a batch's read now and then (0.36 seen once in CI)
     assert report.fit["seconds"]["checkpoint"] > report.fit["seconds"]["train"]
+    assert report.shares["data"] < 0.5
 
 
 class FailingIO(pl.plugins.io.TorchCheckpointIO):
