@@ -152,7 +152,7 @@ class _Layout:
         return {}
 
     def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-        out = block(h)
+        out = block(h, **ctx)  # what context() built (nothing by default); a tuple's first item is the hidden state
         return out[0] if isinstance(out, tuple) else out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -179,10 +179,6 @@ class _HFLlama(_Layout):
             ctx["position_embeddings"] = base.rotary_emb(h, position_ids=position_ids)
         return ctx
 
-    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-        out = block(h, **ctx)
-        return out[0] if isinstance(out, tuple) else out
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.net.lm_head(self.net.model.norm(h))
 
@@ -203,10 +199,6 @@ class _HFGPT2(_Layout):
 
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         return {"attention_mask": hf_causal_mask(self.net.config, h, position_ids)}
-
-    def call_block(self, block: nn.Module, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-        out = block(h, **ctx)
-        return out[0] if isinstance(out, tuple) else out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.net.lm_head(self.net.transformer.ln_f(h))

@@ -76,6 +76,12 @@ def exit_distributed(code: int = 0) -> NoReturn:
     """
     if not destroy_process_groups():
         sys.exit(code)
+    _leave_before_teardown(code)
+
+
+def _leave_before_teardown(code: int) -> NoReturn:
+    """Run the ``atexit`` handlers, flush logging and the standard streams, and ``os._exit(code)``: the
+    interpreter's teardown (which can abort on live gloo threads) never runs."""
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -120,14 +126,7 @@ def _at_interpreter_exit() -> None:
         return
     # backend threads outlive the groups (DeepSpeed): run the other exit handlers, flush, and leave before teardown
     atexit.unregister(_at_interpreter_exit)
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(_status(_exit_code["code"]))
+    _leave_before_teardown(_status(_exit_code["code"]))
 
 
 def register_clean_exit() -> None:
