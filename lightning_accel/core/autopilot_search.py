@@ -34,6 +34,8 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone
    cannot, and the bundle's two pairs are measured with the whole sum in them. A bundle that fails numerics is split: its members are re-applied one at
    a time with the guard after each, and a member that breaks the numbers is dropped (the culprit is named).
+   Held changes that set the same knob (a candidate's optional ``knobs``: the fused and the foreach optimizer
+   step) are alternatives, not gains to add up: the bundle keeps the one measured faster and names the other.
 5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
    trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
 
@@ -147,6 +149,26 @@ class Bundle:
     @property
     def warmup_steps(self) -> int:
         return sum(int(getattr(m, "warmup_steps", 0)) for m in self.members)
+
+
+def _without_alternatives(candidates: list[Any]) -> tuple[list[Any], list[str]]:
+    """The candidates (best first) less those that set a knob an earlier one sets: two ways of doing one thing
+    (the fused and the foreach optimizer step, bf16 and TF32) are alternatives, and a bundle keeps the better
+    measured one. Returns the members and the reasons for those left out."""
+    members: list[Any] = []
+    left_out: list[str] = []
+    owner: dict[str, Any] = {}
+    for candidate in candidates:
+        knobs = tuple(getattr(candidate, "knobs", ()) or ())
+        taken = next((owner[k] for k in knobs if k in owner), None)
+        if taken is not None:
+            shared = next(k for k in knobs if k in owner)
+            left_out.append(f"{candidate.name} (an alternative to {taken.name}: both set {shared!r}; "
+                            f"{taken.name} measured faster)")
+            continue
+        members.append(candidate)
+        owner.update((k, candidate) for k in knobs)
+    return members, left_out
 
 
 class SearchBackend(Protocol):
@@ -633,7 +655,8 @@ class AutopilotSearch:
         """Apply the held changes together, guard, split on a numerics failure, confirm A B B A; True if kept."""
         backend = self.backend
         held, self._held = sorted(self._held, key=lambda h: -h.ratio), []
-        bundle = Bundle([h.candidate for h in held])
+        members, alternatives = _without_alternatives([h.candidate for h in held])
+        bundle = Bundle(members)
         started = backend.clock()
         record = self._new_record("bundle", " + ".join(backend.describe(m) for m in bundle.members))
         index = record.index
@@ -644,6 +667,7 @@ class AutopilotSearch:
             before = self._measure_current()
             self._phase("numerics probe", "bundle", index)
             undos, applied, dropped = self._apply_each(bundle.members)
+            dropped = [*alternatives, *dropped]
             if len(applied) < 2:
                 record.reason = "bundle not formed: " + "; ".join(dropped)
                 return False

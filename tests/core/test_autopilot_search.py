@@ -187,6 +187,31 @@ def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
     assert result.final_samples_per_sec == pytest.approx(100 * 1.03 * 1.02 * 1.025)
 
 
+def test_held_alternatives_for_one_knob_enter_the_bundle_once_the_faster_one() -> None:
+    fused, foreach, sdpa = Change("fused", 1.03), Change("foreach", 1.04), Change("sdpa", 1.03)
+    fused.knobs = foreach.knobs = ("optimizer",)
+    sdpa.knobs = ("attention",)
+    backend = Scripted([fused, foreach, sdpa])
+    result = _search(backend).run()
+    rows = {r.name: r for r in result.records}
+    bundle = rows["bundle"]
+    assert bundle.kept and bundle.change == "foreach + sdpa"
+    assert "dropped: fused (an alternative to foreach: both set 'optimizer'; foreach measured faster)" in bundle.reason
+    assert [c.name for c in result.kept] == ["foreach", "sdpa"]
+    assert {c.name for c in backend.applied} == {"foreach", "sdpa"}
+    assert rows["foreach"].kept and not rows["fused"].kept and "kept in the bundle" not in rows["fused"].reason
+
+
+def test_alternatives_alone_form_no_bundle() -> None:
+    fused, foreach = Change("fused", 1.03), Change("foreach", 1.04)
+    fused.knobs = foreach.knobs = ("optimizer",)
+    backend = Scripted([fused, foreach])
+    result = _search(backend).run()
+    bundle = next(r for r in result.records if r.name == "bundle")
+    assert not bundle.kept and bundle.reason.startswith("bundle not formed: fused (an alternative to foreach")
+    assert result.kept == [] and backend.applied == []
+
+
 def test_a_bundle_that_fails_numerics_is_split_and_the_culprit_dropped() -> None:
     changes = [Change("a", 1.03), Change("b", 1.03), Change("c", 1.03)]
     backend = Scripted(changes, bad_together=[{"a", "c"}])  # fine alone, wrong together
