@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "NsysCapture": "lightning_accel.callbacks.nsys_capture",
     # precision
     "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
+    # checkpoint IO
+    "OrderedAsyncCheckpointIO": "lightning_accel.checkpoint_io",
     # data
     "DALIImageDataModule": "lightning_accel.data.dali",
     "MemmapDataModule": "lightning_accel.data.memmap",

@@ -263,6 +263,7 @@ class Autopilot(Callback):
                 rank_zero_warn(f"Autopilot: {note}")
                 if self.plan is not None:
                     self.plan.stopped = note
+            self._checkpoint_trial(run)
         self._install(run)
         self._finish(run)
 
@@ -375,6 +376,29 @@ class Autopilot(Callback):
             plan.noise = result.noise
             plan.stopped = result.stopped or None
             plan.search_seconds = time.perf_counter() - started
+
+    def _checkpoint_trial(self, run: Run) -> None:
+        """The fix outside the step (``callbacks/_autopilot_checkpoint.py``): checkpoints written in a background
+        thread, trialled after the step search on a fit whose saves cost enough, kept only when measured faster."""
+        from lightning_accel.callbacks._autopilot_checkpoint import trial_async_checkpoint
+        from lightning_accel.core.autopilot_search import noise_gate
+
+        candidate = INTERVENTIONS["async_checkpoint"]()
+        if self._frozen(candidate) or (self.only is not None and candidate.name not in self.only):
+            return
+        noise = self.plan.noise if self.plan is not None and self.plan.noise is not None else 0.0
+        record = trial_async_checkpoint(run, candidate, index=len(self.records), gate=noise_gate(self.threshold, noise),
+                                        steps=self.measure_steps, steps_left=run.steps_left)
+        if record is None:
+            return
+        self.records.append(record)
+        if record.kept:
+            self.kept.append(candidate)
+        self._log_trial(run.trainer, record)
+        if self.print_summary and run.trainer.is_global_zero:
+            from lightning_accel.callbacks._autopilot_display import format_row
+
+            print(format_row(record), flush=True)
 
     def _log_trial(self, trainer: pl.Trainer, record: TrialRecord) -> None:
         """``autopilot/trial_speedup`` (paired ratio against the configuration it was trialled against) and

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 from lightning_accel.core.autopilot import NUMERICS_KINDS, NumericsCheck, TrialRecord, relative_noise
 
 __all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend", "SearchProgress", "SearchResult",
-           "SearchStatus", "Undo", "decide_paired"]
+           "SearchStatus", "Undo", "decide_paired", "noise_gate"]
 
 
 #: A first paired ratio this far above 1 (and at least 4 gates) is kept without a confirmation pair: no burst of
@@ -261,6 +261,12 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
 
 
+def noise_gate(threshold: float, noise: float) -> float:
+    """The relative gain a change must clear: ``threshold``, raised by the measured A/A ``noise`` up to twice the
+    threshold (one burst of interference in the baseline would otherwise hide every later gain)."""
+    return max(threshold, min(noise, 2 * threshold))
+
+
 def decide_paired(ratios: Sequence[float], gate: float) -> tuple[bool, str]:
     """Keep when every paired ratio B/A exceeds 1 and their mean clears ``1 + gate``."""
     mean = statistics.fmean(ratios)
@@ -413,7 +419,7 @@ class AutopilotSearch:
         # the baseline's A/A spread raises the gate, by at most the threshold again: one burst of interference in
         # the two baseline windows (24.6 % measured on this VM) must not make every later gain unresolvable, and a
         # keep needs both paired ratios above 1 anyway
-        self._gate = max(self.threshold, min(result.noise, 2 * self.threshold))
+        self._gate = noise_gate(self.threshold, result.noise)
         self._current, self._current_rates, self._fresh = second, rates, second
         self._window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
         backend.adopt(second, second)

@@ -83,6 +83,7 @@ def fingerprint(run) -> dict:
         "config": (run.config.accumulate, run.config.prefetch, run.config.prefetch_depth),
         "plugin": (id(plugin), type(plugin).__name__, plugin.state_dict(), getattr(plugin, "precision", None)),
         "matmul": torch.get_float32_matmul_precision(),
+        "checkpoint_io": (type(trainer.strategy.checkpoint_io).__name__, id(trainer.strategy.checkpoint_io)),
         "comm": run.extras["comm_switch"].mode,
         "residuals": {m: r for m, r in run.extras["comm_switch"].residuals().items() if r},
     })

@@ -1,0 +1,168 @@
+"""The Autopilot's fix outside the step: checkpoints written in a background thread, kept only when measured faster.
+
+After the step search, a fit whose ``ModelCheckpoint`` saves by steps or epochs is checked for what its saves cost
+(:mod:`lightning_accel.core.checkpoint_cost`): first from an upper bound of the checkpoint's size at a slow disk's
+speed (no measurement; most fits stop here), then from one measured save. Where saving is at least 5 % of the fit
+and enough saves are left, the trial measures *periods* — one ``trainer.save_checkpoint`` (the real one: the same
+hooks and contents, written next to the user's checkpoints and removed afterwards) plus ``k`` training steps, and
+for the background write until the write is done — in the order A B B A (synchronous, background, background,
+synchronous), the slowest rank's time each; the background write is kept when both paired ratios exceed 1 and their
+mean clears the search's noise gate. How often the user checkpoints is never changed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+
+from lightning_accel.callbacks.interventions import AsyncCheckpoint, Run
+from lightning_accel.core.autopilot import TrialRecord
+
+__all__ = ["trial_async_checkpoint"]
+
+#: a slow disk's write speed (bytes/s) for the no-measurement bound on a save's cost (a network file system or a
+#: throttled cloud volume; local NVMe writes 10-30x faster)
+SLOW_DISK_BYTES_PER_S = 100e6
+#: bytes per parameter byte a checkpoint holds at most before it is measured: the weights and two optimizer
+#: moments (Adam); the optimizer's state does not exist yet when the Autopilot runs (it is created at the first step)
+CHECKPOINT_BYTES_PER_PARAM_BYTE = 3
+
+
+# ------------------------------------------------------------------------------------------------ the trial
+def _cadence(run: Run) -> int | None:
+    """Optimizer steps between two saves of the fit's most frequent step/epoch-cadence ``ModelCheckpoint``."""
+    from lightning_accel._compat import checkpoint_every_n_train_steps
+    from lightning_accel.core.checkpoint_cost import steps_between_saves
+
+    try:
+        per_epoch: int | None = math.ceil(run.source.batches() / max(1, run.config.accumulate))
+    except TypeError:  # an iterable dataset: no length
+        per_epoch = None
+    cadences = [steps_between_saves(checkpoint_every_n_train_steps(cb), cb.every_n_epochs, per_epoch)
+                for cb in run.trainer.checkpoint_callbacks]
+    known = [c for c in cadences if c]
+    return min(known) if known else None
+
+
+def _checkpoint_bytes_bound(run: Run) -> int:
+    module = run.module
+    param = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    return CHECKPOINT_BYTES_PER_PARAM_BYTE * param + buffers
+
+
+def _step_seconds(run: Run) -> float:
+    """Seconds per optimizer step of the current configuration: the search's last window, else four steps."""
+    window = run.current or run.baseline
+    if window is None or not window.steps:
+        window = run.runner.measure(1, 3)  # the search measured nothing (not searched, or nothing to trial)
+    return window.seconds / max(1, window.steps)
+
+
+class _TrialFile:
+    """The trial's checkpoint path, next to the user's checkpoints (the same disk), removed afterwards."""
+
+    def __init__(self, run: Run) -> None:
+        trainer = run.trainer
+        callback = trainer.checkpoint_callback or trainer.checkpoint_callbacks[0]
+        directory = Path(callback.dirpath or trainer.default_root_dir)
+        token = uuid.uuid4().hex[:8]
+        if trainer.world_size > 1:
+            token = trainer.strategy.broadcast(token, src=0)
+        self.trainer = trainer
+        self.directory = directory
+        self.created_directory = not directory.exists()
+        self.path = directory / f".autopilot-checkpoint-trial-{token}.ckpt"
+
+    def remove(self) -> None:
+        if self.trainer.is_global_zero:
+            try:
+                self.path.unlink(missing_ok=True)
+                if self.created_directory and self.directory.exists() and not any(self.directory.iterdir()):
+                    self.directory.rmdir()
+            except OSError:
+                pass
+        self.trainer.strategy.barrier("autopilot-checkpoint-trial")
+
+
+def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> float:
+    """Wall seconds of one save plus ``steps`` training steps (and, written in the background, until the write is
+    done); the slowest rank's."""
+    from lightning_accel.callbacks._trainer import gather_floats
+    from lightning_accel.checkpoint_io import OrderedAsyncCheckpointIO
+
+    trainer = run.trainer
+    io = trainer.strategy.checkpoint_io
+    start = time.perf_counter()
+    trainer.save_checkpoint(file.path, weights_only=weights_only)
+    run.runner.measure(0, steps)
+    if isinstance(io, OrderedAsyncCheckpointIO):
+        io.wait()
+    local = time.perf_counter() - start
+    return float(gather_floats(trainer, trainer.strategy.root_device, [local], what="Autopilot checkpoint trial")
+                 .max())
+
+
+def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, gate: float, steps: int,
+                           steps_left: int | None) -> TrialRecord | None:
+    """Trial the background write (see the module docstring): the row for the table, or ``None`` when the fit's
+    saves cost too little to ask (no row: most fits). ``candidate`` stays applied when the row says kept."""
+    from lightning_accel.core.autopilot_search import decide_paired
+    from lightning_accel.core.checkpoint_cost import checkpoint_share, why_not_trial
+
+    if candidate.unavailable(run) is not None:
+        return None
+    between = _cadence(run)
+    if between is None:
+        return None
+    step_s = _step_seconds(run)
+    bound = checkpoint_share(_checkpoint_bytes_bound(run) / SLOW_DISK_BYTES_PER_S, between, step_s)
+    if why_not_trial(bound, between, steps_left) is not None:
+        return None  # even a slow disk would make saving too cheap to be worth a measured save
+    record = TrialRecord(index, candidate.name, candidate.describe(run), None, None, False, "")
+    weights_only = any(cb.save_weights_only for cb in run.trainer.checkpoint_callbacks)
+    k = max(1, min(between, steps))
+    file = _TrialFile(run)
+    started = time.perf_counter()
+    undo = None
+    try:
+        sync_a = _period(run, file, k, weights_only)
+        window_s = k * step_s
+        save_s = max(0.0, sync_a - window_s)
+        share = checkpoint_share(save_s, between, step_s)
+        why = why_not_trial(share, between, steps_left)
+        if why is not None:
+            record.reason = f"not trialled: one save measured {save_s:.2f} s; {why}"
+            return record
+        undo = candidate.apply(run)
+        async_b = _period(run, file, k, weights_only)
+        async_b2 = _period(run, file, k, weights_only)
+        undo()
+        undo = None
+        sync_a2 = _period(run, file, k, weights_only)
+        ratios = [sync_a / max(async_b, 1e-12), sync_a2 / max(async_b2, 1e-12)]
+        keep, reason = decide_paired(ratios, gate)
+        record.ratio = sum(ratios) / len(ratios)
+        detail = (f"saving measured {100 * share:.1f} % of the fit (one save {save_s:.2f} s every {between} "
+                  f"steps); one save + {k} steps: {(sync_a + sync_a2) / 2:.2f} s written on the training thread, "
+                  f"{(async_b + async_b2) / 2:.2f} s in the background")
+        if keep:
+            undo = candidate.apply(run)
+            record.kept = True
+            undo = None
+        record.reason = f"{reason}; {detail}"
+        return record
+    except Exception as err:  # noqa: BLE001 - the trial must not cost the user the training
+        record.reason = f"failed during the trial: {type(err).__name__}: {err}"
+        record.kept = False
+        return record
+    finally:
+        if undo is not None:
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - reported through the row's reason already
+                pass
+        file.remove()
+        record.seconds = time.perf_counter() - started
