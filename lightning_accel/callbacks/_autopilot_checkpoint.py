@@ -53,12 +53,13 @@ def _checkpoint_bytes_bound(run: Run) -> int:
     return CHECKPOINT_BYTES_PER_PARAM_BYTE * param + buffers
 
 
-def _step_seconds(run: Run) -> float:
-    """Seconds per optimizer step of the current configuration: the search's last window, else four steps."""
+def _step_seconds(run: Run) -> float | None:
+    """Seconds per optimizer step of the current configuration (the search's last window); ``None`` when the search
+    measured nothing (a fit too short to repay a search is too short for this trial too)."""
     window = run.current or run.baseline
     if window is None or not window.steps:
-        window = run.runner.measure(1, 3)  # the search measured nothing (not searched, or nothing to trial)
-    return window.seconds / max(1, window.steps)
+        return None
+    return window.seconds / window.steps
 
 
 class _TrialFile:
@@ -118,6 +119,8 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
     if between is None:
         return None
     step_s = _step_seconds(run)
+    if step_s is None:
+        return None
     bound = checkpoint_share(_checkpoint_bytes_bound(run) / SLOW_DISK_BYTES_PER_S, between, step_s)
     if why_not_trial(bound, between, steps_left) is not None:
         return None  # even a slow disk would make saving too cheap to be worth a measured save

@@ -238,3 +238,69 @@ def test_ddp_installs_mixed_precision_from_the_default_on_every_rank(ddp_script,
     assert rank0["last_dtype"] == rank1["last_dtype"] == "torch.bfloat16"  # the training ran under bf16 autocast
     assert "lightning_accel.AutoMixedPrecision" in rank0["yaml"]
     assert rank0["weight"] == rank1["weight"]  # DDP trained in step after the search
+
+
+ASYNC_CHECKPOINT = """
+import json, time
+from pathlib import Path
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_accel.callbacks._autopilot_checkpoint as trial
+from lightning_accel.callbacks.autopilot import Autopilot
+
+torch.set_num_threads(1)
+trial.SLOW_DISK_BYTES_PER_S = 1e3  # the planted slow disk below is slower than the no-measurement bound assumes
+
+
+class SlowDisk(TorchCheckpointIO):
+    def save_checkpoint(self, *args, **kwargs):
+        time.sleep(0.15)  # rank 0 writes; the other rank waits for it in save_checkpoint's barrier when synchronous
+        super().save_checkpoint(*args, **kwargs)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, i):
+        time.sleep(0.01)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+g = torch.Generator().manual_seed(3)
+data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
+autopilot = Autopilot(only=["async_checkpoint"], measure_steps=10, budget_seconds=120, save_plan=False,
+                      print_summary=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=100, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, plugins=[SlowDisk()],
+                     callbacks=[autopilot, ModelCheckpoint(dirpath="ckpt", every_n_train_steps=10, save_top_k=-1)])
+model = Model()
+trainer.fit(model, DataLoader(data, batch_size=4))
+out = {"records": [[r.name, r.kept, r.reason.split(";")[0]] for r in autopilot.records],
+       "io": type(trainer.strategy.checkpoint_io).__name__,
+       "saved": sorted(p.name for p in Path("ckpt").iterdir()),
+       "weight": model.net.weight.detach().flatten().tolist()}
+with open(f"asyncckpt_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_agree_on_the_background_checkpoint_writer(ddp_script, tmp_path):
+    ddp_script(ASYNC_CHECKPOINT, timeout=300)
+    rank0, rank1 = read_rank_json(tmp_path, "asyncckpt")
+    assert rank0["records"] == rank1["records"]  # the slowest rank's period decided for both
+    row = next(r for r in rank0["records"] if r[0] == "async_checkpoint")
+    assert row[1], row
+    assert rank0["io"] == rank1["io"] == "OrderedAsyncCheckpointIO"
+    assert len(rank0["saved"]) == 10 and not [n for n in rank0["saved"] if "autopilot" in n]
+    assert rank0["weight"] == rank1["weight"]
