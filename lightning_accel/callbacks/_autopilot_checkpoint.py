@@ -53,15 +53,6 @@ def _checkpoint_bytes_bound(run: Run) -> int:
     return CHECKPOINT_BYTES_PER_PARAM_BYTE * param + buffers
 
 
-def _step_seconds(run: Run) -> float | None:
-    """Seconds per optimizer step of the current configuration (the search's last window); ``None`` when the search
-    measured nothing (a fit too short to repay a search is too short for this trial too)."""
-    window = run.current or run.baseline
-    if window is None or not window.steps:
-        return None
-    return window.seconds / window.steps
-
-
 class _TrialFile:
     """The trial's checkpoint path, next to the user's checkpoints (the same disk), removed afterwards."""
 
@@ -107,9 +98,11 @@ def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> float
 
 
 def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, gate: float, steps: int,
-                           steps_left: int | None) -> TrialRecord | None:
+                           steps_left: int | None, step_seconds: float | None) -> TrialRecord | None:
     """Trial the background write (see the module docstring): the row for the table, or ``None`` when the fit's
-    saves cost too little to ask (no row: most fits). ``candidate`` stays applied when the row says kept."""
+    saves cost too little to ask (no row: most fits) or nothing was measured to say (``step_seconds`` of the
+    current configuration: the search's last window, or its estimate when the fit was too short to search).
+    ``candidate`` stays applied when the row says kept."""
     from lightning_accel.core.autopilot_search import decide_paired
     from lightning_accel.core.checkpoint_cost import checkpoint_share, why_not_trial
 
@@ -118,15 +111,14 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
     between = _cadence(run)
     if between is None:
         return None
-    step_s = _step_seconds(run)
-    if step_s is None:
+    step_s = step_seconds
+    if step_s is None or step_s <= 0:
         return None
-    bound = checkpoint_share(_checkpoint_bytes_bound(run) / SLOW_DISK_BYTES_PER_S, between, step_s)
-    if why_not_trial(bound, between, steps_left) is not None:
+    k = max(1, min(between, steps))
+    if why_not_trial(_checkpoint_bytes_bound(run) / SLOW_DISK_BYTES_PER_S, between, step_s, steps_left, k):
         return None  # even a slow disk would make saving too cheap to be worth a measured save
     record = TrialRecord(index, candidate.name, candidate.describe(run), None, None, False, "")
     weights_only = any(cb.save_weights_only for cb in run.trainer.checkpoint_callbacks)
-    k = max(1, min(between, steps))
     file = _TrialFile(run)
     started = time.perf_counter()
     undo = None
@@ -135,7 +127,7 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
         window_s = k * step_s
         save_s = max(0.0, sync_a - window_s)
         share = checkpoint_share(save_s, between, step_s)
-        why = why_not_trial(share, between, steps_left)
+        why = why_not_trial(save_s, between, step_s, steps_left, k)
         if why is not None:
             record.reason = f"not trialled: one save measured {save_s:.2f} s; {why}"
             return record

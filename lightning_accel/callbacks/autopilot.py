@@ -213,6 +213,7 @@ class Autopilot(Callback):
         self._done = False
         self._restored_plan: dict[str, Any] | None = None
         self._prefetcher: Any = None
+        self._step_seconds: float | None = None  # of the configuration the search ended with
 
     # ------------------------------------------------------------------ checkpoint
     @override
@@ -376,6 +377,7 @@ class Autopilot(Callback):
             plan.noise = result.noise
             plan.stopped = result.stopped or None
             plan.search_seconds = time.perf_counter() - started
+            self._step_seconds = result.step_seconds
 
     def _checkpoint_trial(self, run: Run) -> None:
         """The fix outside the step (``callbacks/_autopilot_checkpoint.py``): checkpoints written in a background
@@ -388,7 +390,8 @@ class Autopilot(Callback):
             return
         noise = self.plan.noise if self.plan is not None and self.plan.noise is not None else 0.0
         record = trial_async_checkpoint(run, candidate, index=len(self.records), gate=noise_gate(self.threshold, noise),
-                                        steps=self.measure_steps, steps_left=run.steps_left)
+                                        steps=self.measure_steps, steps_left=run.steps_left,
+                                        step_seconds=self._step_seconds)
         if record is None:
             return
         self.records.append(record)

@@ -259,6 +259,8 @@ class SearchResult:
     stopped: str = ""
     budget_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: seconds per optimizer step of the configuration the search ended with (the estimate's when not searched)
+    step_seconds: float | None = None
 
 
 def noise_gate(threshold: float, noise: float) -> float:
@@ -368,6 +370,8 @@ class AutopilotSearch:
             self._loop()
             result.final_samples_per_sec = statistics.median(self._current_rates)
         finally:
+            if self._current is not None:
+                result.step_seconds = self._current.step_seconds
             backend.restore()
         return result
 

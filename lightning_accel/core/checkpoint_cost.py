@@ -6,21 +6,26 @@ tensors; the write overlaps the next steps (and competes with them for CPU and m
 Autopilot keeps it only when a paired measurement says so).
 
 The share of the fit a save costs is ``save_s / (save_s + n × step_s)`` for one save every ``n`` optimizer steps
-(:func:`checkpoint_share`). Below :data:`MIN_SHARE` (the doctor's fit-level target is checkpoints at ~2 % of the
-fit, ``core/phases.py``) the best a background write can return does not pay for the four measured periods of a
-trial (A B B A), nor when fewer than :data:`MIN_SAVES_LEFT` saves remain.
+(:func:`checkpoint_share`). A trial measures :data:`TRIAL_PERIODS` periods of one save plus ``k`` steps, all of them
+extra time (the steps are undone); it is worth running when saving is at least :data:`MIN_SHARE` of the fit (the
+doctor's fit-level target is checkpoints at ~2 %, ``core/phases.py``) and the saves left, each hiding
+:data:`HIDDEN_FRACTION` of its write, would repay the trial (:func:`why_not_trial`).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["MIN_SAVES_LEFT", "MIN_SHARE", "checkpoint_share", "steps_between_saves", "why_not_trial"]
+__all__ = ["HIDDEN_FRACTION", "MIN_SHARE", "TRIAL_PERIODS", "checkpoint_share", "steps_between_saves",
+           "why_not_trial"]
 
 #: a save's share of the fit below which a background write is not trialled
 MIN_SHARE = 0.05
-#: saves the fit must have left to repay a trial of four periods (each one save plus its steps)
-MIN_SAVES_LEFT = 8
+#: periods (one save + k steps) a trial measures: A B B A
+TRIAL_PERIODS = 4
+#: the prior share of a save's time a background write hides from the training thread (it still pays the clone of
+#: the checkpoint's tensors; the planted slow disk of the tests hides ~95 %)
+HIDDEN_FRACTION = 0.8
 
 
 def steps_between_saves(every_n_train_steps: int | None, every_n_epochs: int | None,
@@ -40,13 +45,19 @@ def checkpoint_share(save_seconds: float, steps_between: int, step_seconds: floa
     return save_seconds / period if period > 0 else 0.0
 
 
-def why_not_trial(share: float, steps_between: int, steps_left: int | None) -> str | None:
-    """``None`` when a background write is worth trialling, else the reason (one line)."""
+def why_not_trial(save_seconds: float, steps_between: int, step_seconds: float, steps_left: int | None,
+                  window_steps: int) -> str | None:
+    """``None`` when a background write is worth trialling, else the reason (one line). ``window_steps``: the steps
+    of each measured period; ``steps_left``: ``None`` for a fit of unknown length (always worth it)."""
+    share = checkpoint_share(save_seconds, steps_between, step_seconds)
     if share < MIN_SHARE:
         return (f"saving is {100 * share:.1f} % of the fit (one save every {steps_between} steps), under the "
                 f"{100 * MIN_SHARE:.0f} % worth a trial")
     if steps_left is not None:
         saves = math.floor(steps_left / max(1, steps_between))
-        if saves < MIN_SAVES_LEFT:
-            return f"{saves} save(s) left in the fit, fewer than the {MIN_SAVES_LEFT} that repay a trial"
+        saving = saves * save_seconds * HIDDEN_FRACTION
+        cost = TRIAL_PERIODS * (save_seconds + window_steps * step_seconds)
+        if saving <= cost:
+            return (f"the {saves} save(s) left would save ~{saving:.1f} s written in the background, less than the "
+                    f"~{cost:.1f} s a trial costs")
     return None
