@@ -23,7 +23,10 @@ held-out loss is the mean loss on fixed held-out batches (another seed) after th
 **Short fits** (``--short``): 300-step fits whose whole wall time (``trainer.fit``, the search included) is
 compared, vanilla vs ``Autopilot()`` at its defaults: ``short_data`` (the planted ``data`` scenario of
 ``bench_autopilot.py``: a 1.5 ms sleep per sample, ``num_workers=0``; the data wait is most of the step) and
-``short_balanced`` (the demo GPT on memory-mapped tokens, Lightning's default precision, nothing planted).
+``short_balanced`` (the demo GPT on memory-mapped tokens, Lightning's default precision, nothing planted) and
+``short_checkpoint`` (the demo GPT at width 256 with ``ModelCheckpoint(every_n_train_steps=10)``, the newest kept:
+a real save of weights + AdamW state to this disk every 10 steps; also ``hand_async``, the same fit with
+``OrderedAsyncCheckpointIO`` set by hand).
 
 Every run appends one JSON line to ``--out``; ``--report FILE`` prints the tables from such a file, so repeats
 taken in separate sessions (under a CPU lock, a few minutes at a time) add up.
@@ -159,17 +162,30 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
     import bench_autopilot as ba
     import lightning.pytorch as pl
 
+    import tempfile
+
     _quiet()
     steps = spec["steps"]
     pl.seed_everything(0, verbose=False)
+    checkpoints = None
     if spec["scenario"] == "short_data":
         model, data, kwargs = ba.build_data({"num_workers": 0})
     else:
         from lightning_accel.demo.model import GPTConfig
         from lightning_accel.demo.task import DemoDataModule, GPTTask
 
-        model = GPTTask(GPTConfig(seq_len=64, n_layer=4, d_model=128))
+        width = 128 if spec["scenario"] == "short_balanced" else 256
+        model = GPTTask(GPTConfig(seq_len=64, n_layer=4, d_model=width))
         data, kwargs = DemoDataModule(seq_len=64, batch_size=32, train_tokens=400_000, num_workers=0, seed=0), {}
+        if spec["scenario"] == "short_checkpoint":  # a save every 10 steps, the newest kept (the last one removed)
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            checkpoints = tempfile.TemporaryDirectory()
+            kwargs["callbacks"] = [ModelCheckpoint(dirpath=checkpoints.name, every_n_train_steps=10, save_top_k=1)]
+            if spec["variant"] == "hand_async":
+                from lightning_accel.checkpoint_io import OrderedAsyncCheckpointIO
+
+                kwargs["plugins"] = [OrderedAsyncCheckpointIO()]
     rate, _ = _callbacks(steps, 10)
     callbacks: list[Any] = [*kwargs.pop("callbacks", []), rate]
     autopilot = None
@@ -178,9 +194,10 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
 
         autopilot = Autopilot(print_summary=False, save_plan=False)
         callbacks.insert(0, autopilot)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                         enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+                         **kwargs)
     t0 = time.perf_counter()
     if isinstance(data, pl.LightningDataModule):
         trainer.fit(model, datamodule=data)
@@ -188,6 +205,9 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(model, data)
     row = {**spec, "wall_seconds": time.perf_counter() - t0, "samples_per_sec": rate.rate(),
            "global_step": trainer.global_step}
+    if checkpoints is not None:
+        row["checkpoints_left"] = sorted(os.listdir(checkpoints.name))
+        checkpoints.cleanup()
     if autopilot is not None:
         row.update(_autopilot_row(autopilot))
     return row
@@ -250,7 +270,8 @@ def drive_short(scenarios: list[str], rounds: int, steps: int, out: Path | None)
     rows = []
     for name in scenarios:
         for r in range(rounds):
-            for variant in (["vanilla", "autopilot"] if r % 2 == 0 else ["autopilot", "vanilla"]):
+            variants = ["vanilla", "autopilot"] + (["hand_async"] if name == "short_checkpoint" else [])
+            for variant in (variants if r % 2 == 0 else list(reversed(variants))):
                 row = _child({"kind": "short", "scenario": name, "variant": variant, "steps": steps}, out, timeout=900)
                 rows.append(row)
                 _say(row)
@@ -333,6 +354,10 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
             walls_v = ", ".join(f"{r['wall_seconds']:.1f}" for r in v)
             walls_a = ", ".join(f"{r['wall_seconds']:.1f} ({r['search_seconds']:.1f})" for r in a)
             outcome = "<br>".join(sorted({("; ".join(r["kept"]) or "nothing") + " / " + str(r["stopped"]) for r in a}))
+            hand = [r for r in short if r["scenario"] == name and r["variant"] == "hand_async"]
+            if hand:  # the fix set by hand, for the same fit
+                outcome += "<br>by hand (OrderedAsyncCheckpointIO): " + ", ".join(
+                    f"{r['wall_seconds']:.1f} s ({vm / r['wall_seconds']:.2f}×)" for r in hand)
             lines.append(f"| {name} | {vm:.1f} ({walls_v}) | {walls_a} | {_spread(ratios)} | {outcome} |")
     if verbose:
         for r in rows:
@@ -360,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["vanilla", "hand_fp32", "hand_bf16", "autopilot"])
     parser.add_argument("--short", action="store_true", help="the 300-step whole-fit wall-time comparison")
     parser.add_argument("--short-scenarios", nargs="+", default=["short_data", "short_balanced"],
-                        choices=["short_data", "short_balanced"])
+                        choices=["short_data", "short_balanced", "short_checkpoint"])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps trained per real-script run")
     parser.add_argument("--skip", type=int, default=5, help="optimizer steps not timed (warm-up)")
