@@ -94,18 +94,12 @@ def _leave_before_teardown(code: int) -> NoReturn:
 
 _exit_code: dict[str, object] = {"code": 0, "known": False}
 _original_exit = sys.exit
-_original_excepthook = sys.excepthook
 
 
 def _recording_exit(code: object = None) -> NoReturn:
     """``sys.exit`` that remembers the code, for :func:`_at_interpreter_exit`'s ``os._exit``."""
     _exit_code.update(code=code, known=True)
     _original_exit(code)
-
-
-def _recording_excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-    _exit_code.update(code=1, known=True)  # an uncaught exception: Python's exit status 1
-    _original_excepthook(kind, value, tb)  # type: ignore[arg-type]
 
 
 def _status(code: object) -> int:
@@ -116,17 +110,31 @@ def _status(code: object) -> int:
     return 1  # sys.exit("message"): Python prints it and exits 1
 
 
+def _uncaught_exception() -> BaseException | None:
+    """The uncaught exception the script ends on, if any: the interpreter sets ``sys.last_exc`` (3.12+) /
+    ``sys.last_value`` when it prints one, before the exit handlers run. Read here rather than through a
+    ``sys.excepthook`` of ours: torch's ``init_process_group`` installs its own hook, and so may other libraries."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
 def _at_interpreter_exit() -> None:
     """The ``atexit`` handler of :func:`register_clean_exit`."""
     if not destroy_process_groups():
         return  # the groups' threads are joined: the interpreter's own teardown is safe
-    if not _exit_code["known"] and "_pytest" in sys.modules:
+    uncaught = _uncaught_exception()
+    if uncaught is not None:  # Python's exit status after an uncaught exception (Ctrl-C: 128 + SIGINT, as a shell)
+        status = 130 if isinstance(uncaught, KeyboardInterrupt) else 1
+    elif _exit_code["known"]:
+        status = _status(_exit_code["code"])
+    elif "_pytest" in sys.modules:
         # `python -m pytest` ends with `raise SystemExit(status)`, which no hook sees: never turn a failing test
         # run into exit 0; leave through the interpreter's teardown (as without this handler)
         return
+    else:
+        status = 0
     # backend threads outlive the groups (DeepSpeed): run the other exit handlers, flush, and leave before teardown
     atexit.unregister(_at_interpreter_exit)
-    _leave_before_teardown(_status(_exit_code["code"]))
+    _leave_before_teardown(status)
 
 
 def register_clean_exit() -> None:
@@ -148,5 +156,3 @@ def register_clean_exit() -> None:
     if sys.exit is not _recording_exit:
         _original_exit = sys.exit  # whatever is installed now (another library may have wrapped it too)
         sys.exit = _recording_exit
-    if sys.excepthook is _original_excepthook:
-        sys.excepthook = _recording_excepthook

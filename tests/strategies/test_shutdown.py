@@ -117,6 +117,23 @@ def test_registered_clean_exit_destroys_the_group_and_reports_an_uncaught_except
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+@pytest.mark.parametrize("hook", ["torch's", "another library's after ours"])
+def test_an_uncaught_exception_exits_1_when_threads_outlive_the_group(hook):
+    # torch's init_process_group installs its own sys.excepthook (above, before ours is registered); a library may
+    # also replace ours later: a failing script must never leave with exit code 0 through os._exit
+    proc = _run(f"""
+        from lightning_accel.strategies.shutdown import register_clean_exit
+        held = dist.group.WORLD  # as DeepSpeed holds it: the handler leaves with os._exit
+        register_clean_exit()
+        if {hook == "another library's after ours"!r}:
+            sys.excepthook = lambda *args: print("their hook", flush=True)
+        raise RuntimeError("user error")
+    """, _free_port())
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "atexit handler ran" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
 def test_an_exit_status_no_hook_saw_is_never_replaced_under_pytest():
     # `python -m pytest` ends with `raise SystemExit(status)`: with threads outliving the group the handler must not
     # os._exit(0) over a failing run's status
