@@ -229,7 +229,8 @@ class _LitGPT(_Layout):
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
-_TOKEN = ("tok_emb", "wte", "embed_tokens", "tok_embeddings", "token_embedding", "embedding")
+_TOKEN = ("tok_emb", "wte", "embed_tokens", "tok_embeddings", "token_embedding", "embedding", "embed", "tok_embed",
+          "token_emb")
 _POSITION = ("pos_emb", "wpe", "position_embedding", "pos_embedding")
 _BLOCKS = ("blocks", "h", "layers")
 _NORM = ("ln_f", "norm", "final_norm", "norm_f")
@@ -316,8 +317,9 @@ def find_layout(net: nn.Module) -> _Layout:
             return _NanoGPT(net, prefix, token, _child(holder, _POSITION, nn.Embedding),
                             _child(holder, ("drop", "dropout"), nn.Dropout), blocks, _child(holder, _NORM), head)
     raise ValueError(
-        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or a "
-        "token embedding + an nn.ModuleList of blocks named blocks/h/layers + a head named head/lm_head/output). "
+        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or an "
+        f"nn.Embedding named {'/'.join(_TOKEN)} + an nn.ModuleList of blocks named {'/'.join(_BLOCKS)} + a head "
+        f"named {'/'.join(_HEAD)}, on the network or its .transformer). "
         "Give a `pipeline_layout(self)` method on the LightningModule returning "
         "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)")
 

@@ -157,7 +157,7 @@ def _bench_clean_exit():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp_topk", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp_topk", "fsdp2", "pp"])
 def test_a_plain_user_script_ends_with_exit_code_0(strategy, tmp_path):
     # one run each here; benchmarks/bench_clean_exit.py loops 50 runs per strategy
     proc = _bench_clean_exit().run_user_script(strategy, tmp_path)
@@ -173,3 +173,11 @@ def test_a_user_script_under_deepspeed_keeps_its_exit_code(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "rank 0 finished" in proc.stdout and "rank 1 finished" in proc.stdout
     assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_a_user_script_that_raises_after_its_fit_exits_1(tmp_path):
+    # pp keeps its groups referenced (the exit handler leaves with os._exit): the exception's status must survive
+    proc = _bench_clean_exit().run_user_script("pp", tmp_path, exit_code="raise")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the user's script fails after its fit" in proc.stderr
