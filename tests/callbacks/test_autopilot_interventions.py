@@ -104,11 +104,39 @@ class Sweep(Callback):
         self.body(run)
 
 
-def _fit(body) -> None:
+def _fit(body, accumulate: int = 4) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=4,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
                          callbacks=[Sweep(body)])
     trainer.fit(Net())
+
+
+def test_the_micro_batch_doubles_then_jumps_to_one_micro_batch_and_falls_back_to_doubling() -> None:
+    from lightning_accel.callbacks.interventions import MicroBatch
+
+    seen: dict[str, object] = {}
+
+    def body(run) -> None:
+        first = MicroBatch()
+        first.apply(run)  # kept: 4 x 8 -> 8 x 4
+        seen["first"] = dict(first.params)
+        jump = MicroBatch()  # what the search offers after a kept doubling
+        undo = jump.apply(run)
+        seen["jump"] = dict(jump.params)
+        undo()  # measured no faster: reverted
+        following = jump.fallback()
+        seen["refused"] = set(run.extras["micro_batch_refused"])
+        following.apply(run)  # kept: 8 x 4 -> 16 x 2
+        seen["following"] = dict(following.params)
+        again = MicroBatch()  # after that doubling: the next would be 32 x 1, refused before
+        seen["again"] = again.unavailable(run)
+
+    _fit(body, accumulate=8)
+    assert seen["first"] == {"batch_size": 8, "accumulate_grad_batches": 4}
+    assert seen["jump"] == {"batch_size": 32, "accumulate_grad_batches": 1}
+    assert seen["refused"] == {(32, 1)}
+    assert seen["following"] == {"batch_size": 16, "accumulate_grad_batches": 2}
+    assert "batch_size=32 × accumulate_grad_batches=1 was measured no faster before" in seen["again"]
 
 
 def test_every_intervention_reverts_bit_identically_after_a_full_and_a_partial_apply(monkeypatch) -> None:
