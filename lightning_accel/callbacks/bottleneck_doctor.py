@@ -25,13 +25,14 @@ from lightning_accel.callbacks._doctor_timers import (
     install_comm_timer,
     install_instance_wrapper,
     install_optimizer_hooks,
+    wrap_strategy_comm_hook,
 )
 from lightning_accel.callbacks._doctor_utilisation import UtilisationSamplers
 from lightning_accel.callbacks._doctor_warnings import LiveWarnings, warn_smell
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.core.batch import samples_in_batch
-from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+from lightning_accel.core.comm import CommRecorder
 from lightning_accel.core.fit_windows import FitWindows, window_metrics
 from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport
@@ -216,8 +217,7 @@ class BottleneckDoctor(Callback):
         self.report: DoctorReport | None = None
         #: files written at the end of the last fit (JSON, PNG)
         self.files: list[Path] = []
-        self._comm_wrapper: Callable[[Any], Any] | None = None
-        self._comm_strategy: Any = None
+        self._comm_unwrap: Callable[[], None] | None = None  # takes the timing wrapper off the strategy's hook
         self._comm: CommRecorder | None = None
         self._fit_clock = FitClock()
         self._reset_run_state()
@@ -268,16 +268,9 @@ class BottleneckDoctor(Callback):
         self._fit_clock.start()
         self._fit_clock.enter("startup")
         self._comm = None
-        strategy = trainer.strategy
-        wrappers = getattr(strategy, "comm_hook_wrappers", None)
-        if isinstance(wrappers, list):
-            recorder = CommRecorder(cuda=strategy.root_device.type == "cuda")
-
-            def wrap(hook: Any) -> Any:
-                return timed_comm_hook(hook, recorder)
-
-            wrappers.append(wrap)
-            self._comm, self._comm_wrapper, self._comm_strategy = recorder, wrap, strategy
+        wrapped = wrap_strategy_comm_hook(trainer.strategy)
+        if wrapped is not None:
+            self._comm, self._comm_unwrap = wrapped
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -391,11 +384,9 @@ class BottleneckDoctor(Callback):
             except Exception:  # noqa: BLE001,S110 - best effort: the objects may be gone already
                 pass
         self._restore = []
-        if self._comm_wrapper is not None:
-            wrappers = getattr(self._comm_strategy, "comm_hook_wrappers", [])
-            if self._comm_wrapper in wrappers:
-                wrappers.remove(self._comm_wrapper)
-            self._comm_wrapper = self._comm_strategy = None
+        if self._comm_unwrap is not None:
+            self._comm_unwrap, unwrap = None, self._comm_unwrap
+            unwrap()
         self._close_probe()
 
     # ------------------------------------------------------------------ the training loop
