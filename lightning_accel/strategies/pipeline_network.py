@@ -1,22 +1,29 @@
-"""The network structures the pipeline strategy splits: what runs as the embedding, the blocks and the head.
+"""The network side of pipeline parallelism: the structures the strategy splits, the stages cut from them, the
+default batch and loss, and the measured cost of each block.
 
 :func:`find_layout` recognises Hugging Face decoder LMs (``LlamaForCausalLM``-shaped, ``GPT2LMHeadModel``), litgpt
 ``GPT`` and nanoGPT-shaped models (token and position embeddings, an ``nn.ModuleList`` of blocks, a final norm and
 a head); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
 ``pipeline_layout()``. Each recognised structure names its pieces as module paths relative to the network and says
 how each is called (the per-block context: rotary embeddings, the causal mask), so a stage can run its share of the
-network's own forward. Torch only: no Lightning here.
+network's own forward. A :class:`_Stage` is one rank's share (its blocks, with the embedding on the first and the
+final norm and head on the last); :func:`default_pipeline_batch` and :func:`token_cross_entropy` are the batch and
+loss used without the module's ``pipeline_batch`` / ``pipeline_loss`` hooks; :func:`measure_stage_costs` times each
+piece for ``balance="time"``. Torch only: no Lightning here.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PipelineLayout", "find_layout"]
+__all__ = ["PipelineLayout", "default_pipeline_batch", "find_layout", "measure_stage_costs", "token_cross_entropy"]
 
 
 @dataclass
@@ -223,3 +230,118 @@ def find_layout(net: nn.Module) -> _Layout:
         "token embedding + an nn.ModuleList of blocks named blocks/h/layers + a head named head/lm_head/output). "
         "Give a `pipeline_layout(self)` method on the LightningModule returning "
         "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)")
+
+
+class _Offstage(nn.Module):
+    """Stands in for a module another pipeline rank holds (keeps the original names of this rank's parameters)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module lives on another pipeline stage")
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: its blocks, plus the embedding (first) or the final norm and head (last)."""
+
+    def __init__(self, layout: _Layout, blocks: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "layout", layout)  # not a submodule: only this stage's parts are
+        self.first, self.last = first, last
+        allb = layout.block_list()
+        self.blocks = nn.ModuleList(allb[i] for i in blocks)
+        self.parts = nn.ModuleList(([layout.net.get_submodule(p) for p in layout.first] if first else [])
+                                   + ([layout.net.get_submodule(p) for p in layout.last] if last else []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layout.embed(x) if self.first else x
+        ctx = self.layout.context(h)
+        for block in self.blocks:
+            h = self.layout.call_block(block, h, ctx)
+        return self.layout.head(h) if self.last else h
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the network returned {type(output).__name__}, not logits")
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens (``-100`` targets ignored), in fp32 like Hugging Face's LM loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+
+
+def _shift_targets(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of ``ids`` at full length: position ``i`` predicts ``ids[i+1]``, the last is ignored."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def default_pipeline_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of a batch: ``(x, y)`` as given; ``ids`` / ``(ids,)`` / ``{"input_ids": ids}``: the ids
+    and the ids shifted by one (Hugging Face's ``labels=ids``)."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
+        return ids, _shift_targets(labels)
+    if isinstance(batch, torch.Tensor):
+        return batch, _shift_targets(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], torch.Tensor):
+        return batch[0], _shift_targets(batch[0])
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(b, torch.Tensor) for b in batch):
+        return batch[0], batch[1]
+    raise ValueError(f"pipeline: cannot read (inputs, targets) from a batch of type {type(batch).__name__}; give the "
+                     "LightningModule a `pipeline_batch(self, batch)` method returning (inputs, targets)")
+
+
+def measure_stage_costs(layout: _Layout, device: torch.device, *, shape: tuple[int, int] = (2, 8), reps: int = 3,
+                        ) -> tuple[float, list[float], float]:
+    """Forward + backward time (µs, the median of ``reps`` after one warm-up) of the embedding, of every block and
+    of the head with the token cross-entropy, on a synthetic batch of ``shape`` token ids, on ``device``. What is
+    not a block stays on the device during the measurement, the blocks go there one at a time (and everything goes
+    back after), so a model whose blocks do not fit the device together can still be measured.
+    """
+    net = layout.net
+    blocks = layout.block_list()
+    in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
+    rest = [t for t in [*net.parameters(), *net.buffers()] if id(t) not in in_blocks]
+    homes = [t.data for t in rest]
+    was = net.training
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(run: Callable[[], torch.Tensor]) -> float:
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            start = time.perf_counter()
+            run().float().sum().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        return float(sorted(times[1:])[len(times[1:]) // 2]) * 1e6
+
+    try:
+        net.train()
+        for t in rest:
+            t.data = t.data.to(device)
+        ids = torch.randint(0, layout.vocab(), shape, generator=torch.Generator().manual_seed(0)).to(device)
+        first = timed(lambda: layout.embed(ids))
+        with torch.no_grad():
+            h = layout.embed(ids)
+        ctx = layout.context(h)
+        costs = []
+        for block in blocks:
+            home = next(iter(block.parameters()), torch.empty(0)).device
+            block.to(device)
+            x = h.detach().requires_grad_(True)
+            costs.append(timed(lambda b=block, x=x: layout.call_block(b, x, ctx)))
+            block.zero_grad(set_to_none=True)
+            block.to(home)
+        x = h.detach().requires_grad_(True)
+        last = timed(lambda: token_cross_entropy(layout.head(x), ids.roll(-1, dims=1)))
+    finally:
+        net.zero_grad(set_to_none=True)
+        for t, data in zip(rest, homes):
+            t.data = data
+        net.train(was)
+    return first, costs, last
