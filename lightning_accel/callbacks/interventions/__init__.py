@@ -8,6 +8,12 @@ for the table, ``config(run)`` gives its LightningCLI keys and Python lines, and
 replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autopilot.NUMERICS_KINDS``) and
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
 
+One concern per module: ``base`` (:class:`Run`, :class:`Intervention`), ``data``, ``batch``, ``optimizer``,
+``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``activation_checkpointing`` and
+``compression`` (with its link measurement and the projection's choice); this package holds the registry
+(:data:`INTERVENTIONS`, :func:`knob_names`) and re-exports every name, so imports from
+``lightning_accel.callbacks.interventions`` need not know the module.
+
 ============================  ===========================================  ==============================  =============
 name                          change                                       built on                        kind
 ============================  ===========================================  ==============================  =============
