@@ -12,7 +12,8 @@ from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["install_checkpoint_timer", "install_comm_timer", "install_instance_wrapper", "install_optimizer_hooks"]
+__all__ = ["install_checkpoint_timer", "install_comm_timer", "install_instance_wrapper", "install_optimizer_hooks",
+           "wrap_strategy_comm_hook"]
 
 
 def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any],
@@ -97,3 +98,24 @@ def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> Com
                      "lightning-accel DDP strategy (ddp_bf16_compress, ...) whose hook the doctor can wrap")
         return None
     return recorder
+
+
+def wrap_strategy_comm_hook(strategy: Any) -> tuple[CommRecorder, Callable[[], None]] | None:
+    """A lightning-accel DDP strategy (one with a ``comm_hook_wrappers`` list, read when it registers its comm hook
+    in ``strategy.setup``): add a timing wrapper to the list. Returns the recorder and the function that takes the
+    wrapper out again, or ``None`` for a strategy without the list."""
+    wrappers = getattr(strategy, "comm_hook_wrappers", None)
+    if not isinstance(wrappers, list):
+        return None
+    recorder = CommRecorder(cuda=strategy.root_device.type == "cuda")
+
+    def wrap(hook: Any) -> Any:
+        return timed_comm_hook(hook, recorder)
+
+    def unwrap() -> None:
+        current = getattr(strategy, "comm_hook_wrappers", [])
+        if wrap in current:
+            current.remove(wrap)
+
+    wrappers.append(wrap)
+    return recorder, unwrap

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -13,38 +12,39 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
-from lightning_accel.callbacks._doctor_facts import nvml_index, read_dataloader_settings, static_context
 from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
+from lightning_accel.callbacks._doctor_facts import read_dataloader_settings, static_context
+from lightning_accel.callbacks._doctor_report import write_report_files
+from lightning_accel.callbacks._doctor_smells import DoctorSmells
 from lightning_accel.callbacks._doctor_timers import (
     install_checkpoint_timer,
     install_comm_timer,
     install_instance_wrapper,
     install_optimizer_hooks,
+    wrap_strategy_comm_hook,
 )
-from lightning_accel.callbacks._window_log import log_window
+from lightning_accel.callbacks._doctor_utilisation import UtilisationSamplers
+from lightning_accel.callbacks._doctor_warnings import LiveWarnings, warn_smell
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
+from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.core.batch import samples_in_batch
-from lightning_accel.core.breakdown import ROW_FIELDS, Breakdown
-from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+from lightning_accel.core.comm import CommRecorder
+from lightning_accel.core.fit_windows import FitWindows, window_metrics
 from lightning_accel.core.phases import FitClock
-from lightning_accel.core.report import DoctorReport, plot_timeline
-from lightning_accel.core.rules import STAGES, Diagnosis, Finding, RunContext, Thresholds, diagnose
+from lightning_accel.core.report import DoctorReport
+from lightning_accel.core.rules import RunContext, Thresholds, diagnose
 from lightning_accel.core.stages import StageMachine, StageWindow
-from lightning_accel.core.utilisation import reduce_utilisation
-from lightning_accel.core.variability import VARIABILITY_FIELDS, summarise_window
 from lightning_accel.core.verdict import build_report
-from lightning_accel.core.window_row import UTIL_FIELDS, RankWindow
+from lightning_accel.core.window_row import RankWindow
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["BottleneckDoctor"]
-
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -217,8 +217,7 @@ class BottleneckDoctor(Callback):
         self.report: DoctorReport | None = None
         #: files written at the end of the last fit (JSON, PNG)
         self.files: list[Path] = []
-        self._comm_wrapper: Callable[[Any], Any] | None = None
-        self._comm_strategy: Any = None
+        self._comm_unwrap: Callable[[], None] | None = None  # takes the timing wrapper off the strategy's hook
         self._comm: CommRecorder | None = None
         self._fit_clock = FitClock()
         self._reset_run_state()
@@ -230,32 +229,21 @@ class BottleneckDoctor(Callback):
         self._clock: Callable[[], float] = time.perf_counter
         self._manual = False
         self._step_depth = 0
-        self._breakdown = Breakdown()
+        self._windows = FitWindows()
         self._batches_seen = 0
         self._skip = self._warmup_batches
         self._measuring = False
         self._window_count = 0  # batches in the open window, counted on every rank even after a measuring problem
-        self._train_wall = 0.0
-        self._batch_sizes: list[int] = []
-        self._util_sums: dict[str, list[float]] = {}
-        self._var_rows: list[list[list[float]]] = []  # per rank, per window: VARIABILITY_FIELDS
-        self._cpu: Any = None
-        self._gpu: Any = None
+        self._samplers = UtilisationSamplers()
         self._device = torch.device("cpu")
         self._context = RunContext()
         self._notes: list[str] = []
-        self._active: set[str] = set()  # rules found in the last window
-        self._warned: dict[str, tuple[str, float]] = {}  # rule -> (fix, time) of its last warning
-        self._timeline: list[dict[str, Any]] = []
+        self._warnings = LiveWarnings()
         self._probe: SDPABackendRecorder | None = None
         self._probe_batch = 1
-        self._comm_passes = 0
         self._restore: list[Callable[[], None]] = []
         self._mfu_monitor: Any = None
-        self._smells = Diagnosis()
-        self._pending_smells: list[Finding] = []  # found, not yet warned (waiting for the first window's shares)
-        self._grads_checked = not self.smells
-        self._find_unused: bool | None = None
+        self._smells = DoctorSmells(check_gradients=self.smells)
         self._epoch_paused = False
         self._ranges: Any = None
         self._in_validation = False
@@ -280,16 +268,9 @@ class BottleneckDoctor(Callback):
         self._fit_clock.start()
         self._fit_clock.enter("startup")
         self._comm = None
-        strategy = trainer.strategy
-        wrappers = getattr(strategy, "comm_hook_wrappers", None)
-        if isinstance(wrappers, list):
-            recorder = CommRecorder(cuda=strategy.root_device.type == "cuda")
-
-            def wrap(hook: Any) -> Any:
-                return timed_comm_hook(hook, recorder)
-
-            wrappers.append(wrap)
-            self._comm, self._comm_wrapper, self._comm_strategy = recorder, wrap, strategy
+        wrapped = wrap_strategy_comm_hook(trainer.strategy)
+        if wrapped is not None:
+            self._comm, self._comm_unwrap = wrapped
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -316,7 +297,7 @@ class BottleneckDoctor(Callback):
         except Exception as err:  # noqa: BLE001 - measuring must never stop training
             self._break(f"installing the timers: {err!r}")
         if self.utilisation:
-            self._start_utilisation_samplers()
+            self._samplers.create(self._device, self._notes)
 
     def _install_timers(self, trainer: pl.Trainer) -> None:
         self._restore.append(install_instance_wrapper(trainer.strategy, "batch_to_device", self._transfer_begin,
@@ -392,26 +373,6 @@ class BottleneckDoctor(Callback):
         except Exception as err:  # noqa: BLE001
             self._break(f"optimizer step post-hook: {err!r}")
 
-    def _start_utilisation_samplers(self) -> None:
-        from lightning_accel._imports import is_available
-        from lightning_accel.core.utilisation import CpuUtilisation, GpuUtilisation
-
-        try:
-            self._cpu = CpuUtilisation()
-        except Exception as err:  # noqa: BLE001 - e.g. psutil missing or restricted /proc
-            self._notes.append(f"CPU utilisation not sampled: {err!r}")
-        if self._device.type != "cuda":
-            return
-        if not is_available("pynvml"):
-            self._notes.append("GPU utilisation not sampled: NVML not installed (pip install "
-                               "'lightning-accel[nvml]')")
-            return
-        try:
-            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-            self._gpu = GpuUtilisation(nvml_index(index))
-        except Exception as err:  # noqa: BLE001 - NVML present but unusable (container, MIG)
-            self._notes.append(f"GPU utilisation not sampled: NVML failed ({err!r})")
-
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
@@ -423,56 +384,10 @@ class BottleneckDoctor(Callback):
             except Exception:  # noqa: BLE001,S110 - best effort: the objects may be gone already
                 pass
         self._restore = []
-        if self._comm_wrapper is not None:
-            wrappers = getattr(self._comm_strategy, "comm_hook_wrappers", [])
-            if self._comm_wrapper in wrappers:
-                wrappers.remove(self._comm_wrapper)
-            self._comm_wrapper = self._comm_strategy = None
+        if self._comm_unwrap is not None:
+            self._comm_unwrap, unwrap = None, self._comm_unwrap
+            unwrap()
         self._close_probe()
-
-    # ------------------------------------------------------------------ smells
-    def _find_smells(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any) -> None:
-        from lightning_accel.core.smells import find_smells
-
-        ctx = self._context
-        model = trainer.strategy.model
-        find_unused = getattr(model, "find_unused_parameters", None)
-        self._find_unused = find_unused if isinstance(find_unused, bool) else None
-        self._smells = find_smells(
-            pl_module, trainer.optimizers, loader=loader, device_type=ctx.device_type,
-            device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
-            accumulate_grad_batches=ctx.accumulate_grad_batches or 1, find_unused_parameters=self._find_unused,
-            cpu_count=ctx.cpu_count)
-        # warned once the first window's shares say what each is worth (gate_smells: < 3 % goes to the report only)
-        self._pending_smells.extend(self._smells.findings)
-
-    def _warn_pending_smells(self, trainer: pl.Trainer, shares: dict[str, float]) -> None:
-        from lightning_accel.core.smells import gate_smells
-
-        live, _report_only = gate_smells(self._pending_smells, shares)
-        self._pending_smells = []
-        for finding in live:
-            self._warn_smell(trainer, finding)
-
-    def _warn_smell(self, trainer: pl.Trainer, finding: Finding) -> None:
-        if self.warn and trainer.is_global_zero:
-            rank_zero_warn(f"BottleneckDoctor: code smell {finding.rule}: {finding.evidence} Fix: {finding.fix}",
-                           category=UserWarning)
-
-    def _check_unused_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After the first backward: with find_unused_parameters=True, did every parameter get a gradient?"""
-        self._grads_checked = True
-        if not self._find_unused:
-            return
-        from lightning_accel.core.smells import find_smells
-
-        every = all(p.grad is not None for p in pl_module.parameters() if p.requires_grad)
-        found = find_smells(pl_module, (), find_unused_parameters=True, every_param_got_grad=every,
-                            rules=("ddp_find_unused_parameters",))
-        self._smells.skipped = [s for s in self._smells.skipped if s.rule != "ddp_find_unused_parameters"]
-        self._smells.findings.extend(found.findings)
-        self._smells.skipped.extend(found.skipped)
-        self._pending_smells.extend(found.findings)
 
     # ------------------------------------------------------------------ the training loop
     @override
@@ -482,12 +397,11 @@ class BottleneckDoctor(Callback):
             loader = read_dataloader_settings(trainer.train_dataloader, self._context)
         except Exception:  # noqa: BLE001 - an unusual loader: the data rule gives the generic fix
             pass
-        no_workers = self._context.num_workers == 0 or self._context.threaded_pipeline
-        if self._cpu is not None and no_workers:
-            self._cpu.track_workers = False  # no worker processes (or a threaded pipeline): skip the /proc walk
+        if self._context.num_workers == 0 or self._context.threaded_pipeline:
+            self._samplers.skip_workers()
         if self.smells:
             try:
-                self._find_smells(trainer, pl_module, loader)
+                self._smells.find(trainer, pl_module, loader, self._context)
             except Exception as err:  # noqa: BLE001 - smells are advice: never stop training for them
                 self._notes.append(f"code smells not checked: {err!r}")
         self._machine = StageMachine(clock=self._clock, warmup_batches=self._skip, device=self._device,
@@ -538,8 +452,8 @@ class BottleneckDoctor(Callback):
                 machine.stage_end()
         if self._comm is not None:
             self._comm.end_backward()
-        if not self._grads_checked:
-            self._check_unused_parameters(trainer, pl_module)
+        if not self._smells.grads_checked:
+            self._smells.check_unused_parameters(pl_module)
 
     @override
     @_guarded
@@ -576,8 +490,8 @@ class BottleneckDoctor(Callback):
         if self._machine is not None:
             self._machine.step_end(samples=n)
         self._close_probe()
-        if measured and len(self._batch_sizes) < 1000:
-            self._batch_sizes.append(n)
+        if measured:
+            self._windows.record_batch_size(n)
 
     @_guarded
     def _open_data_wait(self) -> None:
@@ -590,10 +504,7 @@ class BottleneckDoctor(Callback):
         try:
             if self._comm is not None:
                 self._comm.flush()
-            if self._cpu is not None:
-                self._cpu.start()
-            if self._gpu is not None:
-                self._gpu.start()
+            self._samplers.start()
         except Exception as err:  # noqa: BLE001
             self._break(f"starting the first window: {err!r}")
 
@@ -603,21 +514,7 @@ class BottleneckDoctor(Callback):
             return RankWindow.unmeasured()
         try:
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
-            self._train_wall += window.wall
-            seconds = {**window.seconds, "communication": window.seconds.get("communication", 0.0) + comm}
-            values = {"wall": window.wall, **seconds, "samples": window.samples, "batches": window.batches}
-            util: dict[str, float] = {}
-            if self._cpu is not None:
-                util.update(self._cpu.sample() or {})
-            if self._gpu is not None:
-                util.update(self._gpu.sample())
-            if self._device.type == "cuda":
-                total = torch.cuda.get_device_properties(self._device).total_memory
-                util["memory_peak_frac"] = torch.cuda.max_memory_allocated(self._device) / total
-            variability = summarise_window(window.step_times, window.data_times, window.first_batch)
-            return RankWindow(stages={f: float(values[f]) for f in ROW_FIELDS},
-                              utilisation={f: float(util.get(f, math.nan)) for f in UTIL_FIELDS},
-                              comm_passes=float(passes), variability=dict(zip(VARIABILITY_FIELDS, variability)))
+            return self._windows.local_row(window, comm, passes, self._samplers.sample, self._device)
         except Exception as err:  # noqa: BLE001
             self._break(f"closing a window: {err!r}")
             return RankWindow.unmeasured()
@@ -649,54 +546,24 @@ class BottleneckDoctor(Callback):
 
     def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[RankWindow], *,
                       log: bool) -> None:
-        while len(self._var_rows) < len(rows):
-            self._var_rows.append([])
-        for rank, r in enumerate(rows):
-            variability = r.variability_row()
-            if variability is not None:
-                self._var_rows[rank].append(variability)
-        measured = [r for r in rows if r.measured]
-        if not measured:
+        added = self._windows.add(rows)
+        if added is None:
             return
-        window = self._breakdown.add([r.stage_row() for r in rows])
-        if window is None:
-            return
-        util = reduce_utilisation({f: [r.utilisation[f] for r in measured if math.isfinite(r.utilisation[f])]
-                                   for f in UTIL_FIELDS})
-        for f, v in util.items():
-            self._util_sums.setdefault(f, []).append(v)
-        self._comm_passes += int(sum(r.comm_passes for r in measured if math.isfinite(r.comm_passes)))
-        self._timeline.append({"batch": self._breakdown.batches, "shares": window.shares,
-                               "step_seconds": window.step_seconds})
+        window, util = added
         if log:
-            self._log(trainer, pl_module, window.shares, window.step_seconds, util)
-        if self._pending_smells:
-            self._warn_pending_smells(trainer, window.shares)
+            log_window(trainer, pl_module, window_metrics(window.shares, window.step_seconds, util))
+        if self._smells.pending:
+            for finding in self._smells.take_live(window.shares):
+                if self.warn:
+                    warn_smell(trainer, finding)
         if self.warn:
             ranks = [r for r in window.per_rank_seconds if r is not None]
             diagnosis = diagnose(window.shares, self._live_context(), self.thresholds,
                                  rank_seconds=ranks if len(ranks) > 1 else None)
-            self._warn_findings(trainer, diagnosis.findings)
-
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, shares: dict[str, float],
-             step_seconds: float, util: dict[str, float]) -> None:
-        values = {f"doctor/share_{s}": shares[s] for s in STAGES}
-        values["doctor/data_wait_pct"] = 100.0 * shares["data"]
-        values["doctor/step_ms"] = 1000.0 * step_seconds
-        for key in ("cpu_process_pct", "cpu_workers_pct", "gpu_util_pct"):
-            if key in util:
-                values[f"doctor/{key}"] = util[key]
-        if "memory_peak_frac" in util:
-            values["doctor/memory_peak_pct"] = 100.0 * util["memory_peak_frac"]
-        log_window(trainer, pl_module, values)
+            self._warnings.warn(trainer, diagnosis.findings, self._clock(), self.warn_interval_s)
 
     def _live_context(self) -> RunContext:
-        ctx = self._context
-        util = reduce_utilisation(self._util_sums)
-        ctx.gpu_utilisation = util["gpu_util_pct"] / 100.0 if "gpu_util_pct" in util else None
-        ctx.memory_peak_fraction = util.get("memory_peak_frac")
-        ctx.batch_size = int(statistics.median(self._batch_sizes)) if self._batch_sizes else None
-        ctx.communication_measured = self._comm_passes > 0
+        ctx = self._windows.live_context(self._context)
         monitor = self._mfu_monitor
         if monitor is not None:
             mfu = (monitor.summary or {}).get("mfu")
@@ -704,32 +571,6 @@ class BottleneckDoctor(Callback):
                 mfu = monitor.history[-1].get("mfu")
             ctx.mfu = mfu
         return ctx
-
-    def _warn_findings(self, trainer: pl.Trainer, findings: list[Finding]) -> None:
-        """Warn a finding when it is new, came back, or its fix changed — at most every ``warn_interval_s``."""
-        now = self._clock()
-        current = {f.rule: f for f in findings}
-        for f in findings:
-            last = self._warned.get(f.rule)
-            changed = f.rule not in self._active or (last is not None and last[0] != f.fix)
-            if not changed or (last is not None and now - last[1] < self.warn_interval_s):
-                continue
-            self._warned[f.rule] = (f.fix, now)
-            self._request_trace(trainer, f)
-            if trainer.is_global_zero:
-                rank_zero_warn(f"BottleneckDoctor: {f.stage} is holding the run back: {f.evidence} Fix: {f.fix}",
-                               category=UserWarning)
-        self._active = set(current)
-
-    @staticmethod
-    def _request_trace(trainer: pl.Trainer, finding: Finding) -> None:
-        """Ask a ``ProfileWindow`` among the callbacks for a trace of the next steps (every rank sees the same
-        gathered findings, so every rank asks): the numbers say which stage, the trace says which ops."""
-        from lightning_accel.callbacks.profile_window import ProfileWindow
-
-        for cb in trainer.callbacks:
-            if isinstance(cb, ProfileWindow):
-                cb.request(f"BottleneckDoctor finding: {finding}")
 
     # ------------------------------------------------------------------ pauses
     @override
@@ -799,45 +640,16 @@ class BottleneckDoctor(Callback):
             return
         if self.print_report:
             rank_zero_print(trainer, self.report.table())
-        self._write_files(trainer)
+        if self.report_path is not False:
+            write_report_files(trainer, self.report, self.report_path, plot=self.plot, files=self.files)
 
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
         measured = max(0, self._batches_seen - self._skip)
         return build_report(
-            self._breakdown, context=self._live_context(), thresholds=self.thresholds, world_size=trainer.world_size,
-            fit=self._fit_clock.breakdown(self._train_wall, self._batches_seen), smells=self._smells,
-            variability_rows=self._var_rows, utilisation=self._util_sums, window=self.window,
-            timeline=self._timeline, precision=_precision_stats(trainer), notes=self._notes,
+            self._windows.breakdown, context=self._live_context(), thresholds=self.thresholds,
+            world_size=trainer.world_size, fit=self._fit_clock.breakdown(self._windows.train_wall, self._batches_seen),
+            smells=self._smells.diagnosis, variability_rows=self._windows.var_rows,
+            utilisation=self._windows.util_sums, window=self.window, timeline=self._windows.timeline, precision=_precision_stats(trainer), notes=self._notes,
             empty_note=(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
                         f"and {measured} measured, with no complete measurement; train longer or lower "
                         "warmup_batches"))
-
-    def _report_dir(self, trainer: pl.Trainer) -> Path:
-        """``trainer.log_dir`` without its broadcast (only rank 0 writes): the first logger's directory, else
-        ``default_root_dir`` (the same choice as Lightning 2.6's ``Trainer.log_dir``)."""
-        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-        loggers = trainer.loggers
-        if loggers:
-            first = loggers[0]
-            where = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
-            if where:
-                return Path(where)
-        return Path(trainer.default_root_dir)
-
-    def _write_files(self, trainer: pl.Trainer) -> None:
-        if self.report_path is False or self.report is None:
-            return
-        path = Path(self.report_path) if self.report_path else self._report_dir(trainer) / "bottleneck_report.json"
-        try:
-            if self.plot and self.report.timeline:
-                png = path.with_suffix(".png")
-                try:
-                    self.files.append(plot_timeline(self.report, png))
-                except ImportError as err:
-                    self.report.notes.append(f"no PNG: {err}")
-            self.files.insert(0, self.report.save(path))
-        except OSError as err:
-            warnings.warn(f"BottleneckDoctor: could not write the report to {path} ({err})", stacklevel=2)
-            return
-        rank_zero_print(trainer, f"BottleneckDoctor: report written to {', '.join(str(f) for f in self.files)}")

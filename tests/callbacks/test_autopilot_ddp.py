@@ -71,13 +71,13 @@ import json, os
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-from lightning_accel.callbacks import interventions
+from lightning_accel.callbacks.interventions import compression  # the module whose names Compression calls
 from lightning_accel.callbacks.autopilot import Autopilot
 from lightning_accel.core.scaling import Interconnect
 
 torch.set_num_threads(1)
 switches, links = [], []
-real_init, real_link = interventions.SwitchableCompression.__init__, interventions.measure_link
+real_init, real_link = compression.SwitchableCompression.__init__, compression.measure_link
 
 
 def init(self):
@@ -91,11 +91,11 @@ def measure_link(run):
     return Interconnect("slow", 1e7, 1e-4) if LINK == "slow" else links[-1]
 
 
-interventions.SwitchableCompression.__init__ = init
-interventions.measure_link = measure_link
+compression.SwitchableCompression.__init__ = init
+compression.measure_link = measure_link
 LINK = os.environ.get("COMPRESSION_LINK")
 if LINK == "qsgd":  # the projection does not rank QSGD first at 1 % Top-K density: the test chooses it
-    interventions.choose_compression = lambda **kwargs: ("qsgd", "chosen by the test")
+    compression.choose_compression = lambda **kwargs: ("qsgd", "chosen by the test")
 
 
 class Model(pl.LightningModule):

@@ -1,0 +1,49 @@
+"""The doctor's files at the end of ``fit`` (rank 0): where they go, and the JSON report with its PNG."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.core.report import DoctorReport, plot_timeline
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["report_dir", "write_report_files"]
+
+
+def report_dir(trainer: pl.Trainer) -> Path:
+    """``trainer.log_dir`` without its broadcast (only rank 0 writes): the first logger's directory, else
+    ``default_root_dir`` (the same choice as Lightning 2.6's ``Trainer.log_dir``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = trainer.loggers
+    if loggers:
+        first = loggers[0]
+        where = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
+        if where:
+            return Path(where)
+    return Path(trainer.default_root_dir)
+
+
+def write_report_files(trainer: pl.Trainer, report: DoctorReport, report_path: str | Path | None, *, plot: bool,
+                       files: list[Path]) -> None:
+    """Write the JSON at ``report_path`` (``None``: ``bottleneck_report.json`` in :func:`report_dir`) and, with
+    ``plot``, the PNG of the timeline next to it; ``files`` gets the paths written (the JSON first). A missing
+    matplotlib is a note in the report; a write that fails warns."""
+    path = Path(report_path) if report_path else report_dir(trainer) / "bottleneck_report.json"
+    try:
+        if plot and report.timeline:
+            png = path.with_suffix(".png")
+            try:
+                files.append(plot_timeline(report, png))
+            except ImportError as err:
+                report.notes.append(f"no PNG: {err}")
+        files.insert(0, report.save(path))
+    except OSError as err:
+        warnings.warn(f"BottleneckDoctor: could not write the report to {path} ({err})", stacklevel=2)
+        return
+    rank_zero_print(trainer, f"BottleneckDoctor: report written to {', '.join(str(f) for f in files)}")

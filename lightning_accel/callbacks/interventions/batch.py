@@ -1,0 +1,118 @@
+"""A larger micro-batch with the global batch held fixed (:class:`MicroBatch`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel.callbacks.interventions.base import Intervention
+
+if TYPE_CHECKING:
+    from lightning_accel.callbacks.interventions.base import Run
+    from lightning_accel.core.autopilot_search import Undo
+
+__all__ = ["MicroBatch"]
+
+
+def _smallest_factor(n: int) -> int:
+    for f in range(2, n + 1):
+        if n % f == 0:
+            return f
+    return 1
+
+
+class MicroBatch(Intervention):
+    """A larger micro-batch with the global batch held fixed (Composer's rule): micro-batch ×f and
+    ``accumulate_grad_batches`` ÷f, so every optimizer step sees the same samples; only possible with
+    accumulation > 1. The learning rate needs no change.
+
+    The first trial doubles the micro-batch (the smallest factor of the accumulation). Once a doubling was kept,
+    the next trial jumps to the whole remaining factor — one micro-batch per optimizer step, what a hand-tuner
+    sets — instead of doubling again (4 × 8 reaches 32 × 1 in two trials, not three); a jump that is not kept
+    falls back to one more doubling. A target measured no faster is not trialled again."""
+
+    name = "micro_batch"
+    kind = "reorder"
+    knobs = ("batch_size", "accumulate_grad_batches")
+    repeatable = True
+    #: a fall-back after a refused jump: one doubling, not the jump again
+    _no_jump = False
+    _target_tried: tuple[int, int] | None = None
+    _jumped = False
+    _refused: set[tuple[int, int]] | None = None
+
+    def _target(self, run: Run) -> tuple[int, int, bool] | None:
+        """(micro-batch, accumulation, whether it is a jump) of the next trial; ``None`` when it was refused."""
+        batch_size, accumulate = int(run.source.current()["batch_size"]), run.config.accumulate
+        refused = run.extras.get("micro_batch_refused", set())
+        initial = run.source.initial.get("batch_size")
+        grown = bool(initial) and batch_size > int(initial)  # a doubling was kept before
+        if grown and not self._no_jump and accumulate > 2 and (batch_size * accumulate, 1) not in refused:
+            return batch_size * accumulate, 1, True
+        factor = _smallest_factor(accumulate)
+        target = (batch_size * factor, accumulate // factor)
+        return None if target in refused else (*target, False)
+
+    def unavailable(self, run: Run) -> str | None:
+        accumulate = run.config.accumulate
+        if accumulate <= 1:
+            return ("accumulate_grad_batches is 1: a larger micro-batch would change the global batch (and the "
+                    "training); use BatchSizeTuner(target_global_batch_size=...) to trade it for accumulation")
+        if not run.module.automatic_optimization:
+            return "manual optimization: the LightningModule does its own accumulation"
+        reason = run.source.can_set("batch_size")
+        if reason:
+            return reason
+        if not run.source.current().get("batch_size"):
+            return "the loader's batch size is unknown"
+        if not self.params and self._target(run) is None:
+            factor = _smallest_factor(accumulate)
+            return (f"batch_size={int(run.source.current()['batch_size']) * factor} × accumulate_grad_batches="
+                    f"{accumulate // factor} was measured no faster before")
+        return None
+
+    def change(self, run: Run, undo: Undo) -> None:
+        current = run.source.current()
+        if not self.params:
+            target = self._target(run)
+            if target is None:
+                raise ValueError("micro_batch: the next larger micro-batch was measured no faster before")
+            self.params = {"batch_size": target[0], "accumulate_grad_batches": target[1]}
+            self._jumped = target[2]
+        self._target_tried = (self.params["batch_size"], self.params["accumulate_grad_batches"])
+        self._refused = run.extras.setdefault("micro_batch_refused", set())
+        global_before = int(current["batch_size"]) * run.config.accumulate
+        global_after = self.params["batch_size"] * self.params["accumulate_grad_batches"]
+        if global_before != global_after:
+            raise ValueError(f"micro_batch {self.params} changes the global batch per device from {global_before} "
+                             f"to {global_after}; the plan was made for another batch size or accumulation")
+        batch_size, accumulate = current["batch_size"], run.config.accumulate
+        undo.push(lambda: run.source.set({"batch_size": batch_size}))
+        run.source.set({"batch_size": self.params["batch_size"]})
+        undo.push(lambda: setattr(run.config, "accumulate", accumulate))
+        run.config.accumulate = self.params["accumulate_grad_batches"]
+
+    def fallback(self) -> MicroBatch | None:
+        """After a trial that was not kept: its target is not trialled again; a refused jump falls back to one
+        more doubling."""
+        if self._refused is not None and self._target_tried is not None:
+            self._refused.add(self._target_tried)
+        if self._jumped:
+            following = MicroBatch()
+            following._no_jump = True
+            return following
+        return None
+
+    def describe(self, run: Run) -> str:
+        p = self.params
+        if not p:
+            return "larger micro-batch, same global batch"
+        return (f"batch_size={p['batch_size']} × accumulate_grad_batches={p['accumulate_grad_batches']} "
+                "(same global batch)")
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        yaml, python = run.source.config_entries()
+        yaml = [e for e in yaml if e[0].endswith(".batch_size")]
+        python = [line for line in python if "batch_size" in line]
+        acc = run.config.accumulate  # the final value (a repeated micro-batch change supersedes this one's)
+        return ([*yaml, ("trainer.accumulate_grad_batches", acc)],
+                [*python, f"trainer_kwargs['accumulate_grad_batches'] = {acc}"])

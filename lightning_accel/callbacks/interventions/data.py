@@ -1,0 +1,141 @@
+"""The input-pipeline fixes: more loader workers (:class:`DataLoaderSettings`), pinned memory (:class:`PinMemory`),
+background prefetch (:class:`Prefetch`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_accel.callbacks.interventions.base import Intervention
+
+if TYPE_CHECKING:
+    from lightning_accel.callbacks.interventions.base import Run
+    from lightning_accel.core.autopilot_search import Undo
+
+__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch"]
+
+
+class DataLoaderSettings(Intervention):
+    """More loader workers: the cheapest setting that feeds the measured step, found by DataLoaderTuner's search
+    (``choose_loader_setting``) over 0, 1, 2, 4, … workers × prefetch 2 and 4 with persistent workers."""
+
+    name = "dataloader"
+    kind = "data"
+    knobs = ("num_workers", "prefetch_factor", "persistent_workers")
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning_accel.callbacks.dataloader_tuner import default_worker_counts
+        from lightning_accel.core.utilisation import usable_cores_per_rank
+
+        if self.params:
+            return None
+        current = run.source.current()["num_workers"]
+        if max(default_worker_counts(usable_cores_per_rank(run.trainer.num_devices))) <= current:
+            return f"num_workers={current} already uses every core of this rank"
+        return None
+
+    def _choose(self, run: Run) -> dict[str, Any]:
+        from lightning_accel.callbacks.dataloader_tuner import (
+            LoaderSetting,
+            choose_loader_setting,
+            default_worker_counts,
+            loader_batches_per_sec,
+        )
+        from lightning_accel.core.utilisation import usable_cores_per_rank
+
+        window = run.current or run.baseline
+        assert window is not None
+        # the rate the loader must sustain: steps/s of everything but the data wait
+        busy = max(window.step_seconds - window.stage_seconds.get("data", 0.0) / max(window.steps, 1), 1e-9)
+        consumption = run.config.accumulate / busy  # batches/s
+        current = run.source.current()
+        counts = [w for w in default_worker_counts(usable_cores_per_rank(run.trainer.num_devices))
+                  if w > current["num_workers"]]
+        if not counts:
+            raise ValueError(f"no worker count above the current {current['num_workers']} fits this rank's cores")
+        grid = [LoaderSetting(w, pf, True, bool(current["pin_memory"])) for w in counts for pf in (2, 4)]
+
+        def measure(setting: LoaderSetting) -> float:
+            values = {"num_workers": setting.num_workers, "prefetch_factor": setting.prefetch_factor,
+                      "persistent_workers": True}
+            loader = run.source.build(values)
+            run.runner.state.track_loader(loader)
+            try:
+                return loader_batches_per_sec(loader, 2, 20, setting.num_workers, setting.prefetch_factor)
+            finally:
+                run.runner.state.restore()
+
+        index, _ = choose_loader_setting(grid, measure, consumption, margin=0.2)
+        chosen = grid[index]
+        return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
+                "persistent_workers": True}
+
+    def change(self, run: Run, undo: Undo) -> None:
+        if not self.params:
+            self.params = self._choose(run)
+        before = {k: run.source.current()[k] for k in self.params}
+        undo.push(lambda: run.source.set(before))
+        run.source.set(self.params)
+
+    def describe(self, run: Run) -> str:
+        p = self.params
+        if not p:
+            return "DataLoader workers (searched)"
+        return f"num_workers={p['num_workers']}, prefetch_factor={p['prefetch_factor']}, persistent_workers=True"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return run.source.config_entries()
+
+
+class PinMemory(Intervention):
+    """``pin_memory=True``: page-locked host batches, so the host→device copy is a DMA that can overlap."""
+
+    name = "pin_memory"
+    kind = "data"
+    knobs = ("pin_memory",)
+
+    def unavailable(self, run: Run) -> str | None:
+        if run.device.type != "cuda":
+            return "pinned memory only speeds host-to-GPU copies; this run is on " + run.device.type
+        if run.source.current()["pin_memory"]:
+            return "the loader already pins memory"
+        return None
+
+    def change(self, run: Run, undo: Undo) -> None:
+        before = run.source.current()["pin_memory"]
+        undo.push(lambda: run.source.set({"pin_memory": before}))
+        run.source.set({"pin_memory": True})
+
+    def describe(self, run: Run) -> str:
+        return "pin_memory=True"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return run.source.config_entries()
+
+
+class Prefetch(Intervention):
+    """``DevicePrefetcher``: batches fetched ahead in a thread (on CUDA pinned and copied on a side stream)."""
+
+    name = "prefetch"
+    kind = "data"
+    knobs = ("prefetch",)
+
+    def unavailable(self, run: Run) -> str | None:
+        from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+
+        if run.config.prefetch or any(isinstance(cb, DevicePrefetcher) for cb in run.trainer.callbacks):
+            return "DevicePrefetcher is already in use"
+        if run.device.type not in ("cpu", "cuda"):
+            return f"no prefetching on {run.device.type}"
+        return None
+
+    def change(self, run: Run, undo: Undo) -> None:
+        before = run.config.prefetch
+        undo.push(lambda: setattr(run.config, "prefetch", before))
+        run.config.prefetch = True
+
+    def describe(self, run: Run) -> str:
+        return "DevicePrefetcher (batches fetched ahead in a thread)"
+
+    def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
+        return ([("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}])],
+                ["callbacks.append(la.DevicePrefetcher())"])
