@@ -33,7 +33,7 @@ from lightning_accel.core.batch import samples_in_batch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader"]
+__all__ = ["StepRunner", "TrainingState", "missing_attribute_error", "reload_train_dataloader"]
 
 
 def _clean(name: str) -> str:
@@ -157,21 +157,6 @@ def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, 
         where += [f"the datamodule ({type(trainer.datamodule).__name__})", "the datamodule's hparams"]
     return ValueError(f"{who}: no `{name}` attribute in {', '.join(where)} (looked in {type(pl_module).__name__}). "
                       f"{hint}")
-
-
-def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException | None, who: str) -> torch.Tensor:
-    """Every rank's ``value`` (one ``all_gather``), after which a rank's own ``error`` is raised; if another rank
-    failed, a ``RuntimeError`` says which. Each rank must call this even when it failed, or the others would wait
-    in the collective forever."""
-    from lightning_accel.callbacks._trainer import gather_floats
-
-    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0], what=who)
-    if error is not None:
-        raise error
-    if bool(rows[:, 1].any()):
-        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
-        raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
-    return rows[:, 0]
 
 
 def reload_train_dataloader(trainer: pl.Trainer) -> None:
