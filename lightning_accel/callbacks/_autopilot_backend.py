@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_accel.callbacks._autopilot_trials import Window
-from lightning_accel.callbacks._trainer import gather_floats
+from lightning_accel.callbacks._trainer import gather_floats, gather_outcomes
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run
 from lightning_accel.core.autopilot import (
     NumericsCheck,
@@ -59,14 +59,11 @@ class LightningSearchBackend:
         return time.perf_counter()
 
     def agree(self, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
-        run = self.run
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [1.0 if ok else 0.0, 0.0 if error is None else 1.0], what="Autopilot trial outcome")
-        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+        oks, failed = gather_outcomes(self.run.trainer, 1.0 if ok else 0.0, error, "Autopilot trial outcome")
         if failed:
             return False, (f"{type(error).__name__}: {short_error(error)}" if error is not None
                            else f"failed on rank(s) {failed}")
-        return bool(rows[:, 0].min() > 0), None
+        return bool(oks.min() > 0), None
 
     def restore(self) -> None:
         self.run.runner.state.restore()

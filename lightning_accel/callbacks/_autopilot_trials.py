@@ -14,7 +14,6 @@ from the window (Zeus does the same).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_accel.callbacks._probe_step import StepRunner, TrainingState, iterate_batches
+from lightning_accel.callbacks._probe_step import NullTimer, StepRunner, TrainingState, iterate_batches
 from lightning_accel.core.autopilot import ProbeResult, batch_digest
 from lightning_accel.core.batch import map_tensors, samples_in_batch
 from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
@@ -70,6 +69,14 @@ class Window:
         return {k: v / total for k, v in split.items()}
 
 
+@dataclass
+class _Tally:
+    """What one optimizer step's micro-batches held: samples, and whether one began a new pass over the loader."""
+
+    samples: int = 0
+    crossed: bool = False
+
+
 def concat_batches(batches: list[Any]) -> Any:
     """Micro-batches joined along the batch dimension (tensors, tuples, lists, dicts; other leaves from the first)."""
     first = batches[0]
@@ -81,12 +88,6 @@ def concat_batches(batches: list[Any]) -> Any:
         joined = [concat_batches([b[i] for b in batches]) for i in range(len(first))]
         return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
     return first
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, dict):
-        return output.get("loss")
-    return output
 
 
 class TrialRunner:
@@ -136,57 +137,28 @@ class TrialRunner:
             new_pass = True
 
     # ------------------------------------------------------------------ steps
-    def _scaler(self) -> Any:
-        return getattr(self.trainer.precision_plugin, "scaler", None)
-
-    def _no_sync(self, last: bool) -> Any:
-        model = self.trainer.strategy.model
-        if not last and self.trainer.world_size > 1 and hasattr(model, "no_sync"):
-            return model.no_sync()
-        return contextlib.nullcontext()
+    def _micro_batches(self, batches: Iterator[tuple[Any, bool]], timer: StageTimer | NullTimer,
+                       tally: _Tally) -> Iterator[Any]:
+        """``accumulate`` micro-batches on the device, timing the data wait and the host→device copy."""
+        for _ in range(self.config.accumulate):
+            timer.start("data", host=True)
+            batch, new_pass = next(batches)
+            timer.stop("data")
+            tally.samples += samples_in_batch(batch)
+            tally.crossed |= new_pass
+            timer.start("transfer")
+            batch = self.trainer.strategy.batch_to_device(batch)
+            timer.stop("transfer")
+            yield batch
 
     def _optimizer_step(self, batches: Iterator[tuple[Any, bool]], timer: StageTimer | None) -> tuple[int, bool]:
-        """One optimizer step of ``accumulate`` micro-batches; returns (samples, crossed an epoch boundary)."""
-        strategy, module = self.trainer.strategy, self.module
-        accumulate = self.config.accumulate
-        scaler = self._scaler()
-        samples, crossed = 0, False
-        t = timer or _NullTimer()
-        for i in range(accumulate):
-            t.start("data", host=True)
-            batch, new_pass = next(batches)
-            t.stop("data")
-            crossed |= new_pass
-            samples += samples_in_batch(batch)
-            t.start("transfer")
-            batch = strategy.batch_to_device(batch)
-            t.stop("transfer")
-            with self._no_sync(i == accumulate - 1):
-                t.start("forward")
-                out = strategy.training_step(batch, i)
-                t.stop("forward")
-                if not module.automatic_optimization:
-                    continue
-                loss = _loss_of(out)
-                if loss is None:
-                    continue
-                t.start("backward")
-                loss = loss / accumulate if accumulate > 1 else loss
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                t.stop("backward")
-        if module.automatic_optimization:
-            t.start("optimizer")
-            for opt in self.trainer.optimizers:
-                if scaler is not None:
-                    scaler.step(opt)
-                else:
-                    opt.step()
-            if scaler is not None:
-                scaler.update()
-            for opt in self.trainer.optimizers:
-                opt.zero_grad(set_to_none=True)
-            t.stop("optimizer")
-        return samples, crossed
+        """One optimizer step of ``accumulate`` micro-batches through the strategy (under DDP the gradients are
+        all-reduced as in training); returns (samples, crossed an epoch boundary)."""
+        t = timer if timer is not None else NullTimer()
+        tally = _Tally()
+        self._runner.optimizer_step(self._micro_batches(batches, t, tally), self.config.accumulate,
+                                    through_strategy=True, timer=t)
+        return tally.samples, tally.crossed
 
     def measure(self, warmup_steps: int, steps: int) -> Window:
         """One window with the current configuration, then the training state restored bit for bit."""
@@ -252,7 +224,8 @@ class TrialRunner:
 
         The probe steps call the LightningModule directly (no DDP wrapper: no collective), so a rank that fails here
         cannot leave the others waiting — except with ``through_strategy`` (a change of the communication itself),
-        where the forward goes through ``strategy.training_step`` and the gradients are all-reduced."""
+        where the forward goes through ``strategy.training_step`` and the gradients are all-reduced (``no_sync`` for
+        all but the last micro-batch, as in the measuring windows)."""
         result = ProbeResult()
         micro = self.source.current().get("batch_size")
         original = probe_steps[0][0]
@@ -267,45 +240,20 @@ class TrialRunner:
                     delivered = self.probe_batches(len(probe_steps))
                     result.digests = [batch_digest(concat_batches(step)) for step in delivered]
                 self.module.train()
+                strategy = self.trainer.strategy
                 for index, micro_batches in enumerate(probe_steps):
                     grouped = [concat_batches(micro_batches[i:i + factor])
                                for i in range(0, len(micro_batches), factor)]
+                    step = self._runner.optimizer_step((strategy.batch_to_device(b) for b in grouped), len(grouped),
+                                                       through_strategy=through_strategy, capture=index == 0)
                     loss_total = 0.0
-                    scaler = self._scaler()
-                    for batch in grouped:
-                        batch = self.trainer.strategy.batch_to_device(batch)
-                        if through_strategy:
-                            out = self.trainer.strategy.training_step(batch, 0)
-                        else:
-                            with self.trainer.precision_plugin.train_step_context():
-                                out = self.module.training_step(batch, 0)
-                        loss = _loss_of(out)
-                        if loss is None or not self.module.automatic_optimization:
-                            continue
-                        loss_total += float(loss.detach().float()) / len(grouped)
-                        scaled = loss / len(grouped)
-                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    for loss in step.losses:
+                        loss_total += float(loss.float()) / len(grouped)
                     result.losses.append(loss_total)
-                    if index == 0 and self.module.automatic_optimization:
-                        params = [p for p in self.module.parameters() if p.requires_grad]
-                        grads = [p.grad.detach().double().flatten().cpu() for p in params if p.grad is not None]
-                        result.grad = torch.cat(grads) if grads else None
-                        before = [p.detach().double().flatten().cpu() for p in params]
-                        for opt in self.trainer.optimizers:
-                            (scaler.step(opt) if scaler is not None else opt.step())
-                        if scaler is not None:
-                            scaler.update()
-                        after = [p.detach().double().flatten().cpu() for p in params]
-                        result.update = torch.cat([a - b for a, b in zip(after, before)]) if params else None
+                    if index == 0:
+                        result.grad, result.update = step.grad, step.update
                     self.state.restore()
         finally:
             self.state.restore()
         return result
 
-
-class _NullTimer:
-    def start(self, stage: str, *, host: bool = False) -> None:
-        pass
-
-    def stop(self, stage: str) -> None:
-        pass

@@ -1,16 +1,18 @@
-"""Running real training steps outside the fit loop, and undoing them exactly: shared by the tuners.
+"""Running real training steps outside the fit loop, and undoing them exactly: shared by the tuners and the Autopilot.
 
 Lightning's ``BatchSizeFinder`` runs its trials through the fit loop and undoes them by saving a checkpoint to
 ``default_root_dir`` and restoring it (``lightning/pytorch/tuner/batch_size_scaling.py``): a full write of the model
-and optimizer to disk per search, loop progress reset by hand, and no RNG restore. Here a trial is one call of the
-LightningModule's own ``training_step`` + backward + optimizer step on a real batch, and :class:`TrainingState`
+and optimizer to disk per search, loop progress reset by hand, and no RNG restore. Here a trial is
+:meth:`StepRunner.optimizer_step` on real batches (the LightningModule's own ``training_step``, the backward through
+the precision plugin's GradScaler when it has one, the optimizer step: the one step loop of the tuners, the
+Autopilot's measuring windows and its numerics probe), and :class:`TrainingState`
 snapshots everything such a step touches (parameters, buffers, gradients, optimizer and scheduler state, the
 precision plugin's scaler, the train/eval flags, every RNG) in memory — off the accelerator, so the snapshot does not
 take the memory being measured — and writes it back bit for bit. The fit loop is never entered, so loop progress,
 ``global_step`` and logged metrics are untouched.
 
-Under DDP the step calls the LightningModule directly rather than the DDP wrapper: no gradient all-reduce runs, so a
-rank that runs out of memory cannot leave the others waiting in a collective. The DDP gradient buckets were
+Under DDP the tuners' steps call the LightningModule directly rather than the DDP wrapper: no gradient all-reduce
+runs, so a rank that runs out of memory cannot leave the others waiting in a collective. The DDP gradient buckets were
 allocated when the model was wrapped and are part of the measured memory all the same.
 """
 
@@ -22,7 +24,8 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +36,10 @@ from lightning_accel.core.batch import samples_in_batch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepRunner", "TrainingState", "agree_across_ranks", "missing_attribute_error", "reload_train_dataloader"]
+    from lightning_accel.core.timing import StageTimer
+
+__all__ = ["NullTimer", "StepOutcome", "StepRunner", "TrainingState", "missing_attribute_error",
+           "reload_train_dataloader"]
 
 
 def _clean(name: str) -> str:
@@ -159,21 +165,6 @@ def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, 
                       f"{hint}")
 
 
-def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException | None, who: str) -> torch.Tensor:
-    """Every rank's ``value`` (one ``all_gather``), after which a rank's own ``error`` is raised; if another rank
-    failed, a ``RuntimeError`` says which. Each rank must call this even when it failed, or the others would wait
-    in the collective forever."""
-    from lightning_accel.callbacks._trainer import gather_floats
-
-    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0], what=who)
-    if error is not None:
-        raise error
-    if bool(rows[:, 1].any()):
-        failed = [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
-        raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
-    return rows[:, 0]
-
-
 def reload_train_dataloader(trainer: pl.Trainer) -> None:
     """Make the fit loop rebuild its train dataloader at the start of the next epoch.
 
@@ -194,8 +185,49 @@ def iterate_batches(loader: Any) -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------------------------------ the step
+class NullTimer:
+    """A :class:`~lightning_accel.core.timing.StageTimer` stand-in that times nothing (untimed steps)."""
+
+    def start(self, stage: str, *, host: bool = False) -> None:
+        pass
+
+    def stop(self, stage: str) -> None:
+        pass
+
+
+@dataclass
+class StepOutcome:
+    """What one :meth:`StepRunner.optimizer_step` observed.
+
+    Attributes:
+        losses: the loss of every micro-batch that returned one, as ``training_step`` returned it (detached, not
+            divided by the accumulation, not scaled; still on the device: reading them is the caller's sync).
+        stepped: whether the optimizer step ran (automatic optimization and at least one loss).
+        grad: with ``capture``, every gradient before the optimizer step, flattened (float64, CPU; scaled by the
+            GradScaler when there is one); ``None`` without gradients or without a step.
+        update: with ``capture``, the parameter change of the optimizer step, flattened (float64, CPU).
+    """
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    stepped: bool = False
+    grad: torch.Tensor | None = None
+    update: torch.Tensor | None = None
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, dict):
+        return output.get("loss")
+    return output
+
+
+def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # a copy: float64 tensors on the CPU would otherwise come back as views of the parameters the step changes
+    return [t.detach().to("cpu", torch.float64, copy=True).flatten() for t in tensors]
+
+
 class StepRunner:
-    """Runs the LightningModule's training step outside the fit loop (see the module docstring)."""
+    """Runs the LightningModule's training step outside the fit loop (see the module docstring): the one step loop
+    of the tuners, the Autopilot's measuring windows and its numerics probe."""
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module
@@ -217,20 +249,87 @@ class StepRunner:
     def to_device(self, batch: Any) -> Any:
         return self.trainer.strategy.batch_to_device(batch)
 
-    def step(self, batch: Any) -> None:
-        """One training step on a batch already on the device: forward, backward, optimizer step, zero grad."""
-        module = self.module
-        with self.trainer.precision_plugin.train_step_context():
-            out = module.training_step(batch, 0)
-        if not module.automatic_optimization:
-            return
-        loss = out["loss"] if isinstance(out, dict) else out
-        if loss is None:  # the step asked to skip this batch
-            return
-        loss.backward()
-        for opt in self.trainer.optimizers:
-            opt.step()
+    def _no_sync(self, skip: bool) -> Any:
+        model = self.trainer.strategy.model
+        if skip and self.trainer.world_size > 1 and hasattr(model, "no_sync"):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, micro_batches: Iterable[Any], accumulate: int = 1, *, through_strategy: bool = False,
+                       timer: StageTimer | NullTimer | None = None, capture: bool = False) -> StepOutcome:
+        """One optimizer step of ``accumulate`` micro-batches, in the order of Lightning's automatic optimization
+        (``lightning/pytorch/loops/optimization/automatic.py`` and ``plugins/precision/amp.py``): every micro-batch's
+        forward and backward, then each optimizer's step through the precision plugin's GradScaler when it has one
+        (``scaler.step``, then ``scaler.update``), then ``zero_grad(set_to_none=True)``.
+
+        Args:
+            micro_batches: the micro-batches, already on the device; read one at a time, so a generator may time
+                its own data wait and host-to-device copy between the forwards.
+            accumulate: how many micro-batches ``micro_batches`` yields; each loss is divided by it.
+            through_strategy: forward through ``strategy.training_step`` (under DDP the wrapper: the backward
+                all-reduces the gradients as in training, with ``no_sync`` for all but the last micro-batch).
+                Otherwise the LightningModule's own ``training_step`` inside the precision plugin's
+                ``train_step_context()``: no collective, so a rank that fails cannot leave the others waiting.
+            timer: marks the ``forward``, ``backward`` and ``optimizer`` stages.
+            capture: also keep the gradients before the optimizer step and the parameter change it made.
+
+        Under manual optimization only ``training_step`` runs (it steps its optimizers itself). A micro-batch whose
+        loss is ``None`` is skipped; when none had a loss no optimizer step runs (Lightning skips it too; the
+        scaler's ``step`` would raise without the inf checks of a backward). Unlike the fit loop the gradients are
+        zeroed after the step rather than before the first backward, and no callback hook, gradient clipping or
+        scheduler step runs.
+        """
+        trainer, module = self.trainer, self.module
+        strategy, precision = trainer.strategy, trainer.precision_plugin
+        scaler = getattr(precision, "scaler", None)
+        t = timer if timer is not None else NullTimer()
+        outcome = StepOutcome()
+        for i, batch in enumerate(micro_batches):
+            with self._no_sync(through_strategy and i < accumulate - 1):
+                t.start("forward")
+                if through_strategy:
+                    out = strategy.training_step(batch, i)
+                else:
+                    with precision.train_step_context():
+                        out = module.training_step(batch, i)
+                t.stop("forward")
+                if not module.automatic_optimization:
+                    continue
+                loss = _loss_of(out)
+                if loss is None:  # the step asked to skip this batch
+                    continue
+                outcome.losses.append(loss.detach())
+                t.start("backward")
+                if accumulate > 1:
+                    loss = loss / accumulate
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                t.stop("backward")
+        if not module.automatic_optimization or not outcome.losses:
+            return outcome
+        params = [p for p in module.parameters() if p.requires_grad] if capture else []
+        before = _flat(params)
+        if capture:
+            grads = _flat([p.grad for p in params if p.grad is not None])
+            outcome.grad = torch.cat(grads) if grads else None
+        t.start("optimizer")
+        for opt in trainer.optimizers:
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+        if scaler is not None:
+            scaler.update()
+        for opt in trainer.optimizers:
             opt.zero_grad(set_to_none=True)
+        t.stop("optimizer")
+        outcome.stepped = True
+        if params:
+            outcome.update = torch.cat([a - b for a, b in zip(_flat(params), before)])
+        return outcome
+
+    def step(self, batch: Any) -> None:
+        """One training step on a batch already on the device (see :meth:`optimizer_step`)."""
+        self.optimizer_step((batch,))
 
     def sync(self) -> None:
         if self.device.type == "cuda":

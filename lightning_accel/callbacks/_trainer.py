@@ -9,7 +9,7 @@ import torch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["compute_dtype", "gather_floats", "rank_zero_print", "sync_fn"]
+__all__ = ["agree_across_ranks", "compute_dtype", "gather_floats", "gather_outcomes", "rank_zero_print", "sync_fn"]
 
 
 def compute_dtype(trainer: pl.Trainer) -> str:
@@ -63,6 +63,25 @@ def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float]
         return all_gather_bounded(local, what=what).reshape(trainer.world_size, len(values)).cpu()
     gathered = trainer.strategy.all_gather(local)
     return gathered.reshape(trainer.world_size, len(values)).cpu()
+
+
+def gather_outcomes(trainer: pl.Trainer, value: float, error: BaseException | None,
+                    what: str) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's ``value`` (a float64 CPU tensor, one entry a rank) and the ranks that passed an ``error``, in one
+    collective. Each rank must call this even when it failed, or the others would wait in the collective forever."""
+    rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0], what=what)
+    return rows[:, 0], [r for r in range(rows.shape[0]) if rows[r, 1] > 0]
+
+
+def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException | None, who: str) -> torch.Tensor:
+    """Every rank's ``value`` (:func:`gather_outcomes`), after which a rank's own ``error`` is raised; if another rank
+    failed, a ``RuntimeError`` says which."""
+    values, failed = gather_outcomes(trainer, value, error, who)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
+    return values
 
 
 def rank_zero_print(trainer: pl.Trainer, renderable: Any) -> None:

@@ -21,12 +21,11 @@ from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
-    agree_across_ranks,
     iterate_batches,
     missing_attribute_error,
     reload_train_dataloader,
 )
-from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.callbacks._trainer import agree_across_ranks, rank_zero_print
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
 from lightning_accel.core.search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
 

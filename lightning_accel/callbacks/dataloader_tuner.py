@@ -19,11 +19,10 @@ from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data
 from lightning_accel.callbacks._probe_step import (
     StepRunner,
     TrainingState,
-    agree_across_ranks,
     iterate_batches,
     missing_attribute_error,
 )
-from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.callbacks._trainer import agree_across_ranks, rank_zero_print
 from lightning_accel.core.utilisation import usable_cores_per_rank  # noqa: F401 - also imported from here
 
 if TYPE_CHECKING:
