@@ -23,24 +23,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: a user's script: nothing of lightning_accel but the import that registers the strings
-USER_SCRIPT = r'''
+_IMPORTS = r'''
 import sys
 import torch
 import lightning.pytorch as pl
 from torch import nn
 import lightning_accel  # registers the strategy strings
-
-class Task(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    def training_step(self, batch, i):
-        return nn.functional.mse_loss(self.net(batch[0]), batch[0])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-data = torch.utils.data.TensorDataset(torch.randn(64, 16))
+'''
+#: the end of every user script: fit 3 steps, then end (0, sys.exit(n), or an exception after the fit)
+_FIT_AND_END = r'''
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=sys.argv[1], max_steps=3, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(Task(), torch.utils.data.DataLoader(data, batch_size=8))
@@ -51,14 +42,22 @@ if len(sys.argv) > 2:
     sys.exit(int(sys.argv[2]))
 '''
 
-#: the same script for the pipeline strings: a network they can split (token embedding, blocks, head)
-USER_SCRIPT_PP = r'''
-import sys
-import torch
-import lightning.pytorch as pl
-from torch import nn
-import lightning_accel  # registers the strategy strings
+#: a user's script: nothing of lightning_accel but the import that registers the strings
+USER_SCRIPT = _IMPORTS + r'''
+class Task(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    def training_step(self, batch, i):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[0])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
 
+data = torch.utils.data.TensorDataset(torch.randn(64, 16))
+''' + _FIT_AND_END
+
+#: the same script for the pipeline strings: a network they can split (token embedding, blocks, head)
+USER_SCRIPT_PP = _IMPORTS + r'''
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -90,15 +89,7 @@ class Task(pl.LightningModule):
 
 tokens = torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(0))
 data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=sys.argv[1], max_steps=3, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(Task(), torch.utils.data.DataLoader(data, batch_size=8))
-print(f"rank {trainer.global_rank} finished", flush=True)
-if len(sys.argv) > 2 and sys.argv[2] == "raise":
-    raise RuntimeError("the user's script fails after its fit")
-if len(sys.argv) > 2:
-    sys.exit(int(sys.argv[2]))
-'''
+''' + _FIT_AND_END
 
 STRATEGIES = ("ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "ddp_topk", "ddp_qsgd", "deepspeed_zero1",
               "deepspeed_zero2", "deepspeed_zero3", "fsdp2", "tp", "pp", "pp_ddp")
