@@ -22,7 +22,8 @@ bitwise-reproducible augmentation use worker processes or a generator of the dat
 
 Exceptions raised by the loader are re-raised by ``next()`` in the consumer with their original traceback. The
 thread ends when the loader is exhausted, when the iterator is closed (:meth:`PrefetchIterator.close`,
-:meth:`PrefetchingLoader.close`) or garbage-collected; it is a daemon thread, so a loader stuck forever cannot keep
+:meth:`PrefetchingLoader.close`), when a new pass over the same loader starts (one pass at a time, as a
+``DataLoader`` with persistent workers allows) or when it is garbage-collected; it is a daemon thread, so a loader stuck forever cannot keep
 the interpreter alive. Closing waits for a ``next()`` of the loader that is already running to return.
 
 Attributes the wrapper does not define (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``,
@@ -260,6 +261,10 @@ class PrefetchingLoader:
             self._prefetch_device.type == "cuda" else None
 
     def __iter__(self) -> PrefetchIterator:
+        # a new pass ends the passes before it first: their producer threads may still be inside the wrapped
+        # loader's iterator, which a new iter() resets (persistent workers: the same iterator object) or forks
+        # new workers beside (a fork while another thread runs the loader hung once in a 2-process DDP test)
+        self.close()
         transfer = None
         if self.device is not None:
             if self._prefetch_transfer is None:  # one side stream per loader, created lazily (no CUDA at init)

@@ -236,6 +236,20 @@ def test_thread_stops_when_exhausted_closed_or_collected():
     assert wait_for(lambda: len(prefetch_threads()) == before)
 
 
+def test_a_new_pass_ends_the_pass_before_it_first():
+    before = len(prefetch_threads())
+    loader = PrefetchingLoader(range(1000), depth=2)
+    first = iter(loader)
+    next(first)  # abandoned mid-pass, still referenced (its thread would otherwise run on)
+    assert first.alive
+    second = iter(loader)
+    assert not first.alive  # stopped and joined before the new pass touched the wrapped loader
+    assert next(second) == 0 and len(prefetch_threads()) == before + 1
+    with pytest.raises(StopIteration):
+        next(first)
+    loader.close()
+
+
 def test_empty_loader():
     assert list(PrefetchingLoader([])) == []
     assert wait_for(lambda: not prefetch_threads())
