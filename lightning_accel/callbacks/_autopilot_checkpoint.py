@@ -12,7 +12,6 @@ mean clears the search's noise gate. How often the user checkpoints is never cha
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from pathlib import Path
@@ -34,10 +33,11 @@ CHECKPOINT_BYTES_PER_PARAM_BYTE = 3
 def _cadence(run: Run) -> int | None:
     """Optimizer steps between two saves of the fit's most frequent step/epoch-cadence ``ModelCheckpoint``."""
     from lightning_accel._compat import checkpoint_every_n_train_steps
+    from lightning_accel.callbacks._trainer import steps_per_epoch
     from lightning_accel.core.checkpoint_cost import steps_between_saves
 
     try:
-        per_epoch: int | None = math.ceil(run.source.batches() / max(1, run.config.accumulate))
+        per_epoch: int | None = steps_per_epoch(run.trainer, run.source.batches(), run.config.accumulate)
     except TypeError:  # an iterable dataset: no length
         per_epoch = None
     cadences = [steps_between_saves(checkpoint_every_n_train_steps(cb), cb.every_n_epochs, per_epoch)
@@ -79,9 +79,9 @@ class _TrialFile:
         self.trainer.strategy.barrier("autopilot-checkpoint-trial")
 
 
-def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> float:
+def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> tuple[float, float]:
     """Wall seconds of one save plus ``steps`` training steps (and, written in the background, until the write is
-    done); the slowest rank's."""
+    done), and of the ``save_checkpoint`` call alone (what it blocks the training thread for); the slowest rank's."""
     from lightning_accel.callbacks._trainer import gather_floats
     from lightning_accel.checkpoint_io import OrderedAsyncCheckpointIO
 
@@ -89,12 +89,13 @@ def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> float
     io = trainer.strategy.checkpoint_io
     start = time.perf_counter()
     trainer.save_checkpoint(file.path, weights_only=weights_only)
+    saved = time.perf_counter()
     run.runner.measure(0, steps)
     if isinstance(io, OrderedAsyncCheckpointIO):
         io.wait()
-    local = time.perf_counter() - start
-    return float(gather_floats(trainer, trainer.strategy.root_device, [local], what="Autopilot checkpoint trial")
-                 .max())
+    local = [time.perf_counter() - start, saved - start]
+    rows = gather_floats(trainer, trainer.strategy.root_device, local, what="Autopilot checkpoint trial")
+    return float(rows[:, 0].max()), float(rows[:, 1].max())
 
 
 def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, gate: float, steps: int,
@@ -111,9 +112,9 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
     between = _cadence(run)
     if between is None:
         return None
-    step_s = step_seconds
-    if step_s is None or step_s <= 0:
+    if step_seconds is None or step_seconds <= 0:
         return None
+    step_s = step_seconds
     k = max(1, min(between, steps))
     if why_not_trial(_checkpoint_bytes_bound(run) / SLOW_DISK_BYTES_PER_S, between, step_s, steps_left, k):
         return None  # even a slow disk would make saving too cheap to be worth a measured save
@@ -123,30 +124,27 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
     started = time.perf_counter()
     undo = None
     try:
-        sync_a = _period(run, file, k, weights_only)
-        window_s = k * step_s
-        save_s = max(0.0, sync_a - window_s)
+        sync_a, save_s = _period(run, file, k, weights_only)
         share = checkpoint_share(save_s, between, step_s)
         why = why_not_trial(save_s, between, step_s, steps_left, k)
         if why is not None:
             record.reason = f"not trialled: one save measured {save_s:.2f} s; {why}"
             return record
         undo = candidate.apply(run)
-        async_b = _period(run, file, k, weights_only)
-        async_b2 = _period(run, file, k, weights_only)
+        async_b, _ = _period(run, file, k, weights_only)
+        async_b2, _ = _period(run, file, k, weights_only)
         undo()
         undo = None
-        sync_a2 = _period(run, file, k, weights_only)
+        sync_a2, _ = _period(run, file, k, weights_only)
         ratios = [sync_a / max(async_b, 1e-12), sync_a2 / max(async_b2, 1e-12)]
         keep, reason = decide_paired(ratios, gate)
         record.ratio = sum(ratios) / len(ratios)
         detail = (f"saving measured {100 * share:.1f} % of the fit (one save {save_s:.2f} s every {between} "
                   f"steps); one save + {k} steps: {(sync_a + sync_a2) / 2:.2f} s written on the training thread, "
                   f"{(async_b + async_b2) / 2:.2f} s in the background")
-        if keep:
-            undo = candidate.apply(run)
+        if keep:  # back on for the training (its undo stays with the candidate, as for every kept change)
+            candidate.apply(run)
             record.kept = True
-            undo = None
         record.reason = f"{reason}; {detail}"
         return record
     except Exception as err:  # noqa: BLE001 - the trial must not cost the user the training

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -9,7 +10,8 @@ import torch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["agree_across_ranks", "compute_dtype", "gather_floats", "gather_outcomes", "rank_zero_print", "sync_fn"]
+__all__ = ["agree_across_ranks", "compute_dtype", "gather_floats", "gather_outcomes", "rank_zero_print",
+           "steps_per_epoch", "sync_fn"]
 
 
 def compute_dtype(trainer: pl.Trainer) -> str:
@@ -82,6 +84,17 @@ def agree_across_ranks(trainer: pl.Trainer, value: float, error: BaseException |
     if failed:
         raise RuntimeError(f"{who}: failed on rank(s) {failed}; see their error")
     return values
+
+
+def steps_per_epoch(trainer: pl.Trainer, batches: int, accumulate: int) -> int:
+    """Optimizer steps of one epoch over a loader of ``batches`` batches: ``limit_train_batches`` applied (a
+    fraction or a count), then ``accumulate`` micro-batches per step (the last, partial group steps too)."""
+    limit = trainer.limit_train_batches
+    if isinstance(limit, float) and limit <= 1.0:
+        batches = int(batches * limit)
+    elif isinstance(limit, int):
+        batches = min(batches, limit)
+    return math.ceil(batches / max(1, accumulate))
 
 
 def rank_zero_print(trainer: pl.Trainer, renderable: Any) -> None:

@@ -3,7 +3,6 @@ stage, measure again, keep only proven gains (with a numerics check), hand back 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -306,16 +305,13 @@ class Autopilot(Callback):
         epochs = trainer.max_epochs
         if epochs is None or epochs < 0:
             return None
+        from lightning_accel.callbacks._trainer import steps_per_epoch
+
         try:
             batches = source.batches()
         except TypeError:
             return None
-        limit = trainer.limit_train_batches
-        if isinstance(limit, float) and limit <= 1.0:
-            batches = int(batches * limit)
-        elif isinstance(limit, int):
-            batches = min(batches, limit)
-        return max(1, epochs * math.ceil(batches / max(1, trainer.accumulate_grad_batches)))
+        return max(1, epochs * steps_per_epoch(trainer, batches, trainer.accumulate_grad_batches))
 
     def _candidates(self, run: Run) -> dict[str, Intervention]:
         names = self.only if self.only is not None else list(INTERVENTIONS)
