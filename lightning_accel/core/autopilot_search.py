@@ -26,6 +26,13 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    (A B B A: a linear drift of the machine's speed cancels); the
    change is kept when both ratios exceed 1 and their mean clears the gate. A first ratio of at least
    ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest burst seen here: 25 %).
+   A fix whose expected gain (the offer's) clears the gate gets its second pair for any first ratio above
+   ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that leave the question
+   open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the gate) get a
+   third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate shrunk
+   as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On this VM the larger
+   micro-batch's real 15-30 % gain measured 1.16 then 0.98 and 1.20 then 0.92: the unluckiest of two windows
+   decided; a majority of three does not hang on one.
 4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not
    thrown away: it is reverted and held. On the naive GPT-2 script of issue 19 the worker, SDPA, fused-optimizer
    and micro-batch gains were 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no candidate is left
@@ -55,7 +62,7 @@ from typing import Any, Protocol
 from lightning_accel.core.autopilot import NUMERICS_KINDS, NumericsCheck, TrialRecord, relative_noise
 
 __all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend", "SearchProgress", "SearchResult",
-           "SearchStatus", "Undo", "decide_paired", "noise_gate"]
+           "SearchStatus", "Undo", "decide_paired", "needs_third_pair", "noise_gate", "paired_bar"]
 
 
 #: A first paired ratio this far above 1 (and at least 4 gates) is kept without a confirmation pair: no burst of
@@ -269,13 +276,33 @@ def noise_gate(threshold: float, noise: float) -> float:
     return max(threshold, min(noise, 2 * threshold))
 
 
-def decide_paired(ratios: Sequence[float], gate: float) -> tuple[bool, str]:
-    """Keep when every paired ratio B/A exceeds 1 and their mean clears ``1 + gate``."""
+def paired_bar(pairs: int, gate: float, floor: float = 0.0) -> float:
+    """The gain the mean of ``pairs`` paired ratios must clear: ``gate`` for one or two pairs; for more, the
+    gate shrinks as the noise of a mean does, ``gate x sqrt(2 / pairs)``, but never below ``floor`` (the
+    threshold: the smallest gain worth keeping)."""
+    return gate if pairs <= 2 else max(floor, gate * math.sqrt(2.0 / pairs))
+
+
+def decide_paired(ratios: Sequence[float], gate: float, floor: float = 0.0) -> tuple[bool, str]:
+    """One or two pairs: keep when every paired ratio B/A exceeds 1 and their mean clears ``1 + gate``. Three or
+    more (a third pair settles two that disagree): keep when most of them exceed 1 and their mean clears
+    ``1 +`` :func:`paired_bar`."""
     mean = statistics.fmean(ratios)
+    bar = paired_bar(len(ratios), gate, floor)
     shown = " and ".join(f"{r:.3f}x" for r in ratios)
-    if min(ratios) > 1.0 and mean >= 1.0 + gate:
-        return True, f"paired {shown} beat the {1 + gate:.2f}x gate"
-    return False, f"paired {shown} {'inside' if mean >= 1.0 else 'below'} the {1 + gate:.2f}x gate"
+    above = sum(r > 1.0 for r in ratios)
+    ok = (above == len(ratios)) if len(ratios) <= 2 else (above > len(ratios) / 2)
+    if ok and mean >= 1.0 + bar:
+        return True, f"paired {shown} beat the {1 + bar:.2f}x gate"
+    return False, f"paired {shown} {'inside' if mean >= 1.0 else 'below'} the {1 + bar:.2f}x gate"
+
+
+def needs_third_pair(ratios: Sequence[float], gate: float) -> bool:
+    """Two pairs that leave the question open: their mean is at least half the gate above 1 but they were not
+    kept (one pair below 1, or the mean short of the gate). On the 2-core VM a real 15-30 % gain of the larger
+    micro-batch measured 1.16 then 0.98 and 1.20 then 0.92 (4 of 4 second pairs low, BENCHMARKS.md "Autopilot v2");
+    one more pair decides by majority instead of by the unluckiest window."""
+    return len(ratios) == 2 and statistics.fmean(ratios) >= 1.0 + gate / 2 and not decide_paired(ratios, gate)[0]
 
 
 @dataclass
@@ -475,7 +502,7 @@ class AutopilotSearch:
                         result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
                                             f"(~{cost:.1f} s): nothing was changed")
                     break
-                kept, measured = self._trial(offer.candidate)
+                kept, measured = self._trial(offer.candidate, offer.gain)
                 if kept:
                     misses = 0
                     if backend.renew(offer.candidate):
@@ -540,8 +567,9 @@ class AutopilotSearch:
                 return void or "changed nothing on another rank"
         return None
 
-    def _trial(self, candidate: Any) -> tuple[bool, bool]:
-        """Trial one change: (kept, measured)."""
+    def _trial(self, candidate: Any, prior: float | None = None) -> tuple[bool, bool]:
+        """Trial one change: (kept, measured). ``prior``: the gain expected of it (the offer's), which earns a
+        first ratio that is positive but under the gate its confirmation pair instead of a verdict on one pair."""
         backend = self.backend
         started = backend.clock()
         record = self._new_record(candidate.name, backend.describe(candidate))
@@ -572,7 +600,10 @@ class AutopilotSearch:
             rates = [after.samples_per_sec]
             record.shares = after.shares()
             decisive = ratios[0] >= 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
-            if ratios[0] >= 1.0 + self._gate and not decisive:
+            # a positive first ratio under the gate is confirmed too when the fix is expected to clear the gate:
+            # one window pair in ~10 % noise cannot tell a 15 % gain from none
+            promising = prior is not None and prior >= self._gate and ratios[0] >= 1.0 + self.min_gain
+            if (ratios[0] >= 1.0 + self._gate or promising) and not decisive:
                 # A B B A: the second pair in reverse order cancels a drift of the machine's speed
                 self._phase("confirmation (A B B A)", candidate.name, index)
                 second = self._measure()
@@ -586,6 +617,19 @@ class AutopilotSearch:
             else:
                 after_window = after
             keep, reason = decide_paired(ratios, self._gate)
+            if needs_third_pair(ratios, self._gate) and self._affords(1.2 * self._window_seconds):
+                # A B B A B: the last A window is shared; the candidate goes back on for one more B window
+                self._phase("a third pair (A B B A B)", candidate.name, index)
+                undo, failure = self._apply(candidate)
+                if undo is not None:
+                    third = self._measure(warm)
+                    self._fresh = None
+                    ratios.append(third.samples_per_sec / max(again.samples_per_sec, 1e-12))
+                    rates.append(third.samples_per_sec)
+                    after_window = third
+                    keep, reason = decide_paired(ratios, self._gate, self.threshold)
+                else:
+                    reason = f"{reason}; re-applying it for a third pair failed: {failure}"
             if decisive:
                 reason = f"{reason} (decisive: no confirmation pair needed)"
             verdict = backend.judge(candidate, before, after)
@@ -608,7 +652,8 @@ class AutopilotSearch:
             if keep:
                 kept = True
                 self._current, self._current_rates = after_window, rates
-                self._fresh = after_window if after_window is after else None  # last window: B, or the old A
+                # the last window measured: B (one pair, or the third pair's), or the confirmation's A
+                self._fresh = after_window if after_window is after or len(ratios) == 3 else None
                 self.result.kept.append(candidate)
                 backend.adopt(after_window, None)
                 backend.reference()
@@ -717,29 +762,43 @@ class AutopilotSearch:
             self._fresh = again
             ratios = [after.samples_per_sec / max(before.samples_per_sec, 1e-12),
                       second.samples_per_sec / max(again.samples_per_sec, 1e-12)]
+            rates = [after.samples_per_sec, second.samples_per_sec]
+            last = second
             keep, reason = decide_paired(ratios, self._gate)
-            if keep:  # back on after the last A window
+            if needs_third_pair(ratios, self._gate) and self._affords(1.2 * self._window_seconds):
+                self._phase("a third pair (A B B A B)", "bundle", index)
+                undos, failure = self._apply_all(bundle.members)
+                if failure is None:
+                    last = self._measure(warm)
+                    self._fresh = None
+                    ratios.append(last.samples_per_sec / max(again.samples_per_sec, 1e-12))
+                    rates.append(last.samples_per_sec)
+                    keep, reason = decide_paired(ratios, self._gate, self.threshold)
+                else:
+                    reason = f"{reason}; re-applying it for a third pair failed: {failure}"
+            if keep and not undos:  # back on after the last A window
                 undos, failure = self._apply_all(bundle.members)
                 if failure is not None:
                     keep = False
                     reason = f"{reason}; re-applying it after the confirmation failed: {failure}"
             if dropped:
                 reason = f"{reason}; dropped: " + "; ".join(dropped)
-            rates = [after.samples_per_sec, second.samples_per_sec]
             record.samples_per_sec = statistics.median(rates)
             base = self.result.baseline_samples_per_sec
             record.vs_baseline = record.samples_per_sec / base if base else None
-            record.ratio, record.shares = statistics.fmean(ratios), second.shares()
+            record.ratio, record.shares = statistics.fmean(ratios), last.shares()
             record.reason = reason
             if keep:
                 kept = True
-                self._current, self._current_rates, self._fresh = second, rates, None
+                # the last window measured is the third pair's B (the bundle, current now) or the confirmation's A
+                self._current, self._current_rates = last, rates
+                self._fresh = last if len(ratios) == 3 else None
                 self.result.kept.extend(bundle.members)
                 for h in held:
                     if h.candidate in bundle.members:
                         h.record.kept = True
                         h.record.reason += f"; kept in the bundle (trial {index})"
-                backend.adopt(second, None)
+                backend.adopt(last, None)
                 backend.reference()
             return kept
         except Exception as err:  # noqa: BLE001

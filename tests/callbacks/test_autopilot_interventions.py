@@ -111,32 +111,32 @@ def _fit(body, accumulate: int = 4) -> None:
     trainer.fit(Net())
 
 
-def test_the_micro_batch_doubles_then_jumps_to_one_micro_batch_and_falls_back_to_doubling() -> None:
+def test_the_micro_batch_jumps_to_one_micro_batch_first_and_falls_back_to_doubling() -> None:
     from lightning_accel.callbacks.interventions import MicroBatch
 
     seen: dict[str, object] = {}
 
     def body(run) -> None:
-        first = MicroBatch()
-        first.apply(run)  # kept: 4 x 8 -> 8 x 4
-        seen["first"] = dict(first.params)
-        jump = MicroBatch()  # what the search offers after a kept doubling
+        jump = MicroBatch()  # the first offer: 4 x 8 -> 32 x 1
         undo = jump.apply(run)
         seen["jump"] = dict(jump.params)
         undo()  # measured no faster: reverted
         following = jump.fallback()
         seen["refused"] = set(run.extras["micro_batch_refused"])
-        following.apply(run)  # kept: 8 x 4 -> 16 x 2
+        following.apply(run)  # kept: 4 x 8 -> 8 x 4
         seen["following"] = dict(following.params)
-        again = MicroBatch()  # after that doubling: the next would be 32 x 1, refused before
-        seen["again"] = again.unavailable(run)
+        again = MicroBatch()  # after a kept doubling: the jump (32 x 1) was refused, so one more doubling
+        again.apply(run)
+        seen["again"] = dict(again.params)
+        last = MicroBatch()  # 16 x 2: doubling again would be 32 x 1, refused before
+        seen["last"] = last.unavailable(run)
 
     _fit(body, accumulate=8)
-    assert seen["first"] == {"batch_size": 8, "accumulate_grad_batches": 4}
     assert seen["jump"] == {"batch_size": 32, "accumulate_grad_batches": 1}
     assert seen["refused"] == {(32, 1)}
-    assert seen["following"] == {"batch_size": 16, "accumulate_grad_batches": 2}
-    assert "batch_size=32 × accumulate_grad_batches=1 was measured no faster before" in seen["again"]
+    assert seen["following"] == {"batch_size": 8, "accumulate_grad_batches": 4}
+    assert seen["again"] == {"batch_size": 16, "accumulate_grad_batches": 2}
+    assert "batch_size=32 × accumulate_grad_batches=1 was measured no faster before" in seen["last"]
 
 
 def test_every_intervention_reverts_bit_identically_after_a_full_and_a_partial_apply(monkeypatch) -> None:

@@ -18,6 +18,8 @@ from lightning_accel.core.autopilot_search import (
     SearchStatus,
     Undo,
     decide_paired,
+    needs_third_pair,
+    paired_bar,
 )
 
 SAMPLES_PER_STEP = 10
@@ -153,16 +155,49 @@ def test_a_clear_gain_is_confirmed_with_paired_windows_and_kept() -> None:
     assert backend.applied == [backend.changes[0]]  # left applied for the training
 
 
-def test_noise_raises_the_gate_and_a_first_window_that_does_not_confirm_is_not_kept() -> None:
+def test_noise_raises_the_gate_and_two_pairs_that_disagree_are_settled_by_a_third() -> None:
     # baseline windows 100 and 108: their 7.7 % A/A spread is the gate; the candidate (really 1.10x) has a lucky
-    # first window (123.2 against the adjacent 108: 1.14x) and an unlucky confirmation pair (99 against 100)
+    # first window (123.2 against the adjacent 108: 1.14x) and an unlucky confirmation pair (99 against 100); a
+    # third pair (B again against the shared last A: 110 / 100) decides by majority, on a gate shrunk by sqrt(2/3)
     backend = Scripted([Change("compile", 1.10)], noise=[1.0, 1.08, 1.12, 0.9, 1.0])
-    result = _search(backend).run()
+    events = Events()
+    result = _search(backend, progress=events).run()
     assert result.noise == pytest.approx(0.08 / 1.04)
     row = result.records[1]
-    assert not row.kept and row.reason.startswith("paired 1.141x and 0.990x inside the 1.08x gate")
-    assert backend.applied == []
-    assert _measured(backend) == [(), (), ("compile",), ("compile",), ()]
+    assert row.kept and row.reason.startswith("paired 1.141x and 0.990x and 1.100x beat the 1.06x gate")
+    assert row.ratio == pytest.approx((1.232 / 1.08 + 0.99 + 1.1) / 3)
+    assert _measured(backend) == [(), (), ("compile",), ("compile",), (), ("compile",)]
+    assert "a third pair (A B B A B)" in [p.phase for p in events.phases]
+    assert backend.applied == [backend.changes[0]]
+
+
+def test_a_third_pair_that_is_low_too_rejects_the_change() -> None:
+    backend = Scripted([Change("compile", 1.10)], noise=[1.0, 1.08, 1.12, 0.9, 1.0, 0.9])
+    result = _search(backend).run()
+    row = result.records[1]
+    assert not row.kept and row.reason.startswith("paired 1.141x and 0.990x and 0.990x inside the 1.06x gate")
+    assert backend.applied == [] and result.kept == []
+
+
+def test_no_third_pair_when_two_pairs_agree_it_is_slower_or_small() -> None:
+    # 1.14 then 0.90: the mean (1.02) is under half the gate above 1, nothing to settle
+    backend = Scripted([Change("compile", 1.02)], noise=[1.0, 1.08, 1.2, 0.88, 1.0])
+    result = _search(backend).run()
+    assert not result.records[1].kept and len(_measured(backend)) == 5
+
+
+def test_a_promising_fix_under_the_gate_earns_its_confirmation_pairs() -> None:
+    # expected to remove 20 % of the step, measured 4 % faster: one pair under the 5 % gate would be a verdict
+    # on one window; it gets A B B A (and a third pair: the mean 1.04 is over half the gate) before it is held
+    promising = Change("micro_batch", 1.04, expected=0.2)
+    unknown = Change("mine", 1.04)  # no prior: one pair, then held
+    backend = Scripted([promising, unknown])
+    result = _search(backend).run()
+    rows = {r.name: r for r in result.records}
+    assert rows["micro_batch"].reason.startswith("paired 1.040x and 1.040x and 1.040x inside the 1.05x gate: held")
+    assert rows["mine"].reason.startswith("paired 1.040x inside the 1.05x gate: held")
+    assert _measured(backend)[:6] == [(), (), ("micro_batch",), ("micro_batch",), (), ("micro_batch",)]
+    assert rows["bundle"].kept  # the two small gains together clear the gate
 
 
 def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
@@ -185,6 +220,18 @@ def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
     assert _measured(backend) == [(), (), ("sdpa",), (), ("fused_adamw",), (), ("workers",), (), ("slower",),
                                   (), both, both, ()]
     assert result.final_samples_per_sec == pytest.approx(100 * 1.03 * 1.02 * 1.025)
+
+
+def test_a_bundle_whose_two_pairs_disagree_gets_a_third() -> None:
+    # windows: A A | a vs A | A, b | bundle: A, B (lucky), B (unlucky), A, then a third B against the shared A
+    backend = Scripted([Change("a", 1.03), Change("b", 1.03)], noise=[1, 1, 1, 1, 1, 1, 1.08, 0.93, 1.0, 1.0])
+    result = _search(backend).run()
+    bundle = next(r for r in result.records if r.name == "bundle")
+    together = 1.03 * 1.03
+    assert bundle.kept and bundle.reason.startswith(
+        f"paired {together * 1.08:.3f}x and {together * 0.93:.3f}x and {together:.3f}x beat the 1.05x gate")
+    assert _measured(backend)[-5:] == [(), ("a", "b"), ("a", "b"), (), ("a", "b")]
+    assert {c.name for c in backend.applied} == {"a", "b"} and {c.name for c in result.kept} == {"a", "b"}
 
 
 def test_held_alternatives_for_one_knob_enter_the_bundle_once_the_faster_one() -> None:
@@ -288,6 +335,14 @@ def test_decide_paired_needs_every_pair_above_one_and_the_mean_above_the_gate() 
     assert decide_paired([1.10, 1.06], 0.05)[0]
     assert not decide_paired([1.20, 0.99], 0.05)[0]
     assert not decide_paired([1.04, 1.05], 0.05)[0]
+    # three pairs: a majority above 1 and the mean over the gate x sqrt(2/3), never under the floor
+    assert decide_paired([1.20, 0.99, 1.10], 0.10, 0.05)[0]
+    assert not decide_paired([1.20, 0.99, 0.99], 0.10, 0.05)[0]
+    assert not decide_paired([1.06, 1.06, 1.06], 0.10, 0.05)[0]  # 1.06 < 1.082
+    assert decide_paired([1.06, 1.06, 1.06], 0.06, 0.05)[0]  # bar max(0.05, 0.049)
+    assert paired_bar(2, 0.1) == 0.1 and paired_bar(3, 0.1, 0.05) == pytest.approx(0.1 * math.sqrt(2 / 3))
+    assert needs_third_pair([1.16, 0.98], 0.10) and not needs_third_pair([1.16, 1.12], 0.10)
+    assert not needs_third_pair([1.14, 0.90], 0.10) and not needs_third_pair([1.10], 0.10)
 
 
 def test_undo_runs_every_step_in_reverse_once() -> None:

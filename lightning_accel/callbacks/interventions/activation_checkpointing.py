@@ -60,6 +60,7 @@ class ActivationCheckpointingWithLargerBatch(Intervention):
         if block is None:
             raise ValueError("no repeated block (an nn.ModuleList of 2+ modules of one class) to checkpoint")
         self._micro = MicroBatch(**{k: v for k, v in self.params.items() if k != "block"})
+        self._micro._no_jump = True  # the memory checkpointing frees buys one doubling, not the whole accumulation
         # the micro-batch change's undo goes on the same stack first: if checkpointing raises, it is undone too
         self._micro.change(run, undo)
         self.params = {**self._micro.params, "block": f"{block.__module__}.{block.__qualname__}"}
