@@ -373,10 +373,18 @@ class AutopilotSearch:
         ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
         return ok
 
-    def _trial_cost(self, candidate: Any) -> float:
+    def _trial_cost(self, candidate: Any, gain: float | None = None) -> float:
+        """Seconds a trial is expected to take: a window of the current configuration unless a fresh one is at
+        hand, the candidate's window (and its extra warm-up), plus the confirmation pair when it is likely: a fix
+        expected to clear the gate, but not decisively, gets one for any positive first ratio (windows of the configuration now
+        current: after the 4 x 8 -> 32 x 1 jump on the naive GPT-2 a window took 3.5 s instead of 2.3 s, and a
+        trial costed at the old length overran a 29 s budget by 5 s)."""
         step = self._current.step_seconds if self._current is not None else 0.0
         fresh = 0 if self._fresh is not None else 1
-        return (fresh + 1.2) * self._window_seconds + int(getattr(candidate, "warmup_steps", 0)) * step * 10
+        # expected to clear the gate but not to be decisive (a fix removing 69 % of the step is a 3x ratio: no pair)
+        decisive = 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
+        confirm = 2 if gain is not None and gain >= self._gate and 1.0 / max(1e-9, 1.0 - gain) < decisive else 0
+        return (fresh + 1.2 + confirm) * self._window_seconds + int(getattr(candidate, "warmup_steps", 0)) * step * 10
 
     def _pays_back(self, gain: float | None, cost: float) -> tuple[bool, str]:
         if gain is None or self.steps_left is None or self._current is None or self.budget_seconds is not None:
@@ -452,7 +460,7 @@ class AutopilotSearch:
         # keep needs both paired ratios above 1 anyway
         self._gate = noise_gate(self.threshold, result.noise)
         self._current, self._current_rates, self._fresh = second, rates, second
-        self._window_seconds = max(first.seconds + first.warmup_seconds, second.seconds + second.warmup_seconds)
+        self._window_seconds = max(_window_length(first), _window_length(second))
         backend.adopt(second, second)
         record = self._new_record("baseline", "as configured", f"A/A noise {result.noise:.1%}")
         record.samples_per_sec, record.vs_baseline, record.kept = result.baseline_samples_per_sec, 1.0, True
@@ -476,7 +484,7 @@ class AutopilotSearch:
                     name = o.candidate.name
                     tried.add(name)
                     if o.why_not is None:
-                        cost = self._trial_cost(o.candidate)
+                        cost = self._trial_cost(o.candidate, o.gain)
                         pays, why = self._pays_back(o.gain, cost)
                         if pays:
                             offer = o
@@ -489,7 +497,7 @@ class AutopilotSearch:
                 if offer is None:
                     stopped = "no candidate left"
                     break
-                cost = self._trial_cost(offer.candidate)
+                cost = self._trial_cost(offer.candidate, offer.gain)
                 # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
                 reserve = BUNDLE_WINDOWS * self._window_seconds if len(self._held) >= 2 else 0.0
                 if reserve and not self._affords(cost + reserve):
@@ -655,6 +663,7 @@ class AutopilotSearch:
                 # the last window measured: B (one pair, or the third pair's), or the confirmation's A
                 self._fresh = after_window if after_window is after or len(ratios) == 3 else None
                 self.result.kept.append(candidate)
+                self._window_seconds = _window_length(after_window)  # the next trials' windows are of this one
                 backend.adopt(after_window, None)
                 backend.reference()
             elif mean >= 1.0 + self.min_gain and (verdict is None or verdict[0]) \
@@ -794,6 +803,7 @@ class AutopilotSearch:
                 self._current, self._current_rates = last, rates
                 self._fresh = last if len(ratios) == 3 else None
                 self.result.kept.extend(bundle.members)
+                self._window_seconds = _window_length(last)
                 for h in held:
                     if h.candidate in bundle.members:
                         h.record.kept = True
@@ -814,6 +824,11 @@ class AutopilotSearch:
                     self.result.notes.append(f"reverting the bundle raised {err!r}")
             backend.restore()
             self._record(record)
+
+
+def _window_length(window: MeasurementLike) -> float:
+    """Seconds one window of this configuration takes, warm-up included."""
+    return window.seconds + window.warmup_seconds
 
 
 def _undo_all(undos: list[Callable[[], None]]) -> None:

@@ -325,6 +325,31 @@ def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
     assert any("too small for one trial" in n for n in result.notes)
 
 
+class LongerSteps(Scripted):
+    """A kept "jump" makes each optimizer step 4x the samples (one micro-batch per step): 1.3x the rate, and a
+    window of the same step count 4 / 1.3 ~ 3x longer."""
+
+    def measure(self, warmup_steps: int, steps: int) -> Measurement:
+        window = super().measure(warmup_steps, steps)
+        if any(c.name == "jump" for c in self.applied):
+            extra = (warmup_steps + steps) * window.step_seconds * (4 / 1.3 - 1)
+            self.t += extra
+            return Measurement(window.samples_per_sec, window.step_seconds * 4 / 1.3,
+                               window.seconds * 4 / 1.3, window.warmup_seconds * 4 / 1.3, self.shares)
+        return window
+
+
+def test_trials_are_costed_at_the_window_length_of_the_configuration_kept() -> None:
+    # baseline windows 2.5 s; the decisive jump's windows 3x that: the next trial (a clear gain expected, so a
+    # confirmation pair likely) no longer fits in what is left, and the search stops inside its budget
+    jump, later = Change("jump", 1.3), Change("later", 1.2, expected=0.15)
+    backend = LongerSteps([jump, later])
+    result = _search(backend, budget_seconds=30.0).run()
+    assert [c.name for c in result.kept] == ["jump"]
+    assert result.stopped.startswith("time budget spent") and backend.t <= 30.0
+    assert all(r.name != "later" for r in result.records)
+
+
 def test_the_state_is_restored_after_every_trial_and_at_the_end() -> None:
     backend = Scripted([Change("a", 1.5), Change("b", 0.8)])
     result = _search(backend).run()
