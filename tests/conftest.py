@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
     # the longest first (notebooks, then `slow`, then multi-process tests; the given order within each): under
     # `pytest -n 2` (the README's command) the short tests then fill the end of both workers instead of one worker
-    # finishing a 2-minute notebook alone
+    # finishing a 2-minute notebook alone; the README runs the `distributed` tests after, one at a time
     def weight(item: pytest.Item) -> int:
         keywords = item.keywords
         return 0 if "notebooks" in keywords else 1 if "slow" in keywords else 2 if "distributed" in keywords else 3

@@ -53,6 +53,7 @@ class LightningSearchBackend:
         self._reference: Any = None
         self._strategy_reference: Any = None
         self._step_seconds: float | None = None  # of the last window, aggregated over ranks
+        self._target_seconds: float | None = None  # the timed length of the baseline's first window
 
     # ------------------------------------------------------------------ clock, ranks, state
     def clock(self) -> float:
@@ -86,26 +87,36 @@ class LightningSearchBackend:
         window is ``ceil(warmup / k)`` warm-up and ``ceil(steps / sqrt(k))`` timed optimizer steps (at least 1
         and 2): worker start-up and the allocator warm up per micro-batch, and k micro-batches per timed step
         already average k calls (on the naive GPT-2 script, micro-batch 4 x 8, the full protocol took 5 s a
-        window: two trials in a 5 % budget of a 10-minute fit)."""
+        window: two trials in a 5 % budget of a 10-minute fit). Every window after the baseline's first is at
+        least ``MIN_WINDOW_SECONDS`` and at most as long in seconds as that one (the step count follows from the
+        last window's aggregated step time, the same on every rank)."""
         run = self.run
         short = steps <= 2  # the pay-back estimate: three steps, however short
         warmup_steps, steps = self.window_steps(warmup_steps, steps)
         if not short and self._step_seconds:
             # from the last window's aggregated step time, so every rank runs the same number of DDP steps
             steps = min(4 * steps, max(steps, math.ceil(MIN_WINDOW_SECONDS / self._step_seconds)))
+            if self._target_seconds:
+                # no longer than the baseline's windows: a window averages the machine's noise by its length in
+                # seconds, not in steps; after the naive GPT-2's 4 x 8 -> 32 x 1 jump the same step count took
+                # 3.2 s instead of 1.4 s, and the next trial (SDPA) no longer fitted the budget
+                steps = min(steps, max(2, math.ceil(self._target_seconds / self._step_seconds)))
         local = run.runner.measure(warmup_steps, steps)
         stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
         rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
                              [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages],
                              what="Autopilot measurement window")
         if rows.shape[0] == 1:
-            self._step_seconds = local.step_seconds
-            return local
-        # global samples over the slowest rank's time; stage seconds averaged over ranks
-        self._step_seconds = float(rows[:, 1].max()) / max(1, int(rows[:, 2].min()))
-        return Window(samples=int(rows[:, 0].sum()), seconds=float(rows[:, 1].max()), steps=int(rows[:, 2].min()),
-                      stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
-                      warmup_seconds=float(rows[:, 3].max()))
+            window = local
+        else:  # global samples over the slowest rank's time; stage seconds averaged over ranks
+            window = Window(samples=int(rows[:, 0].sum()), seconds=float(rows[:, 1].max()),
+                            steps=int(rows[:, 2].min()),
+                            stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
+                            warmup_seconds=float(rows[:, 3].max()))
+        self._step_seconds = window.step_seconds
+        if not short and self._target_seconds is None:
+            self._target_seconds = window.seconds
+        return window
 
     # ------------------------------------------------------------------ numerics
     def reference(self) -> None:
