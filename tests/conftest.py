@@ -44,6 +44,16 @@ def _no_process_group_left():
         destroy_process_groups()
 
 
+#: test files whose assertions follow from measured speed (what the Autopilot, the tuners, the doctor and the smells'
+#: previews keep or report on planted sleeps and real steps): marked ``timing``; the README's command runs them after
+#: the parallel phase, one at a time, so a neighbouring test cannot take the cores they measure on
+TIMING_SENSITIVE = ("tests/callbacks/test_autopilot", "tests/callbacks/test_dataloader_tuner.py",
+                    "tests/callbacks/test_batch_size_tuner.py", "tests/callbacks/test_device_prefetcher.py",
+                    "tests/callbacks/test_bottleneck_doctor", "tests/callbacks/test_mfu_monitor.py",
+                    "tests/core/test_smells.py", "tests/core/test_prefetch.py", "tests/demo/test_demo_autopilot.py",
+                    "tests/models/test_real_models.py", "tests/commands/test_bench_command.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from lightning_accel._imports import is_available
 
@@ -53,12 +63,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "dali": (is_available("nvidia.dali"), "needs NVIDIA DALI: pip install 'lightning-accel[dali]'"),
     }
     for item in items:
+        if item.nodeid.startswith(TIMING_SENSITIVE):
+            item.add_marker(pytest.mark.timing)
         for marker, (ok, reason) in needs.items():
             if marker in item.keywords and not ok:
                 item.add_marker(pytest.mark.skip(reason=reason))
     # the longest first (notebooks, then `slow`, then multi-process tests; the given order within each): under
     # `pytest -n 2` (the README's command) the short tests then fill the end of both workers instead of one worker
-    # finishing a 2-minute notebook alone; the README runs the `distributed` tests after, one at a time
+    # finishing a 2-minute notebook alone; the README runs the `distributed` and `timing` tests after, one at a time
     def weight(item: pytest.Item) -> int:
         keywords = item.keywords
         return 0 if "notebooks" in keywords else 1 if "slow" in keywords else 2 if "distributed" in keywords else 3

@@ -159,6 +159,9 @@ class LightningSearchBackend:
             return result
         return lambda: candidate.revert(run)
 
+    def setup_seconds(self, candidate: Intervention) -> float:
+        return float(candidate.setup_seconds(self.run))
+
     def changed_nothing(self, candidate: Intervention) -> str | None:
         return candidate.changed_nothing(self.run)
 

@@ -218,6 +218,10 @@ class SearchBackend(Protocol):
     def renew(self, candidate: Any) -> bool:
         """After ``candidate`` was kept: whether a fresh one of its kind may be offered again (micro-batch ×2)."""
 
+    def setup_seconds(self, candidate: Any) -> float:
+        """Seconds of one-off work a trial of ``candidate`` pays beyond its windows (optional: a first compile;
+        without this method a candidate's ``warmup_steps`` are costed at 10 steps each)."""
+
     def fall_back(self, candidate: Any) -> bool:
         """After ``candidate`` was not kept: whether its kind offers a next choice (optional: a backend without
         this method offers none; e.g. the compression fix falls back from a projected Top-K to bf16)."""
@@ -384,7 +388,10 @@ class AutopilotSearch:
         # expected to clear the gate but not to be decisive (a fix removing 69 % of the step is a 3x ratio: no pair)
         decisive = 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
         confirm = 2 if gain is not None and gain >= self._gate and 1.0 / max(1e-9, 1.0 - gain) < decisive else 0
-        return (fresh + 1.2 + confirm) * self._window_seconds + int(getattr(candidate, "warmup_steps", 0)) * step * 10
+        warmup = int(getattr(candidate, "warmup_steps", 0)) * step
+        setup = getattr(self.backend, "setup_seconds", None)  # one-off work the trial pays (a first compile)
+        extra = warmup + float(setup(candidate)) if setup is not None else 10 * warmup
+        return (fresh + 1.2 + confirm) * self._window_seconds + extra
 
     def _pays_back(self, gain: float | None, cost: float) -> tuple[bool, str]:
         if gain is None or self.steps_left is None or self._current is None or self.budget_seconds is not None:
@@ -479,37 +486,48 @@ class AutopilotSearch:
             while True:
                 offers = backend.offers(self._current.shares(), tried)
                 self._max_trials = len(self.result.records) + len([o for o in offers if o.why_not is None])
+                # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
+                reserve = BUNDLE_WINDOWS * self._window_seconds if len(self._held) >= 2 else 0.0
                 offer = None
+                too_long: list[tuple[Offer, float]] = []  # paying back, but longer than the time left
                 for o in offers:
                     name = o.candidate.name
-                    tried.add(name)
                     if o.why_not is None:
                         cost = self._trial_cost(o.candidate, o.gain)
                         pays, why = self._pays_back(o.gain, cost)
-                        if pays:
+                        if pays and self._affords(cost + reserve):
                             offer = o
                             break
+                        if pays:  # a cheaper fix further down may still fit (a first compile does not)
+                            too_long.append((o, cost))
+                            continue
                         o.why_not = f"not trialled: {why}"
+                    tried.add(name)
                     record = self._new_record(name, backend.describe(o.candidate),
                                               o.why_not if o.why_not.startswith("not trialled")
                                               else f"not applicable: {o.why_not}")
                     self._record(record)
                 if offer is None:
-                    stopped = "no candidate left"
+                    if not too_long:
+                        stopped = "no candidate left"
+                    elif reserve and self._affords(too_long[0][1]):
+                        stopped = "time left kept for confirming the held small gains together"
+                    else:
+                        cost = too_long[0][1]
+                        stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
+                                   f"needs ~{cost:.1f} s)")
+                        if len(result.records) == 1 or all(r.samples_per_sec is None for r in result.records[1:]):
+                            result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
+                                                f"(~{cost:.1f} s): nothing was changed")
                     break
-                cost = self._trial_cost(offer.candidate, offer.gain)
-                # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
-                reserve = BUNDLE_WINDOWS * self._window_seconds if len(self._held) >= 2 else 0.0
-                if reserve and not self._affords(cost + reserve):
-                    stopped = "time left kept for confirming the held small gains together"
-                    break
-                if not self._affords(cost):
-                    stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
-                               f"needs ~{cost:.1f} s)")
-                    if len(result.records) == 1 or all(r.samples_per_sec is None for r in result.records[1:]):
-                        result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
-                                            f"(~{cost:.1f} s): nothing was changed")
-                    break
+                tried.add(offer.candidate.name)
+                left = self._budget - self._spent()
+                for o, cost in too_long:  # passed over for a cheaper fix: said once, not offered again
+                    tried.add(o.candidate.name)
+                    self._record(self._new_record(
+                        o.candidate.name, backend.describe(o.candidate),
+                        f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
+                        f" (the cheaper {offer.candidate.name} is tried instead)"))
                 kept, measured = self._trial(offer.candidate, offer.gain)
                 if kept:
                     misses = 0

@@ -350,6 +350,29 @@ def test_trials_are_costed_at_the_window_length_of_the_configuration_kept() -> N
     assert all(r.name != "later" for r in result.records)
 
 
+def test_a_trial_longer_than_the_time_left_is_passed_over_for_a_cheaper_one() -> None:
+    # a first compile (100 warm-up steps, costed at 10 steps each: ~100 s) cannot fit a 30 s budget; the optimizer
+    # fix after it can, and is trialled instead of the search ending on the compile
+    compile_ = Change("compile", 1.3, expected=0.2)
+    compile_.warmup_steps = 100
+    backend = Scripted([compile_, Change("foreach", 1.2, expected=0.15)])
+    result = _search(backend, budget_seconds=30.0).run()
+    rows = {r.name: r for r in result.records}
+    assert rows["compile"].samples_per_sec is None and rows["compile"].reason.startswith(
+        "not trialled: its trial needs ~")
+    assert "(the cheaper foreach is tried instead)" in rows["compile"].reason
+    assert [c.name for c in result.kept] == ["foreach"] and backend.t <= 30.0
+    assert ("compile",) not in _measured(backend)
+
+
+def test_the_search_stops_on_the_budget_when_no_trial_fits() -> None:
+    compile_ = Change("compile", 1.3, expected=0.2)
+    compile_.warmup_steps = 100
+    result = _search(Scripted([compile_]), budget_seconds=30.0).run()
+    assert result.stopped.startswith("time budget spent (5.0 of 30.0 s; the next trial needs ~")
+    assert [r.name for r in result.records] == ["baseline"]
+
+
 def test_the_state_is_restored_after_every_trial_and_at_the_end() -> None:
     backend = Scripted([Change("a", 1.5), Change("b", 0.8)])
     result = _search(backend).run()

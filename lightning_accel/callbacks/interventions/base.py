@@ -56,6 +56,11 @@ class Intervention:
     def __init__(self, **params: Any) -> None:
         self.params = dict(params)
 
+    def setup_seconds(self, run: Run) -> float:
+        """Seconds of one-off work a trial pays before its windows (a first compile); the search costs the trial
+        with it against its budget."""
+        return 0.0
+
     def unavailable(self, run: Run) -> str | None:
         return None
 
