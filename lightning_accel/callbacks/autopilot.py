@@ -118,7 +118,8 @@ class Autopilot(Callback):
         warmup_steps / measure_steps: untimed and timed optimizer steps per window.
         probe_steps: optimizer steps' worth of batches in the numerics probe.
         patience: stop after this many measured candidates in a row that were not kept (a change rejected before
-            measuring, by the numerics guard or as void, costs only its probe and does not count).
+            measuring, by the numerics guard or as void, costs only its probe and does not count; nor does a small
+            gain held for a bundle).
         freeze: settings never to touch: intervention names (``"dataloader"``, ``"precision"``, ...) or knobs
             (``"num_workers"``, ``"batch_size"``, ``"accumulate_grad_batches"``, ``"optimizer"``, ...).
         interventions: extra :class:`Intervention` objects to trial (fixes of your own), tried after the built-in

@@ -537,7 +537,8 @@ class AutopilotSearch:
                     fall_back = getattr(backend, "fall_back", None)
                     if fall_back is not None and fall_back(offer.candidate):
                         tried.discard(offer.candidate.name)
-                if not kept and measured:
+                held = bool(self._held) and self._held[-1].candidate is offer.candidate
+                if not kept and measured and not held:  # a held small gain is no miss: it may be kept together
                     misses += 1
                     if misses >= self.patience:
                         stopped = f"{misses} measured candidate(s) in a row without a gain"

@@ -289,6 +289,13 @@ def test_a_failed_apply_leaves_nothing_and_the_next_trial_reuses_the_adjacent_wi
     assert _measured(backend) == [(), (), ("good",), ("good",), ()]
 
 
+def test_a_held_small_gain_is_no_miss() -> None:
+    # held (1.03), slower, held (1.02), slower: two misses, so patience=3 lets the search reach the large fix
+    changes = [Change("a", 1.03), Change("x", 0.9), Change("b", 1.02), Change("y", 0.95), Change("big", 1.4)]
+    result = _search(Scripted(changes), patience=3).run()
+    assert "big" in [c.name for c in result.kept] and result.stopped == "no candidate left"
+
+
 def test_patience_counts_measured_misses_only() -> None:
     changes = [Change("wrong", numerics_ok=False), Change("x", 0.9), Change("y", 0.95), Change("z", 1.3)]
     result = _search(Scripted(changes), patience=2).run()
