@@ -125,18 +125,30 @@ def test_the_micro_batch_jumps_to_one_micro_batch_first_and_falls_back_to_doubli
         seen["refused"] = set(run.extras["micro_batch_refused"])
         following.apply(run)  # kept: 4 x 8 -> 8 x 4
         seen["following"] = dict(following.params)
-        again = MicroBatch()  # after a kept doubling: the jump (32 x 1) was refused, so one more doubling
-        again.apply(run)
+        again = MicroBatch()  # from 8 x 4 the jump is a new question: asked again
+        undo = again.apply(run)
         seen["again"] = dict(again.params)
-        last = MicroBatch()  # 16 x 2: doubling again would be 32 x 1, refused before
-        seen["last"] = last.unavailable(run)
+        undo()  # refused from here too
+        doubling = again.fallback()
+        doubling.apply(run)  # kept: 8 x 4 -> 16 x 2
+        seen["doubling"] = dict(doubling.params)
+        last = MicroBatch()  # 16 x 2 -> 32 x 1 (a doubling: accumulation 2)
+        undo = last.apply(run)
+        seen["last"] = dict(last.params)
+        undo()
+        seen["last_fallback"] = last.fallback()
+        seen["refused_all"] = set(run.extras["micro_batch_refused"])
+        seen["unavailable"] = MicroBatch().unavailable(run)
 
     _fit(body, accumulate=8)
     assert seen["jump"] == {"batch_size": 32, "accumulate_grad_batches": 1}
-    assert seen["refused"] == {(32, 1)}
+    assert seen["refused"] == {((4, 8), (32, 1))}
     assert seen["following"] == {"batch_size": 8, "accumulate_grad_batches": 4}
-    assert seen["again"] == {"batch_size": 16, "accumulate_grad_batches": 2}
-    assert "batch_size=32 × accumulate_grad_batches=1 was measured no faster before" in seen["last"]
+    assert seen["again"] == {"batch_size": 32, "accumulate_grad_batches": 1}
+    assert seen["doubling"] == {"batch_size": 16, "accumulate_grad_batches": 2}
+    assert seen["last"] == {"batch_size": 32, "accumulate_grad_batches": 1} and seen["last_fallback"] is None
+    assert seen["refused_all"] == {((4, 8), (32, 1)), ((8, 4), (32, 1)), ((16, 2), (32, 1))}
+    assert "batch_size=32 × accumulate_grad_batches=1 was measured no faster before" in seen["unavailable"]
 
 
 def test_every_intervention_reverts_bit_identically_after_a_full_and_a_partial_apply(monkeypatch) -> None:
