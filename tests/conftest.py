@@ -45,8 +45,8 @@ def _no_process_group_left():
 
 
 #: test files whose assertions follow from measured speed (what the Autopilot, the tuners, the doctor and the smells'
-#: previews keep or report on planted sleeps and real steps): marked ``timing``; the README's command runs them after
-#: the parallel phase, one at a time, so a neighbouring test cannot take the cores they measure on
+#: previews keep or report on planted sleeps and real steps): marked ``timing``, so a parallel run (pytest-xdist) can
+#: keep them to themselves: a neighbouring test must not take the cores they measure on
 TIMING_SENSITIVE = ("tests/callbacks/test_autopilot", "tests/callbacks/test_dataloader_tuner.py",
                     "tests/callbacks/test_batch_size_tuner.py", "tests/callbacks/test_device_prefetcher.py",
                     "tests/callbacks/test_bottleneck_doctor", "tests/callbacks/test_mfu_monitor.py",
@@ -68,14 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, (ok, reason) in needs.items():
             if marker in item.keywords and not ok:
                 item.add_marker(pytest.mark.skip(reason=reason))
-    # the longest first (notebooks, then `slow`, then multi-process tests; the given order within each): under
-    # `pytest -n 2` (the README's command) the short tests then fill the end of both workers instead of one worker
-    # finishing a 2-minute notebook alone; the README runs the `distributed` and `timing` tests after, one at a time
-    def weight(item: pytest.Item) -> int:
-        keywords = item.keywords
-        return 0 if "notebooks" in keywords else 1 if "slow" in keywords else 2 if "distributed" in keywords else 3
-
-    items.sort(key=weight)
 
 
 #: appended to every script: end it through exit_distributed, which destroys the process groups and, where backend
