@@ -21,8 +21,8 @@ __all__ = ["HIDDEN_FRACTION", "MIN_SHARE", "TRIAL_PERIODS", "checkpoint_share", 
 
 #: a save's share of the fit below which a background write is not trialled
 MIN_SHARE = 0.05
-#: periods (one save + k steps) a trial measures: A B B A
-TRIAL_PERIODS = 4
+#: periods (one save + k steps) a trial runs: A, an untimed warm-up of the background writer, B B A
+TRIAL_PERIODS = 5
 #: the prior share of a save's time a background write hides from the training thread (it still pays the clone of
 #: the checkpoint's tensors; the planted slow disk of the tests hides ~95 %)
 HIDDEN_FRACTION = 0.8
