@@ -377,6 +377,10 @@ class AutopilotSearch:
         ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
         return ok
 
+    def _decisive_ratio(self) -> float:
+        """A first paired ratio at least this high is kept without a confirmation pair (:data:`DECISIVE_GAIN`)."""
+        return 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
+
     def _trial_cost(self, candidate: Any, gain: float | None = None) -> float:
         """Seconds a trial is expected to take: a window of the current configuration unless a fresh one is at
         hand, the candidate's window (and its extra warm-up), plus the confirmation pair when it is likely: a fix
@@ -386,8 +390,8 @@ class AutopilotSearch:
         step = self._current.step_seconds if self._current is not None else 0.0
         fresh = 0 if self._fresh is not None else 1
         # expected to clear the gate but not to be decisive (a fix removing 69 % of the step is a 3x ratio: no pair)
-        decisive = 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
-        confirm = 2 if gain is not None and gain >= self._gate and 1.0 / max(1e-9, 1.0 - gain) < decisive else 0
+        confirm = 2 if gain is not None and gain >= self._gate and \
+            1.0 / max(1e-9, 1.0 - gain) < self._decisive_ratio() else 0
         warmup = int(getattr(candidate, "warmup_steps", 0)) * step
         setup = getattr(self.backend, "setup_seconds", None)  # one-off work the trial pays (a first compile)
         extra = warmup + float(setup(candidate)) if setup is not None else 10 * warmup
@@ -626,7 +630,7 @@ class AutopilotSearch:
             ratios = [after.samples_per_sec / max(before.samples_per_sec, 1e-12)]
             rates = [after.samples_per_sec]
             record.shares = after.shares()
-            decisive = ratios[0] >= 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
+            decisive = ratios[0] >= self._decisive_ratio()
             # a positive first ratio under the gate is confirmed too when the fix is expected to clear the gate:
             # one window pair in ~10 % noise cannot tell a 15 % gain from none
             promising = prior is not None and prior >= self._gate and ratios[0] >= 1.0 + self.min_gain
