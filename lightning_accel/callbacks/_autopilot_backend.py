@@ -19,7 +19,7 @@ from lightning_accel.core.autopilot import (
     propose,
     rank_by_expected_gain,
 )
-from lightning_accel.core.autopilot_search import Bundle, Offer
+from lightning_accel.core.autopilot_search import MIN_WINDOW_SECONDS, Bundle, Offer
 from lightning_accel.core.breakdown import MEASURED_STAGES
 
 if TYPE_CHECKING:
@@ -27,12 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LightningSearchBackend", "short_error"]
 
-
-#: A measuring window's timed steps last at least this long (up to 4x its steps; the count follows from the previous
-#: window's aggregated step time, the same on every rank): on the shared 2-core VM, windows of
-#: 30-70 ms (a tiny model's 10-25 steps) disagreed by 10-15 % between adjacent pairs; a quarter second averages
-#: the scheduler's hiccups out.
-MIN_WINDOW_SECONDS = 0.25
 
 
 def short_error(err: BaseException | None, chars: int = 240) -> str:
@@ -95,6 +89,7 @@ class LightningSearchBackend:
         warmup_steps, steps = self.window_steps(warmup_steps, steps)
         if not short and self._step_seconds:
             # from the last window's aggregated step time, so every rank runs the same number of DDP steps
+            # (the count follows from the last window's aggregated step time, the same on every rank)
             steps = min(4 * steps, max(steps, math.ceil(MIN_WINDOW_SECONDS / self._step_seconds)))
             if self._target_seconds:
                 # no longer than the baseline's windows: a window averages the machine's noise by its length in

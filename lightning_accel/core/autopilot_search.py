@@ -11,9 +11,13 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
    offer (:func:`~lightning_accel.core.autopilot.expected_gain`: the stage share times what the fix can remove)
    times the fit's duration is the saving to expect; when it does not exceed twice the cost of a baseline and one
-   trial, the search does not start and says so in one line: a 300-step balanced fit trains untouched. The search
-   may spend ``max(budget x fit, baseline + first trial)`` when that first trial pays back, so a short fit whose
-   data wait is 77 % of the step is still searched.
+   trial, the search does not start and says so in one line: a 300-step balanced fit trains untouched. Before
+   giving up, a short fit is costed with the shortest windows that still average the machine's noise out
+   (:data:`SHORT_WARMUP_STEPS` untimed + :data:`MIN_WINDOW_SECONDS` timed, at least 3 steps): the 300-step fit of
+   ``bench_autopilot_real.py --short`` whose data wait is ~45 % of its 33 ms step expected to save ~4.5 s, and the
+   default 5 + 20-step windows cost 3.3 s for a baseline and one trial; windows of 2 + 8 steps cost ~1.3 s. The
+   A/A noise is measured on the windows the search uses, so the gate follows their noise. The search may spend
+   ``max(budget x fit, baseline + first trial)`` when that first trial pays back.
 2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current
    configuration measured right before it (A), never with a baseline measured minutes earlier: in one search on
    the shared 2-core VM the unchanged configuration measured 1453 samples/s in the baseline and 1058-1222 a few
@@ -69,6 +73,12 @@ __all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend",
 #: interference measured on this VM (at most 25 % between two windows) makes a window 1.5x faster, and a short
 #: fit cannot afford two more windows for a fix that halves its data wait.
 DECISIVE_GAIN = 0.5
+#: A measuring window's timed steps last at least this long (a backend lengthens shorter ones up to 4x their steps,
+#: by the last window's step time): on the shared 2-core VM, windows of 30-70 ms (a tiny model's 10-25 steps)
+#: disagreed by 10-15 % between adjacent pairs; a quarter second averages the scheduler's hiccups out.
+MIN_WINDOW_SECONDS = 0.25
+#: Untimed warm-up steps of a short fit's windows (a new loader's workers start in the first; 5 by default)
+SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
 BUNDLE_WINDOWS = 4.4
 
@@ -397,6 +407,13 @@ class AutopilotSearch:
         extra = warmup + float(setup(candidate)) if setup is not None else 10 * warmup
         return (fresh + 1.2 + confirm) * self._window_seconds + extra
 
+    def _window_cost(self, warmup_steps: int, steps: int, step: float) -> float:
+        """Seconds a window of ``warmup_steps`` + ``steps`` optimizer steps of ``step`` seconds takes, as the backend
+        runs it (it may shorten windows under accumulation, and lengthens none below :data:`MIN_WINDOW_SECONDS`)."""
+        scale = getattr(self.backend, "window_steps", None)
+        warm, timed = scale(warmup_steps, steps) if scale is not None else (warmup_steps, steps)
+        return warm * step + max(timed * step, min(MIN_WINDOW_SECONDS, 4 * timed * step))
+
     def _pays_back(self, gain: float | None, cost: float) -> tuple[bool, str]:
         if gain is None or self.steps_left is None or self._current is None or self.budget_seconds is not None:
             return True, ""
@@ -436,16 +453,27 @@ class AutopilotSearch:
             step = estimate.step_seconds
             self._current = estimate
             fit = step * self.steps_left
-            scale = getattr(backend, "window_steps", None)  # a backend may shorten windows (accumulation)
-            window = sum(scale(self.warmup_steps, self.measure_steps) if scale is not None
-                         else (self.warmup_steps, self.measure_steps)) * step
-            start_cost = 2 * window + 2 * window  # baseline A A, then the first trial's B and its confirmation
+            # baseline A A, then the first trial's B and its confirmation
+            start_cost = 4 * self._window_cost(self.warmup_steps, self.measure_steps, step)
             offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
             # a fix without a prior (one of the user's own) cannot be estimated: it is searched for
             gains = [o.gain for o in offers]
             best = None if None in gains else max(gains, default=0.0)
             saving = math.inf if best is None else best * fit
             self._budget = self.budget * fit
+            if saving <= 2 * start_cost and best is not None:
+                # a short fit: the shortest windows that still average the machine's noise out (MIN_WINDOW_SECONDS);
+                # the A/A noise is measured on them, so the gate follows their noise
+                warm = min(self.warmup_steps, SHORT_WARMUP_STEPS)
+                steps = max(3, min(self.measure_steps, math.ceil(MIN_WINDOW_SECONDS / max(step, 1e-9))))
+                short_cost = 4 * self._window_cost(warm, steps, step)
+                if short_cost < start_cost:
+                    if saving > 2 * short_cost:
+                        result.notes.append(
+                            f"a short fit (~{fit:.0f} s): windows of {warm} + {steps} steps instead of "
+                            f"{self.warmup_steps} + {self.measure_steps}, whose baseline and first trial "
+                            f"(~{start_cost:.1f} s) the best fix on offer (~{saving:.1f} s) would not repay twice")
+                    self.warmup_steps, self.measure_steps, start_cost = warm, steps, short_cost
             if saving <= 2 * start_cost:
                 why = ("no fix is on offer" if not offers else
                        f"the best fix on offer is expected to save ~{saving:.1f} s ({best:.1%} of a "

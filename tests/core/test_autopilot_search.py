@@ -325,6 +325,47 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
 
+class Windows(Scripted):
+    """Records each window's (warm-up, timed) steps."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.windows: list[tuple[int, int]] = []
+
+    def measure(self, warmup_steps: int, steps: int) -> Measurement:
+        self.windows.append((warmup_steps, steps))
+        return super().measure(warmup_steps, steps)
+
+
+def test_a_short_fit_whose_fix_repays_short_windows_is_searched_with_them() -> None:
+    data_bound = {"data": 0.6, "forward": 0.25, "backward": 0.15}
+    backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
+    # a 30 s fit of 0.1 s steps: the saving (~15 s) does not repay twice the 5 + 20-step protocol (4 x 2.5 s), but
+    # twice windows of 2 + 3 steps (0.25 s timed; 4 x 0.5 s): searched with those
+    assert [c.name for c in result.kept] == ["dataloader"]
+    assert backend.windows == [(2, 3), (2, 3), (2, 3), (2, 3)]  # the estimate, the baseline A A, the decisive B
+    assert any(n.startswith("a short fit (~30 s): windows of 2 + 3 steps instead of 5 + 20") for n in result.notes)
+
+
+def test_a_fit_too_short_even_for_short_windows_says_so_with_their_cost() -> None:
+    data_bound = {"data": 0.6, "forward": 0.25, "backward": 0.15}
+    backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=30).run()
+    # a 3 s fit: ~1.5 s to save, twice the short windows' ~2 s would not be repaid
+    assert backend.windows == [(2, 3)] and result.records == [] and result.kept == []
+    assert result.stopped.endswith("less than twice the ~2.0 s a baseline and one trial cost")
+    assert not any(n.startswith("a short fit") for n in result.notes)
+
+
+def test_a_long_fit_keeps_the_full_windows() -> None:
+    data_bound = {"data": 0.6, "forward": 0.25, "backward": 0.15}
+    backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=3000).run()
+    assert [c.name for c in result.kept] == ["dataloader"]
+    assert backend.windows[1:] == [(5, 20)] * 3 and not any(n.startswith("a short fit") for n in result.notes)
+
+
 def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
     # 25 steps of 0.1 s per window: the baseline costs 5 s, a trial ~3 s
     result = _search(Scripted([Change("a", 1.5)]), budget_seconds=6.0).run()
