@@ -349,6 +349,8 @@ class AutopilotSearch:
         self._fresh: MeasurementLike | None = None  # a window of the current configuration, nothing measured since
         self._gate = threshold
         self._window_seconds = 0.0
+        self._probe_seconds = 0.0  # of the numerics reference probe
+        self._floor = 0.0  # the budget raised to a baseline and one trial that pay back
         self._held: list[_Held] = []
         self._max_trials: int | None = None
 
@@ -405,7 +407,7 @@ class AutopilotSearch:
         warmup = int(getattr(candidate, "warmup_steps", 0)) * step
         setup = getattr(self.backend, "setup_seconds", None)  # one-off work the trial pays (a first compile)
         extra = warmup + float(setup(candidate)) if setup is not None else 10 * warmup
-        return (fresh + 1.2 + confirm) * self._window_seconds + extra
+        return (fresh + 1.2 + confirm) * self._window_seconds + extra + 2 * self._probe_seconds
 
     def _window_cost(self, warmup_steps: int, steps: int, step: float) -> float:
         """Seconds a window of ``warmup_steps`` + ``steps`` optimizer steps of ``step`` seconds takes, as the backend
@@ -453,12 +455,15 @@ class AutopilotSearch:
             step = estimate.step_seconds
             self._current = estimate
             fit = step * self.steps_left
-            # baseline A A, then the first trial's B and its confirmation
-            start_cost = 4 * self._window_cost(self.warmup_steps, self.measure_steps, step)
             offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
             # a fix without a prior (one of the user's own) cannot be estimated: it is searched for
             gains = [o.gain for o in offers]
             best = None if None in gains else max(gains, default=0.0)
+            # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
+            # the best fix is expected to be decisive
+            windows = 3.2 + 2 * (best is None or (best >= self.threshold and 1.0 / max(1e-9, 1.0 - best)
+                                                  < 1.0 + max(DECISIVE_GAIN, 4 * self.threshold)))
+            start_cost = windows * self._window_cost(self.warmup_steps, self.measure_steps, step)
             saving = math.inf if best is None else best * fit
             self._budget = self.budget * fit
             if saving <= 2 * start_cost and best is not None:
@@ -466,7 +471,7 @@ class AutopilotSearch:
                 # the A/A noise is measured on them, so the gate follows their noise
                 warm = min(self.warmup_steps, SHORT_WARMUP_STEPS)
                 steps = max(3, min(self.measure_steps, math.ceil(MIN_WINDOW_SECONDS / max(step, 1e-9))))
-                short_cost = 4 * self._window_cost(warm, steps, step)
+                short_cost = windows * self._window_cost(warm, steps, step)
                 if short_cost < start_cost:
                     if saving > 2 * short_cost:
                         result.notes.append(
@@ -481,8 +486,8 @@ class AutopilotSearch:
                 result.stopped = (f"not searched: the fit (~{fit:.0f} s) is too short to repay a search: {why}, "
                                   f"less than twice the ~{start_cost:.1f} s a baseline and one trial cost")
                 return False
-            if self._budget < start_cost:
-                self._budget = start_cost * 1.1
+            if self._budget < self._spent() + start_cost:  # the estimate's steps are spent already
+                self._budget = self._floor = self._spent() + start_cost * 1.1
                 expected = (f"the best fix on offer is expected to save ~{saving:.1f} s" if best is not None
                             else "a fix of your own is on offer")
                 result.notes.append(f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): "
@@ -498,6 +503,12 @@ class AutopilotSearch:
         # the two baseline windows (24.6 % measured on this VM) must not make every later gain unresolvable, and a
         # keep needs both paired ratios above 1 anyway
         self._gate = noise_gate(self.threshold, result.noise)
+        if self.budget_seconds is None and self.steps_left is not None:
+            # the fit's length from the baseline's windows, not from the three steps of the estimate: on the
+            # naive GPT-2 the estimate put a 10-minute fit at 452-736 s, and its 5 % budget at 3.8-6.1 % of it
+            fit = self.steps_left * statistics.median([first.step_seconds, second.step_seconds])
+            self._budget = max(self.budget * fit, self._floor)
+            result.budget_seconds = self._budget
         self._current, self._current_rates, self._fresh = second, rates, second
         self._window_seconds = max(_window_length(first), _window_length(second))
         backend.adopt(second, second)
@@ -506,7 +517,10 @@ class AutopilotSearch:
         record.seconds, record.shares = self._spent(), second.shares()
         self._record(record)
         self._phase("numerics reference")
+        probe_started = backend.clock()
         backend.reference()
+        # every trial probes once, and once more when kept (the next reference): costed with its windows
+        self._probe_seconds = backend.clock() - probe_started
         return True
 
     def _loop(self) -> None:

@@ -319,8 +319,9 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     changes = [Change("dataloader", 3.0, expected=0.69), Change("tiny", 1.3, expected=0.001)]
     result = _search(Scripted(changes, shares=data_bound), budget_seconds=None, budget=0.05, steps_left=1000).run()
     assert [c.name for c in result.kept] == ["dataloader"]
-    # 5 % of a 100 s fit (5 s) cannot hold a baseline and a trial (10 s): raised, because the fix pays back
-    assert result.budget_seconds == pytest.approx(11.0) and any("raised" in n for n in result.notes)
+    # 5 % of a 100 s fit (5 s) cannot hold a baseline and a decisive trial (3.2 windows, 8 s) after the estimate's
+    # 0.5 s: raised, because the fix pays back
+    assert result.budget_seconds == pytest.approx(0.5 + 8.0 * 1.1) and any("raised" in n for n in result.notes)
     tiny = next(r for r in result.records if r.name == "tiny")
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
@@ -341,8 +342,8 @@ def test_a_short_fit_whose_fix_repays_short_windows_is_searched_with_them() -> N
     data_bound = {"data": 0.6, "forward": 0.25, "backward": 0.15}
     backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
-    # a 30 s fit of 0.1 s steps: the saving (~15 s) does not repay twice the 5 + 20-step protocol (4 x 2.5 s), but
-    # twice windows of 2 + 3 steps (0.25 s timed; 4 x 0.5 s): searched with those
+    # a 30 s fit of 0.1 s steps: the saving (~15 s) does not repay twice the 5 + 20-step protocol (a baseline and a
+    # decisive trial: 3.2 x 2.5 s), but twice windows of 2 + 3 steps (0.25 s timed; 3.2 x 0.5 s): searched with those
     assert [c.name for c in result.kept] == ["dataloader"]
     assert backend.windows == [(2, 3), (2, 3), (2, 3), (2, 3)]  # the estimate, the baseline A A, the decisive B
     assert any(n.startswith("a short fit (~30 s): windows of 2 + 3 steps instead of 5 + 20") for n in result.notes)
@@ -352,9 +353,9 @@ def test_a_fit_too_short_even_for_short_windows_says_so_with_their_cost() -> Non
     data_bound = {"data": 0.6, "forward": 0.25, "backward": 0.15}
     backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=30).run()
-    # a 3 s fit: ~1.5 s to save, twice the short windows' ~2 s would not be repaid
+    # a 3 s fit: ~1.5 s to save, twice the short windows' ~1.6 s (a baseline and a decisive B) would not be repaid
     assert backend.windows == [(2, 3)] and result.records == [] and result.kept == []
-    assert result.stopped.endswith("less than twice the ~2.0 s a baseline and one trial cost")
+    assert result.stopped.endswith("less than twice the ~1.6 s a baseline and one trial cost")
     assert not any(n.startswith("a short fit") for n in result.notes)
 
 
@@ -371,6 +372,26 @@ def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
     result = _search(Scripted([Change("a", 1.5)]), budget_seconds=6.0).run()
     assert result.kept == [] and result.stopped.startswith("time budget spent (5.0 of 6.0 s")
     assert any("too small for one trial" in n for n in result.notes)
+
+
+def test_the_budget_follows_the_baselines_step_time_not_the_estimates() -> None:
+    # the three estimate steps ran at half speed (0.2 s a step): 5 % of a 10000-step fit looked like 100 s; the
+    # baseline's windows (0.1 s a step) put it at 50 s
+    backend = Scripted([Change("a", 1.5)], noise=[0.5])
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=10_000).run()
+    assert result.budget_seconds == pytest.approx(50.0)
+
+
+class SlowProbe(Scripted):
+    def reference(self) -> None:
+        self.t += 1.0
+        super().reference()
+
+
+def test_a_trial_is_costed_with_its_numerics_probes() -> None:
+    # baseline 5 s + the reference probe 1 s; a trial: 1.2 windows (3 s) + its probe and the next reference (2 s)
+    result = _search(SlowProbe([Change("a", 1.5)]), budget_seconds=9.0).run()
+    assert result.kept == [] and result.stopped == "time budget spent (6.0 of 9.0 s; the next trial needs ~5.0 s)"
 
 
 class LongerSteps(Scripted):

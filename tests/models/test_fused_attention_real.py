@@ -117,3 +117,20 @@ def test_nanogpt_manual_path_fused_in_every_block():
         out = model(idx)
     assert rec.calls == LAYERS and all(n == 1 for n in result.fused_calls.values())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "demo", *(["gpt2_eager", "gpt2_sdpa", "llama_sdpa"] * HAVE_TRANSFORMERS)])
+def test_the_autopilot_does_not_offer_fused_attention_to_blocks_that_call_sdpa_already(name):
+    from types import SimpleNamespace
+
+    from lightning_accel.callbacks.interventions.attention import FusedAttention
+    from lightning_accel.demo.model import GPT, GPTConfig
+
+    models = {"nanogpt": lambda: NanoGPT(flash=True),  # its forward has both paths: the manual one may run
+              "demo": lambda: GPT(GPTConfig(seq_len=16, n_layer=1, d_model=32)),
+              "gpt2_eager": lambda: gpt2("eager"), "gpt2_sdpa": lambda: gpt2("sdpa"), "llama_sdpa": lambda: llama("sdpa")}
+    why = FusedAttention().unavailable(SimpleNamespace(module=models[name]()))
+    if name in ("demo", "gpt2_sdpa", "llama_sdpa"):
+        assert why == "the attention already runs fused (its blocks call F.scaled_dot_product_attention)"
+    else:
+        assert why is None

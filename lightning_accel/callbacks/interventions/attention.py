@@ -28,10 +28,33 @@ def _attention_blocks(model: nn.Module) -> list[str]:
     return [n for n in names if not any(o != n and o.startswith(n + ".") for o in names)]
 
 
+def _already_fused(model: nn.Module, blocks: list[str]) -> bool:
+    """Every block inside a Hugging Face model on a fused attention implementation, or of a class whose ``forward``
+    calls ``scaled_dot_product_attention`` and no softmax (the demo GPT, litgpt); read from the code, no step run."""
+    import inspect
+
+    from lightning_accel._compat import hf_attn_implementation
+    from lightning_accel.attention.hf_switch import _FUSED_HF
+
+    fused_hf = [name for name, m in model.named_modules() if hf_attn_implementation(m) in _FUSED_HF]
+    modules = dict(model.named_modules())
+    for name in blocks:
+        if any(name.startswith(f"{hf}.") or not hf for hf in fused_hf):
+            continue
+        try:
+            source = inspect.getsource(type(modules[name]).forward)
+        except (KeyError, OSError, TypeError):
+            return False
+        if "scaled_dot_product_attention" not in source or "softmax" in source:
+            return False
+    return True
+
+
 class FusedAttention(Intervention):
     """``use_fused_attention``: Hugging Face models on eager attention switch to the library's SDPA path, and the
     hand-written ``softmax(q @ k.T) @ v`` of other attention blocks runs as one ``F.scaled_dot_product_attention``
-    call. Rejected without measuring when the probe's steps fused nothing (the attention already calls SDPA)."""
+    call. Not offered when the blocks already call SDPA (read from their code); rejected without measuring when the
+    probe's steps fused nothing."""
 
     name = "fused_attention"
     kind = "reorder"
@@ -41,6 +64,10 @@ class FusedAttention(Intervention):
         blocks = self.params.get("blocks") or _attention_blocks(run.module)
         if not blocks:
             return "no hand-written attention block found (modules named *attn / *Attention*)"
+        if not self.params and _already_fused(run.module, blocks):
+            # said before anything is measured: its prior (a quarter of forward + backward) would otherwise make a
+            # short fit of the demo GPT, which calls SDPA already, look worth searching
+            return "the attention already runs fused (its blocks call F.scaled_dot_product_attention)"
         return None
 
     def change(self, run: Run, undo: Undo) -> None:
