@@ -385,6 +385,10 @@ class AutopilotSearch:
             self._fresh = self._measure()
         return self._fresh
 
+    def _measured_any(self) -> bool:
+        """Whether any candidate was measured yet (the baseline aside)."""
+        return any(r.samples_per_sec is not None for r in self.result.records[1:])
+
     def _affords(self, seconds: float) -> bool:
         ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
         return ok
@@ -541,6 +545,12 @@ class AutopilotSearch:
                     if o.why_not is None:
                         cost = self._trial_cost(o.candidate, o.gain)
                         pays, why = self._pays_back(o.gain, cost)
+                        if pays and self._floor and not self._measured_any():
+                            # the budget was raised for a baseline and one trial that pays back: it holds that
+                            # trial as costed now, with the baseline's real windows and probe (a 300-step fit
+                            # spent 2.1 s on a baseline and stopped: its bf16 trial needed 4.4 s of 4.1)
+                            self._budget = max(self._budget, self._spent() + cost + reserve)
+                            result.budget_seconds = self._budget
                         if pays and self._affords(cost + reserve):
                             offer = o
                             break
@@ -562,7 +572,7 @@ class AutopilotSearch:
                         cost = too_long[0][1]
                         stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
                                    f"needs ~{cost:.1f} s)")
-                        if len(result.records) == 1 or all(r.samples_per_sec is None for r in result.records[1:]):
+                        if not self._measured_any():
                             result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
                                                 f"(~{cost:.1f} s): nothing was changed")
                     break

@@ -394,6 +394,16 @@ def test_a_trial_is_costed_with_its_numerics_probes() -> None:
     assert result.kept == [] and result.stopped == "time budget spent (6.0 of 9.0 s; the next trial needs ~5.0 s)"
 
 
+def test_a_budget_raised_for_one_paying_trial_holds_that_trial_as_costed_after_the_baseline() -> None:
+    data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
+    backend = SlowProbe([Change("dataloader", 3.0, expected=0.69)], shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=1000).run()
+    # raised to 9.3 s at the estimate; the baseline (5 s) and its 1 s probe leave 2.8 s for a trial costed at 5 s
+    # (1.2 windows + two probes): the budget grows to hold it, since it pays back
+    assert [c.name for c in result.kept] == ["dataloader"]
+    assert result.budget_seconds == pytest.approx(0.5 + 5.0 + 1.0 + 5.0)
+
+
 class LongerSteps(Scripted):
     """A kept "jump" makes each optimizer step 4x the samples (one micro-batch per step): 1.3x the rate, and a
     window of the same step count 4 / 1.3 ~ 3x longer."""
