@@ -46,8 +46,9 @@ class Autopilot(Callback):
     its module docstring argues each step from measured noise) with this callback as its Lightning backend:
 
     1. **Pay-back**: with a fit length and the fractional ``budget``, three steps estimate the step time and its
-       stage shares; a fit too short for the best fix on offer to repay a baseline and a trial is not searched
-       (one line says why) and trains untouched.
+       stage shares; a fit too short for the best fix on offer to repay a baseline and a trial — with the default
+       windows, or the shortest that average the noise out (2 + 0.25 s) — is not searched (one line says why) and
+       trains untouched. Once measured, the budget follows the baseline's step time.
     2. **Baseline**: two windows of the run as configured (``warmup_steps`` untimed optimizer steps, then
        ``measure_steps`` timed), each step split into the doctor's stages with its :class:`StageTimer`; their
        spread is the noise floor (A/A).

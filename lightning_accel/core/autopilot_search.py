@@ -549,7 +549,7 @@ class AutopilotSearch:
                             # the budget was raised for a baseline and one trial that pays back: it holds that
                             # trial as costed now, with the baseline's real windows and probe (a 300-step fit
                             # spent 2.1 s on a baseline and stopped: its bf16 trial needed 4.4 s of 4.1)
-                            self._budget = max(self._budget, self._spent() + cost + reserve)
+                            self._budget = max(self._budget, self._spent() + 1.1 * (cost + reserve))
                             result.budget_seconds = self._budget
                         if pays and self._affords(cost + reserve):
                             offer = o
