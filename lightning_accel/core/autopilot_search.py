@@ -462,13 +462,19 @@ class AutopilotSearch:
             offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
             # a fix without a prior (one of the user's own) cannot be estimated: it is searched for
             gains = [o.gain for o in offers]
-            best = None if None in gains else max(gains, default=0.0)
+            best, saving = None, math.inf
+            if None not in gains:
+                # each fix's saving over the fit, less its one-off work: a first compile (~60 s on this CPU) is no
+                # reason to search a 30 s fit, though its prior (a fifth of forward + backward) is the largest
+                setup = getattr(backend, "setup_seconds", None)
+                nets = [(o.gain * fit - (float(setup(o.candidate)) if setup is not None else 0.0), o.gain)
+                        for o in offers]
+                saving, best = max(nets, default=(0.0, 0.0))
             # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
             # the best fix is expected to be decisive
             windows = 3.2 + 2 * (best is None or (best >= self.threshold and 1.0 / max(1e-9, 1.0 - best)
                                                   < 1.0 + max(DECISIVE_GAIN, 4 * self.threshold)))
             start_cost = windows * self._window_cost(self.warmup_steps, self.measure_steps, step)
-            saving = math.inf if best is None else best * fit
             self._budget = self.budget * fit
             if saving <= 2 * start_cost and best is not None:
                 # a short fit: the shortest windows that still average the machine's noise out (MIN_WINDOW_SECONDS);
@@ -485,7 +491,7 @@ class AutopilotSearch:
                     self.warmup_steps, self.measure_steps, start_cost = warm, steps, short_cost
             if saving <= 2 * start_cost:
                 why = ("no fix is on offer" if not offers else
-                       f"the best fix on offer is expected to save ~{saving:.1f} s ({best:.1%} of a "
+                       f"the best fix on offer is expected to save ~{max(0.0, saving):.1f} s ({best:.1%} of a "
                        f"{step * 1000:.1f} ms step over {self.steps_left} steps)")
                 result.stopped = (f"not searched: the fit (~{fit:.0f} s) is too short to repay a search: {why}, "
                                   f"less than twice the ~{start_cost:.1f} s a baseline and one trial cost")

@@ -326,6 +326,23 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
 
+class WithSetup(Scripted):
+    def setup_seconds(self, candidate) -> float:
+        return 60.0 if candidate.name == "compile" else 0.0
+
+
+def test_a_fix_whose_one_off_work_exceeds_its_saving_is_no_reason_to_search() -> None:
+    balanced = {"forward": 0.45, "backward": 0.45, "optimizer": 0.1}
+    changes = [Change("compile", 1.3, expected=0.19), Change("precision", 1.1, expected=0.09)]
+    backend = WithSetup(changes, shares=balanced)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
+    # a 30 s fit: the compile's ~5.7 s less its 60 s first compile saves nothing; precision's ~2.7 s does not repay
+    # twice a baseline and a confirmed trial even in short windows (5.2 x 0.5 s)
+    assert result.records == [] and result.stopped.startswith(
+        "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to save "
+        "~2.7 s (9.0% of a 100.0 ms step over 300 steps)")
+
+
 class Windows(Scripted):
     """Records each window's (warm-up, timed) steps."""
 
