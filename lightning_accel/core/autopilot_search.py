@@ -10,14 +10,17 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
 1. **Does a search pay?** With a fit length and the default fractional budget, three steps (one warm-up, two timed)
    estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
    offer (:func:`~lightning_accel.core.autopilot.expected_gain`: the stage share times what the fix can remove)
-   times the fit's duration is the saving to expect; when it does not exceed twice the cost of a baseline and one
-   trial, the search does not start and says so in one line: a 300-step balanced fit trains untouched. Before
-   giving up, a short fit is costed with the shortest windows that still average the machine's noise out
+   times the fit's duration, less the fix's one-off work (a first compile), is the saving to expect; when it does
+   not exceed twice the cost of a baseline and one trial (its B window, and its confirmation pair unless the fix is
+   expected to be decisive), the search does not start and says so in one line: a 300-step balanced fit trains
+   untouched. Before giving up, a short fit is costed with the shortest windows that still average the machine's noise out
    (:data:`SHORT_WARMUP_STEPS` untimed + :data:`MIN_WINDOW_SECONDS` timed, at least 3 steps): the 300-step fit of
    ``bench_autopilot_real.py --short`` whose data wait is ~45 % of its 33 ms step expected to save ~4.5 s, and the
-   default 5 + 20-step windows cost 3.3 s for a baseline and one trial; windows of 2 + 8 steps cost ~1.3 s. The
+   default 5 + 20-step windows cost 2.7 s for a baseline and one decisive trial; windows of 2 + 8 steps ~1.0 s. The
    A/A noise is measured on the windows the search uses, so the gate follows their noise. The search may spend
-   ``max(budget x fit, baseline + first trial)`` when that first trial pays back.
+   ``max(budget x fit, baseline + first trial)`` when that first trial pays back, the trial costed again once the
+   baseline's windows and numerics probe are measured. After the baseline the fit's length, and so the budget,
+   follows the baseline's step time rather than the estimate's three steps.
 2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current
    configuration measured right before it (A), never with a baseline measured minutes earlier: in one search on
    the shared 2-core VM the unchanged configuration measured 1453 samples/s in the baseline and 1058-1222 a few

@@ -262,3 +262,21 @@ def test_a_projected_topk_falls_back_to_bf16_and_a_replayed_mode_does_not() -> N
     assert isinstance(following, Compression) and following.params == {"compression": "bf16"}
     assert following.fallback() is None
     assert Compression(compression="topk").fallback() is None  # a plan's mode is replayed as it is
+
+
+def test_the_worker_search_skips_counts_that_cannot_feed_the_step_from_the_measured_load_time() -> None:
+    from lightning_accel.callbacks._autopilot_trials import Window
+    from lightning_accel.callbacks.interventions.data import feasible_worker_counts
+
+    # 10 steps of 33 ms, 24 ms of each the main process loading its batch: the step consumes 1 / 9 ms = 111 batches/s
+    window = Window(samples=160, seconds=0.33, steps=10, stage_seconds={"data": 0.24, "forward": 0.09})
+    consumption = 1 / 0.009
+    # one worker loads at most 2 x 41.7 = 83 batches/s: not measured; two (167) and four may feed
+    assert feasible_worker_counts([1, 2, 4], window, 1, consumption, 0) == [2, 4]
+    # a step too fast for any count: the largest is still measured
+    assert feasible_worker_counts([1, 2], window, 1, 1000.0, 0) == [2]
+    # accumulation: the data wait per optimizer step is spread over its micro-batches (4 x 6 ms): one worker loads
+    # up to 333 batches/s and may feed 200
+    assert feasible_worker_counts([1, 2], window, 4, 200.0, 0) == [1, 2]
+    # a loader that has workers already: its data wait is no load time, every count is measured
+    assert feasible_worker_counts([2, 4], window, 1, consumption, 1) == [2, 4]

@@ -11,7 +11,28 @@ if TYPE_CHECKING:
     from lightning_accel.callbacks.interventions.base import Run
     from lightning_accel.core.autopilot_search import Undo
 
-__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch"]
+__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts"]
+
+
+#: A loader worker is taken to load a batch at most this many times faster than the main process did when it
+#: loaded alone (``num_workers=0``, its data wait): on the 2-core VM a worker of the sleeping dataset of
+#: ``bench_autopilot.py`` took 29 ms a batch against 24 ms in the main process (it shares the cores with the step).
+WORKER_SPEEDUP_BOUND = 2.0
+
+
+def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, consumption: float,
+                           current_workers: int) -> list[int]:
+    """The worker counts worth measuring: from a loader without workers, whose data wait per batch is the load time
+    of one batch, a count that could not feed ``consumption`` batches/s even at :data:`WORKER_SPEEDUP_BOUND` times
+    that speed is left out (at least the largest count stays). On the 300-step data-bound fit of
+    ``bench_autopilot_real.py --short`` the walk measured one worker twice (prefetch 2 and 4) before two: 1.2 s of
+    a 3.7 s search, for a count that loads 41 batches/s where the step takes 111."""
+    if current_workers != 0 or window is None or not window.steps:
+        return counts
+    per_batch = window.stage_seconds.get("data", 0.0) / (window.steps * max(1, accumulate))
+    if per_batch <= 0:
+        return counts
+    return [w for w in counts if w * WORKER_SPEEDUP_BOUND / per_batch >= consumption] or counts[-1:]
 
 
 class DataLoaderSettings(Intervention):
@@ -52,6 +73,7 @@ class DataLoaderSettings(Intervention):
                   if w > current["num_workers"]]
         if not counts:
             raise ValueError(f"no worker count above the current {current['num_workers']} fits this rank's cores")
+        counts = feasible_worker_counts(counts, window, run.config.accumulate, consumption, current["num_workers"])
         grid = [LoaderSetting(w, pf, True, bool(current["pin_memory"])) for w in counts for pf in (2, 4)]
 
         def measure(setting: LoaderSetting) -> float:
