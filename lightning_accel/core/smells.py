@@ -87,7 +87,9 @@ def loader_settings(loader: Any, *, time_batch: bool = False, budget_s: float = 
 
     ``load_seconds`` reads samples ``0, 1, ...`` of a map-style data set directly (not through the sampler, whose
     random state the run's order depends on) and passes them to the loader's ``collate_fn``; once ``budget_s`` is
-    spent it extrapolates from the samples read. Iterable data sets are not timed (that would consume them).
+    spent it extrapolates from the samples read. A batch that took 1 ms or more is timed once more and the faster
+    reading counts (a first call's warm-up, a scheduler hiccup). Iterable data sets are not timed (that would
+    consume them).
     """
     from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -102,23 +104,33 @@ def loader_settings(loader: Any, *, time_batch: bool = False, budget_s: float = 
                            "iterable": isinstance(dataset, IterableDataset)}
     if time_batch and not out["iterable"] and not out["in_memory"]:
         try:
-            size = len(dataset)  # type: ignore[arg-type]
-            per_batch = loader.batch_size or 1
-            n = min(per_batch, size)
-            start = time.perf_counter()
-            samples = []
-            for i in range(n):
-                samples.append(dataset[i])
-                if time.perf_counter() - start > budget_s:
-                    break
-            collate = loader.collate_fn
-            if loader.batch_size is not None and collate is not None:
-                collate(samples)
-            took = time.perf_counter() - start
-            out["load_seconds"] = took * n / len(samples) if samples else None
+            load = _time_one_batch(loader, dataset, budget_s)
+            if load is not None and load >= _LOAD_MATTERS_S:
+                # once more, the faster counts: a first call's warm-up or one scheduler hiccup made a batch of
+                # four zero tensors take 2.5 ms in a CI run (its real cost: ~0.05 ms)
+                again = _time_one_batch(loader, dataset, budget_s)
+                load = min(load, again) if again is not None else load
+            out["load_seconds"] = load
         except Exception:  # noqa: BLE001 - a data set that cannot be indexed this way is not timed
             out["load_seconds"] = None
     return out
+
+
+def _time_one_batch(loader: Any, dataset: Any, budget_s: float) -> float | None:
+    """Seconds to read and collate samples ``0, 1, ...`` of one batch (scaled up when ``budget_s`` cut it short)."""
+    size = len(dataset)
+    n = min(loader.batch_size or 1, size)
+    start = time.perf_counter()
+    samples = []
+    for i in range(n):
+        samples.append(dataset[i])
+        if time.perf_counter() - start > budget_s:
+            break
+    collate = loader.collate_fn
+    if loader.batch_size is not None and collate is not None:
+        collate(samples)
+    took = time.perf_counter() - start
+    return took * n / len(samples) if samples else None
 
 
 # ---------------------------------------------------------------------------------------------------- smells

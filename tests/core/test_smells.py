@@ -121,6 +121,29 @@ def test_num_workers_zero_where_loading_takes_time():
     assert loader_settings(slow, time_batch=True)["load_seconds"] > 0
 
 
+class SlowFirstCall(Dataset):
+    """Its first read is slow (a warm-up, a hiccup); every later one costs nothing."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(0.01)
+        return torch.zeros(4)
+
+
+def test_a_slow_first_batch_is_timed_again_and_the_faster_reading_counts():
+    loader = DataLoader(SlowFirstCall(), batch_size=4)
+    assert loader_settings(loader, time_batch=True)["load_seconds"] < 0.005
+    assert find_smells(None, loader=DataLoader(SlowFirstCall(), batch_size=4), cpu_count=4,
+                       rules=["num_workers_zero"]).findings == []
+
+
 def test_pin_memory_and_persistent_workers():
     unpinned = {"num_workers": 2, "pin_memory": False, "persistent_workers": False}
     gpu = find_smells(None, loader=unpinned, device_type="cuda", rules=["pin_memory_off", "persistent_workers_off"])
