@@ -400,6 +400,11 @@ class AutopilotSearch:
         """A first paired ratio at least this high is kept without a confirmation pair (:data:`DECISIVE_GAIN`)."""
         return 1.0 + max(DECISIVE_GAIN, 4 * self._gate)
 
+    def _expects_confirmation(self, gain: float) -> bool:
+        """Whether a fix expected to remove ``gain`` of the step is likely to need its confirmation pair: it should
+        clear the gate, but not decisively (a fix removing 69 % of the step is a 3x ratio: no pair)."""
+        return gain >= self._gate and 1.0 / max(1e-9, 1.0 - gain) < self._decisive_ratio()
+
     def _trial_cost(self, candidate: Any, gain: float | None = None) -> float:
         """Seconds a trial is expected to take: a window of the current configuration unless a fresh one is at
         hand, the candidate's window (and its extra warm-up), plus the confirmation pair when it is likely: a fix
@@ -408,9 +413,7 @@ class AutopilotSearch:
         trial costed at the old length overran a 29 s budget by 5 s)."""
         step = self._current.step_seconds if self._current is not None else 0.0
         fresh = 0 if self._fresh is not None else 1
-        # expected to clear the gate but not to be decisive (a fix removing 69 % of the step is a 3x ratio: no pair)
-        confirm = 2 if gain is not None and gain >= self._gate and \
-            1.0 / max(1e-9, 1.0 - gain) < self._decisive_ratio() else 0
+        confirm = 2 if gain is not None and self._expects_confirmation(gain) else 0
         warmup = int(getattr(candidate, "warmup_steps", 0)) * step
         setup = getattr(self.backend, "setup_seconds", None)  # one-off work the trial pays (a first compile)
         extra = warmup + float(setup(candidate)) if setup is not None else 10 * warmup
@@ -475,8 +478,7 @@ class AutopilotSearch:
                 saving, best = max(nets, default=(0.0, 0.0))
             # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
             # the best fix is expected to be decisive
-            windows = 3.2 + 2 * (best is None or (best >= self.threshold and 1.0 / max(1e-9, 1.0 - best)
-                                                  < 1.0 + max(DECISIVE_GAIN, 4 * self.threshold)))
+            windows = 3.2 + 2 * (best is None or self._expects_confirmation(best))
             start_cost = windows * self._window_cost(self.warmup_steps, self.measure_steps, step)
             self._budget = self.budget * fit
             if saving <= 2 * start_cost and best is not None:
