@@ -219,3 +219,19 @@ def test_a_fit_too_short_for_a_step_search_still_gets_the_background_writer(tmp_
     row = next(r for r in autopilot.records if r.name == "async_checkpoint")
     assert row.kept, row.reason
     assert isinstance(trainer.strategy.checkpoint_io, OrderedAsyncCheckpointIO)
+
+
+def test_the_trial_times_the_step_again_on_its_first_period(tmp_path, slow_disk_bound, monkeypatch) -> None:
+    # the step time handed over by a short fit's estimate is 3 steps; one CI run's came out at 8x the step and the
+    # background writer was costed out of its trial: the first measured period's 10 steps time the step again
+    original = la.Autopilot._checkpoint_trial
+
+    def inflated(self, run) -> None:
+        self._step_seconds *= 8
+        original(self, run)
+
+    monkeypatch.setattr(la.Autopilot, "_checkpoint_trial", inflated)
+    autopilot = la.Autopilot(only=["async_checkpoint"], measure_steps=10, save_plan=False, print_summary=False)
+    _fit(tmp_path, [autopilot], SlowDiskIO(delay_s=0.15))
+    row = next(r for r in autopilot.records if r.name == "async_checkpoint")
+    assert row.kept, row.reason
