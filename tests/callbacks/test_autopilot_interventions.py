@@ -280,3 +280,29 @@ def test_the_worker_search_skips_counts_that_cannot_feed_the_step_from_the_measu
     assert feasible_worker_counts([1, 2], window, 4, 200.0, 0) == [1, 2]
     # a loader that has workers already: its data wait is no load time, every count is measured
     assert feasible_worker_counts([2, 4], window, 1, consumption, 1) == [2, 4]
+
+
+def test_the_worker_search_is_costed_from_the_measured_load_time() -> None:
+    from types import SimpleNamespace
+
+    from lightning_accel.callbacks._autopilot_trials import Window
+    from lightning_accel.callbacks.interventions import DataLoaderSettings
+    from lightning_accel.callbacks.interventions.data import WORKER_START_SECONDS, worker_search_seconds
+
+    # 24 ms a batch in the main process, a step consuming 111 batches/s: 2 workers load 83/s, neither setting feeds,
+    # both are measured once: their workers' start, then 23 batches + the queue, two at a time
+    expected = sum(2 * WORKER_START_SECONDS + (23 + 2 * pf) * 0.024 / 2 for pf in (2, 4))
+    assert worker_search_seconds([(2, 2), (2, 4)], 0.024, 1 / 0.009, 2) == pytest.approx(expected)
+    # 5 ms a batch: one worker (200/s) feeds 111/s with the 20 % margin: measured twice, and the walk ends there
+    assert worker_search_seconds([(1, 2), (1, 4), (2, 2)], 0.005, 1 / 0.009, 2) == pytest.approx(
+        2 * (WORKER_START_SECONDS + 25 * 0.005))
+
+    window = Window(samples=160, seconds=0.33, steps=10, stage_seconds={"data": 0.24, "forward": 0.09})
+    source = SimpleNamespace(current=lambda: {"num_workers": 0, "pin_memory": False})
+    run = SimpleNamespace(current=window, baseline=window, source=source, config=SimpleNamespace(accumulate=1),
+                          trainer=SimpleNamespace(num_devices=1))
+    cost = DataLoaderSettings().setup_seconds(run)
+    assert cost > 1.0  # the grid this rank's cores allow, from 24 ms a batch: a second or more of the trial
+    assert DataLoaderSettings(num_workers=2, prefetch_factor=4).setup_seconds(run) == 0.0  # a replayed setting
+    source.current = lambda: {"num_workers": 1, "pin_memory": False}
+    assert DataLoaderSettings().setup_seconds(run) == 0.0  # its data wait is no load time

@@ -11,13 +11,21 @@ if TYPE_CHECKING:
     from lightning_accel.callbacks.interventions.base import Run
     from lightning_accel.core.autopilot_search import Undo
 
-__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts"]
+__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts", "worker_search_seconds"]
 
 
 #: A loader worker is taken to load a batch at most this many times faster than the main process did when it
 #: loaded alone (``num_workers=0``, its data wait): on the 2-core VM a worker of the sleeping dataset of
 #: ``bench_autopilot.py`` took 29 ms a batch against 24 ms in the main process (it shares the cores with the step).
 WORKER_SPEEDUP_BOUND = 2.0
+#: prior seconds to start one loader worker (a fork of the training process and its first batch); each setting the
+#: worker search measures starts a fresh loader
+WORKER_START_SECONDS = 0.2
+#: batches each measured setting iterates beyond its workers' queue: ``loader_batches_per_sec(loader, 2, 20, ...)``
+#: (2 untimed + 21 stamps)
+SEARCH_BATCHES = 23
+#: the rate a setting must exceed the step's consumption by to feed it (``choose_loader_setting``'s margin)
+FEED_MARGIN = 0.2
 
 
 def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, consumption: float,
@@ -33,6 +41,24 @@ def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, cons
     if per_batch <= 0:
         return counts
     return [w for w in counts if w * WORKER_SPEEDUP_BOUND / per_batch >= consumption] or counts[-1:]
+
+
+def worker_search_seconds(grid: list[tuple[int, int]], per_batch: float, consumption: float, cores: int) -> float:
+    """Seconds the worker search (``choose_loader_setting`` over ``grid``, (workers, prefetch) cheapest first) is
+    expected to take when the main process loads a batch in ``per_batch`` seconds: each setting starts its workers
+    and iterates :data:`SEARCH_BATCHES` + its queue with up to ``cores`` of them loading at once; the first setting
+    expected to feed ``consumption`` batches/s is measured twice and ends the walk. On the naive real scripts of
+    ``bench_autopilot_real.py`` the walk took 4-11 s inside a trial costed at its windows alone (~3-4 s)."""
+    from lightning_accel.callbacks.dataloader_tuner import loader_feeds
+
+    total = 0.0
+    for workers, prefetch in grid:
+        parallel = max(1, min(workers, cores))
+        one = workers * WORKER_START_SECONDS + (SEARCH_BATCHES + workers * prefetch) * per_batch / parallel
+        if loader_feeds(workers, parallel / max(per_batch, 1e-12), consumption, FEED_MARGIN):
+            return total + 2 * one
+        total += one
+    return total
 
 
 class DataLoaderSettings(Intervention):
@@ -54,27 +80,48 @@ class DataLoaderSettings(Intervention):
             return f"num_workers={current} already uses every core of this rank"
         return None
 
-    def _choose(self, run: Run) -> dict[str, Any]:
-        from lightning_accel.callbacks.dataloader_tuner import (
-            LoaderSetting,
-            choose_loader_setting,
-            default_worker_counts,
-            loader_batches_per_sec,
-        )
+    def _search_grid(self, run: Run) -> tuple[list[tuple[int, int]], float]:
+        """The (workers, prefetch) settings the worker search walks, cheapest first, and the batches/s the step
+        consumes (steps/s of everything but the data wait, × the micro-batches of a step)."""
+        from lightning_accel.callbacks.dataloader_tuner import default_worker_counts
         from lightning_accel.core.utilisation import usable_cores_per_rank
 
         window = run.current or run.baseline
         assert window is not None
-        # the rate the loader must sustain: steps/s of everything but the data wait
         busy = max(window.step_seconds - window.stage_seconds.get("data", 0.0) / max(window.steps, 1), 1e-9)
-        consumption = run.config.accumulate / busy  # batches/s
-        current = run.source.current()
-        counts = [w for w in default_worker_counts(usable_cores_per_rank(run.trainer.num_devices))
-                  if w > current["num_workers"]]
+        consumption = run.config.accumulate / busy
+        current = run.source.current()["num_workers"]
+        counts = [w for w in default_worker_counts(usable_cores_per_rank(run.trainer.num_devices)) if w > current]
         if not counts:
-            raise ValueError(f"no worker count above the current {current['num_workers']} fits this rank's cores")
-        counts = feasible_worker_counts(counts, window, run.config.accumulate, consumption, current["num_workers"])
-        grid = [LoaderSetting(w, pf, True, bool(current["pin_memory"])) for w in counts for pf in (2, 4)]
+            raise ValueError(f"no worker count above the current {current} fits this rank's cores")
+        counts = feasible_worker_counts(counts, window, run.config.accumulate, consumption, current)
+        return [(w, pf) for w in counts for pf in (2, 4)], consumption
+
+    def setup_seconds(self, run: Run) -> float:
+        """The worker search the trial runs before its windows (:func:`worker_search_seconds`), from the main
+        process's measured load time; nothing for a replayed setting, or a loader with workers already (its data
+        wait is no load time)."""
+        from lightning_accel.core.utilisation import usable_cores_per_rank
+
+        window = run.current or run.baseline
+        if self.params or window is None or not window.steps or run.source.current()["num_workers"] != 0:
+            return 0.0
+        per_batch = window.stage_seconds.get("data", 0.0) / (window.steps * max(1, run.config.accumulate))
+        if per_batch <= 0:
+            return 0.0
+        grid, consumption = self._search_grid(run)
+        return worker_search_seconds(grid, per_batch, consumption, usable_cores_per_rank(run.trainer.num_devices))
+
+    def _choose(self, run: Run) -> dict[str, Any]:
+        from lightning_accel.callbacks.dataloader_tuner import (
+            LoaderSetting,
+            choose_loader_setting,
+            loader_batches_per_sec,
+        )
+
+        pairs, consumption = self._search_grid(run)
+        pin = bool(run.source.current()["pin_memory"])
+        grid = [LoaderSetting(w, pf, True, pin) for w, pf in pairs]
 
         def measure(setting: LoaderSetting) -> float:
             values = {"num_workers": setting.num_workers, "prefetch_factor": setting.prefetch_factor,
@@ -86,7 +133,7 @@ class DataLoaderSettings(Intervention):
             finally:
                 run.runner.state.restore()
 
-        index, _ = choose_loader_setting(grid, measure, consumption, margin=0.2)
+        index, _ = choose_loader_setting(grid, measure, consumption, margin=FEED_MARGIN)
         chosen = grid[index]
         return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
                 "persistent_workers": True}
