@@ -185,6 +185,7 @@ class LightningSearchBackend:
 
     # ------------------------------------------------------------------ what to try
     def offers(self, shares: Mapping[str, float], tried: set[str]) -> list[Offer]:
+        from lightning_accel.core.autopilot import prior_device
         from lightning_accel.core.rules import diagnose, holding_back
 
         autopilot, run = self.autopilot, self.run
@@ -197,7 +198,7 @@ class LightningSearchBackend:
         rules += ["accumulation"] * (run.config.accumulate > 1)
         if self._probe_steps is not None:  # before the baseline (the pay-back estimate) the shares alone decide:
             rules += autopilot._smells(run, ctx)  # the smells' previews cost 0.1-0.3 s of a fit that may be short
-        device = run.device.type
+        device = prior_device(run.device.type)  # "cpu+bf16": a CPU with bf16 in hardware
         builtin = {n: c for n, c in self.candidates.items() if n in self._builtin}
         names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)
         names = rank_by_expected_gain(names, shares, device)

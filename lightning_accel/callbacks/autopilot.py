@@ -56,7 +56,8 @@ class Autopilot(Callback):
        (:func:`~lightning_accel.core.smells.find_smells`), a larger micro-batch where ``accumulate_grad_batches > 1``,
        the stage holding the run back and the other stages name the fixes
        (:data:`~lightning_accel.core.autopilot.RULE_FIXES`, ``STAGE_FIXES``), ordered by expected gain (stage share
-       × :data:`~lightning_accel.core.autopilot.EXPECTED_REMOVAL`): DataLoader workers (``DataLoaderTuner``'s
+       × :data:`~lightning_accel.core.autopilot.EXPECTED_REMOVAL`, per device: a CPU with bf16 in hardware has its
+       own precision prior, ``prior_device``): DataLoader workers (``DataLoaderTuner``'s
        search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the global batch fixed,
        fused / foreach optimizer steps, mixed precision (``AutoMixedPrecision`` installed from Lightning's
        default ``32-true``, or another dtype of the user's plugin), TF32 (CUDA), ``TorchCompile`` (kept only if it

@@ -40,6 +40,7 @@ __all__ = [
     "Fp32Islands",
     "autocast_speedup",
     "choose_autocast_dtype",
+    "cpu_has_native_bf16",
     "supported_autocast_dtypes",
 ]
 
@@ -50,6 +51,33 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch
 CPU_MIN_SPEEDUP = 1.10
 
 _PROBE_CACHE: dict[tuple[str, int, str], float] = {}
+
+#: CPU feature flags (``/proc/cpuinfo``) of bf16 matrix multiplies in hardware: x86's AVX512-BF16 and AMX-BF16
+#: (Cooper Lake, Sapphire Rapids and newer, Zen 4 and newer), Arm's BF16 extension
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+_NATIVE_BF16: list[bool] = []
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (:data:`NATIVE_BF16_FLAGS` among the flags of
+    ``/proc/cpuinfo``, or of ``cpuinfo`` when given); ``False`` where there is no such file (not Linux). Without
+    them oneDNN emulates bf16 and autocast is many times slower than fp32; with them bf16 autocast took 1.2-1.6x
+    off the naive GPT-2 and Llama steps on the 2-core AVX512-BF16 VM (BENCHMARKS.md, issue 19)."""
+    if cpuinfo is None:
+        if _NATIVE_BF16:
+            return _NATIVE_BF16[0]
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            text = ""
+        _NATIVE_BF16.append(cpu_has_native_bf16(text))
+        return _NATIVE_BF16[0]
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and NATIVE_BF16_FLAGS & set(value.split()):
+            return True
+    return False
 
 
 def supported_autocast_dtypes(device: torch.device | str) -> list[str]:

@@ -508,6 +508,10 @@ def test_expected_gain_is_the_stage_share_times_what_the_fix_removes() -> None:
     assert expected_gain("dataloader", shares) == pytest.approx(0.45)
     assert expected_gain("precision", shares, "cuda") == pytest.approx(0.16)
     assert expected_gain("precision", shares, "cpu") == pytest.approx(0.04)
+    # a CPU with bf16 in hardware: its own precision prior, and the CPU's loader prior still applies
+    assert expected_gain("precision", shares, "cpu+bf16") == pytest.approx(0.12)
+    assert expected_gain("dataloader", shares, "cpu+bf16") == expected_gain("dataloader", shares, "cpu") == \
+        pytest.approx(0.25)
     assert expected_gain("my_fix", shares) is None
     assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == \
         ["dataloader", "compile", "optimizer_foreach", "my_fix"]
@@ -572,3 +576,23 @@ def test_a_refused_change_with_a_fall_back_is_tried_once_more_and_a_backend_with
     assert [c.mode for c in result.kept] == ["bf16"]
     plain = Scripted([topk()])  # no fall_back method: the protocol's optional part
     assert not _search(plain).run().kept and len(_search(Scripted([topk()])).run().records) == 2
+
+
+def test_bf16_in_hardware_is_read_from_the_cpu_flags() -> None:
+    from lightning_accel.core.precision import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not cpu_has_native_bf16("flags\t\t: fpu sse avx2 avx512f avx512bw\n")  # emulated bf16 only
+    assert not cpu_has_native_bf16("model name\t: bf16 in the name is no flag\n")
+    assert not cpu_has_native_bf16("")  # no /proc/cpuinfo
+
+
+def test_the_prior_of_a_cpu_follows_its_bf16_hardware(monkeypatch) -> None:
+    import lightning_accel.core.precision as precision
+    from lightning_accel.core.autopilot import prior_device
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert prior_device("cpu") == "cpu+bf16" and prior_device("cuda") == "cuda"
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert prior_device("cpu") == "cpu"
