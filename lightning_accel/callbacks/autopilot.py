@@ -51,7 +51,8 @@ class Autopilot(Callback):
        trains untouched. Once measured, the budget follows the baseline's step time.
     2. **Baseline**: two windows of the run as configured (``warmup_steps`` untimed optimizer steps, then
        ``measure_steps`` timed), each step split into the doctor's stages with its :class:`StageTimer`; their
-       spread is the noise floor (A/A).
+       spread is the noise floor (A/A); a spread above ``BASELINE_RETRY_NOISE`` × the threshold gets a third
+       window, and the closest two count.
     3. **Diagnosis**: the doctor's rules (:func:`~lightning_accel.core.rules.diagnose`), its code smells
        (:func:`~lightning_accel.core.smells.find_smells`), a larger micro-batch where ``accumulate_grad_batches > 1``,
        the stage holding the run back and the other stages name the fixes

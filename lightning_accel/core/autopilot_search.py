@@ -84,6 +84,11 @@ MIN_WINDOW_SECONDS = 0.25
 SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
 BUNDLE_WINDOWS = 4.4
+#: A baseline whose two windows differ by more than this many thresholds gets a third window, and the two closest
+#: of the three count: one burst of interference on this VM made a Llama baseline's A/A noise 85.7 %, the gate sat at
+#: its 10 % cap, and a micro-batch jump measured 1.34x then 0.50x was refused (the fit trained at 0.49x the
+#: hand-tuned configuration)
+BASELINE_RETRY_NOISE = 3.0
 
 
 class Undo:
@@ -512,6 +517,18 @@ class AutopilotSearch:
         first = self._measure()
         second = self._measure()
         rates = [first.samples_per_sec, second.samples_per_sec]
+        fresh = second
+        if relative_noise(rates) > BASELINE_RETRY_NOISE * self.threshold and \
+                self._spent() + 4.2 * _window_length(first) <= self._budget:
+            # a third window, and the two closest of the three (the burst dropped); the newest stays the first
+            # trial's A only when it is one of them
+            third = self._measure()
+            pairs = [(first, second), (first, third), (second, third)]
+            first, second = min(pairs, key=lambda p: relative_noise([p[0].samples_per_sec, p[1].samples_per_sec]))
+            fresh = third if second is third else None
+            result.notes.append(f"the baseline's A/A noise was {relative_noise(rates):.1%}: a third window measured, "
+                                f"the closest two kept")
+            rates = [first.samples_per_sec, second.samples_per_sec]
         result.baseline_samples_per_sec = statistics.median(rates)
         result.noise = relative_noise(rates)
         # the baseline's A/A spread raises the gate, by at most the threshold again: one burst of interference in
@@ -524,7 +541,7 @@ class AutopilotSearch:
             fit = self.steps_left * statistics.median([first.step_seconds, second.step_seconds])
             self._budget = max(self.budget * fit, self._floor)
             result.budget_seconds = self._budget
-        self._current, self._current_rates, self._fresh = second, rates, second
+        self._current, self._current_rates, self._fresh = second, rates, fresh
         self._window_seconds = max(_window_length(first), _window_length(second))
         backend.adopt(second, second)
         record = self._new_record("baseline", "as configured", f"A/A noise {result.noise:.1%}")

@@ -596,3 +596,26 @@ def test_the_prior_of_a_cpu_follows_its_bf16_hardware(monkeypatch) -> None:
     assert prior_device("cpu") == "cpu+bf16" and prior_device("cuda") == "cuda"
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert prior_device("cpu") == "cpu"
+
+
+def test_a_burst_in_the_baseline_gets_a_third_window_and_the_closest_two_count() -> None:
+    # the second baseline window ran at half speed (one burst): 100 % A/A noise would cap the gate and refuse a
+    # real 1.3x; a third window is measured, the closest two (1.00, 1.02) set the noise, and the first trial
+    # measures its own A (the newest window is one of the two, so it is reused)
+    backend = Scripted([Change("workers", 1.3)], noise=[1.0, 0.5, 1.02])
+    result = _search(backend).run()
+    assert _measured(backend)[:3] == [(), (), ()]
+    assert result.noise == pytest.approx(0.02 / 1.01)
+    assert any("a third window measured" in n for n in result.notes)
+    assert [c.name for c in result.kept] == ["workers"]
+    assert _measured(backend)[3] == ("workers",)  # the newest baseline window is the A of the first pair
+
+
+def test_a_third_baseline_window_further_off_is_dropped_and_the_trial_measures_its_own_a() -> None:
+    backend = Scripted([Change("workers", 1.3)], noise=[1.0, 0.8, 0.3])
+    result = _search(backend).run()
+    assert result.noise == pytest.approx(0.2 / 0.9)  # the first two are the closest: the third is dropped
+    assert _measured(backend)[3] == ()  # the newest window is not one of them: a fresh A before the first B
+    calm = Scripted([Change("workers", 1.3)], noise=[1.0, 0.9])
+    assert not any("third window" in n for n in _search(calm).run().notes)  # 10.5 % is no burst: two windows
+    assert _measured(calm)[2] == ("workers",)
