@@ -515,6 +515,11 @@ def test_expected_gain_is_the_stage_share_times_what_the_fix_removes() -> None:
     assert expected_gain("my_fix", shares) is None
     assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == \
         ["dataloader", "compile", "optimizer_foreach", "my_fix"]
+    # the micro-batch first, whatever the priors: bf16 at micro-batch 4 is not bf16 at 32
+    fwd = {"forward": 0.5, "backward": 0.4, "other": 0.1}
+    assert expected_gain("precision", fwd, "cpu+bf16") > expected_gain("micro_batch", fwd, "cpu+bf16")
+    assert rank_by_expected_gain(["precision", "fused_attention", "micro_batch"], fwd, "cpu+bf16") == \
+        ["micro_batch", "precision", "fused_attention"]
 
 
 def test_a_held_change_that_no_longer_applies_is_dropped_from_the_bundle() -> None:
