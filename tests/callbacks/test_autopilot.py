@@ -112,7 +112,7 @@ def test_data_bound_loader_passed_to_fit_gets_workers_and_trains_as_if_set_from_
     assert [r.name for r in autopilot.kept][:1] == ["dataloader"], autopilot.records
     workers = autopilot.kept[0].params["num_workers"]
     assert workers >= 1 and trainer.train_dataloader.num_workers == workers
-    dl = autopilot.records[1]
+    dl = next(r for r in autopilot.records if r.name == "dataloader")
     assert dl.kept and dl.vs_baseline > 1.05 and dl.numerics["ok"]
     assert "num_workers=" in autopilot.python and "DataLoader(" in autopilot.python
     # the same fit with the chosen settings from the start: same batches, same final weights
