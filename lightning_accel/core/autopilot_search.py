@@ -518,8 +518,9 @@ class AutopilotSearch:
         second = self._measure()
         rates = [first.samples_per_sec, second.samples_per_sec]
         fresh = second
+        # the ranks agree on the budget (their clocks differ; one rank measuring alone would hang the other)
         if relative_noise(rates) > BASELINE_RETRY_NOISE * self.threshold and \
-                self._spent() + 4.2 * _window_length(first) <= self._budget:
+                self._affords(4.2 * _window_length(first)):
             # a third window, and the two closest of the three (the burst dropped); the newest stays the first
             # trial's A only when it is one of them
             third = self._measure()

@@ -624,3 +624,20 @@ def test_a_third_baseline_window_further_off_is_dropped_and_the_trial_measures_i
     calm = Scripted([Change("workers", 1.3)], noise=[1.0, 0.9])
     assert not any("third window" in n for n in _search(calm).run().notes)  # 10.5 % is no burst: two windows
     assert _measured(calm)[2] == ("workers",)
+
+
+def test_the_ranks_agree_before_a_third_baseline_window() -> None:
+    # the ranks' clocks differ: the third window is a collective, so it is measured only when every rank's budget
+    # affords it (agree); here another rank says no, and nobody measures it
+    backend = Scripted([Change("workers", 1.3)], noise=[1.0, 0.5, 1.02])
+    asked: list[bool] = []
+
+    def agree(ok, error):
+        asked.append(ok)
+        return (False if len(asked) == 1 else ok), None
+
+    backend.agree = agree
+    result = _search(backend).run()
+    assert asked and asked[0] is True  # this rank could afford it
+    assert not any("third window" in n for n in result.notes)
+    assert result.noise == pytest.approx(0.5 / 0.75)
