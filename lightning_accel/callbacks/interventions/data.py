@@ -140,7 +140,10 @@ class DataLoaderSettings(Intervention):
 
     def change(self, run: Run, undo: Undo) -> None:
         if not self.params:
-            self.params = self._choose(run)
+            chosen = self._choose(run)
+            if run.trainer.world_size > 1:  # each rank timed its own loader: rank 0's choice for every rank
+                chosen = run.trainer.strategy.broadcast(chosen, src=0)
+            self.params = chosen
         before = {k: run.source.current()[k] for k in self.params}
         undo.push(lambda: run.source.set(before))
         run.source.set(self.params)
