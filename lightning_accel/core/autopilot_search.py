@@ -517,17 +517,16 @@ class AutopilotSearch:
         first = self._measure()
         second = self._measure()
         rates = [first.samples_per_sec, second.samples_per_sec]
-        fresh = second
+        fresh, spread = second, relative_noise(rates)
         # the ranks agree on the budget (their clocks differ; one rank measuring alone would hang the other)
-        if relative_noise(rates) > BASELINE_RETRY_NOISE * self.threshold and \
-                self._affords(4.2 * _window_length(first)):
+        if spread > BASELINE_RETRY_NOISE * self.threshold and self._affords(4.2 * _window_length(first)):
             # a third window, and the two closest of the three (the burst dropped); the newest stays the first
             # trial's A only when it is one of them
             third = self._measure()
             pairs = [(first, second), (first, third), (second, third)]
             first, second = min(pairs, key=lambda p: relative_noise([p[0].samples_per_sec, p[1].samples_per_sec]))
             fresh = third if second is third else None
-            result.notes.append(f"the baseline's A/A noise was {relative_noise(rates):.1%}: a third window measured, "
+            result.notes.append(f"the baseline's A/A noise was {spread:.1%}: a third window measured, "
                                 f"the closest two kept")
             rates = [first.samples_per_sec, second.samples_per_sec]
         result.baseline_samples_per_sec = statistics.median(rates)

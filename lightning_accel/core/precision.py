@@ -19,6 +19,7 @@ The dtype rule (:func:`choose_autocast_dtype`):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import statistics
 import time
 import types
@@ -55,7 +56,6 @@ _PROBE_CACHE: dict[tuple[str, int, str], float] = {}
 #: CPU feature flags (``/proc/cpuinfo``) of bf16 matrix multiplies in hardware: x86's AVX512-BF16 and AMX-BF16
 #: (Cooper Lake, Sapphire Rapids and newer, Zen 4 and newer), Arm's BF16 extension
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-_NATIVE_BF16: list[bool] = []
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
@@ -64,20 +64,21 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     them oneDNN emulates bf16 and autocast is many times slower than fp32; with them bf16 autocast took 1.2-1.6x
     off the naive GPT-2 and Llama steps on the 2-core AVX512-BF16 VM (BENCHMARKS.md, issue 19)."""
     if cpuinfo is None:
-        if _NATIVE_BF16:
-            return _NATIVE_BF16[0]
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-                text = fh.read()
-        except OSError:
-            text = ""
-        _NATIVE_BF16.append(cpu_has_native_bf16(text))
-        return _NATIVE_BF16[0]
+        return _this_cpu_has_native_bf16()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features") and NATIVE_BF16_FLAGS & set(value.split()):
             return True
     return False
+
+
+@functools.cache
+def _this_cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            return cpu_has_native_bf16(fh.read())
+    except OSError:
+        return False
 
 
 def supported_autocast_dtypes(device: torch.device | str) -> list[str]:

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from lightning_accel.callbacks.interventions.base import Run
     from lightning_accel.core.autopilot_search import Undo
 
-__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts", "worker_search_seconds"]
+__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts", "main_process_load_seconds",
+           "worker_search_seconds"]
 
 
 #: A loader worker is taken to load a batch at most this many times faster than the main process did when it
@@ -28,6 +29,12 @@ SEARCH_BATCHES = 23
 FEED_MARGIN = 0.2
 
 
+def main_process_load_seconds(window: Any, accumulate: int) -> float:
+    """Seconds the training process took to load one batch, from a window of a loader without workers (its data
+    wait per optimizer step spread over the step's micro-batches)."""
+    return window.stage_seconds.get("data", 0.0) / (window.steps * max(1, accumulate))
+
+
 def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, consumption: float,
                            current_workers: int) -> list[int]:
     """The worker counts worth measuring: from a loader without workers, whose data wait per batch is the load time
@@ -37,7 +44,7 @@ def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, cons
     a 3.7 s search, for a count that loads 41 batches/s where the step takes 111."""
     if current_workers != 0 or window is None or not window.steps:
         return counts
-    per_batch = window.stage_seconds.get("data", 0.0) / (window.steps * max(1, accumulate))
+    per_batch = main_process_load_seconds(window, accumulate)
     if per_batch <= 0:
         return counts
     return [w for w in counts if w * WORKER_SPEEDUP_BOUND / per_batch >= consumption] or counts[-1:]
@@ -106,7 +113,7 @@ class DataLoaderSettings(Intervention):
         window = run.current or run.baseline
         if self.params or window is None or not window.steps or run.source.current()["num_workers"] != 0:
             return 0.0
-        per_batch = window.stage_seconds.get("data", 0.0) / (window.steps * max(1, run.config.accumulate))
+        per_batch = main_process_load_seconds(window, run.config.accumulate)
         if per_batch <= 0:
             return 0.0
         grid, consumption = self._search_grid(run)
