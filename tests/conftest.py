@@ -54,8 +54,38 @@ TIMING_SENSITIVE = ("tests/callbacks/test_autopilot", "tests/callbacks/test_data
                     "tests/models/test_real_models.py", "tests/commands/test_bench_command.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    _share_the_cores_among_xdist_workers()
+
+
+def _share_the_cores_among_xdist_workers() -> None:
+    """Under pytest-xdist (``-n N``) each worker, and what it starts (notebook kernels, scripts, DDP ranks through
+    ``OMP_NUM_THREADS``), runs torch on usable CPUs // N threads. With torch's default of one thread per core, two
+    workers ran four spinning OpenMP threads on this project's 2 cores and each notebook took 3-4x as long as alone
+    (06: 177 s instead of 59), which ate the whole gain of the parallel run."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 2:
+        return
+    from lightning_accel.core.utilisation import usable_cpu_count
+
+    threads = max(1, usable_cpu_count() // workers)
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = str(threads)
+    torch.set_num_threads(threads)
+
+
+#: the longest tests (tens of seconds to minutes each on 2 cores): under pytest-xdist they are handed out first, so
+#: the run does not end on one worker executing them alone while the other has nothing left
+LONGEST_FIRST = ("tests/test_notebooks.py", "tests/strategies/test_pipeline_ddp.py",
+                 "tests/models/test_real_models_ddp.py", "tests/strategies/test_shutdown.py",
+                 "tests/data/test_dali_ddp.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from lightning_accel._imports import is_available
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the same order on every worker (xdist checks it)
+        items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
 
     needs = {
         "gpu": (torch.cuda.is_available(), "needs a CUDA GPU"),
