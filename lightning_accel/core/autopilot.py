@@ -36,8 +36,8 @@ from lightning_accel.core.batch import iter_tensors
 __all__ = [
     "DEFAULT_TOLERANCES", "NUMERICS_KINDS", "PLAN_VERSION", "RULE_FIXES", "SHAPE_FIRST", "STAGE_FIXES",
     "AutopilotPlan", "Decision", "NumericsCheck", "ProbeResult", "SearchBudget", "Tolerance", "TrialRecord",
-    "batch_digest", "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide", "expected_gain", "prior_device",
-    "propose", "rank_by_expected_gain", "relative_noise", "render_python", "render_yaml",
+    "batch_digest", "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide", "expected_gain",
+    "prior_device", "propose", "rank_by_expected_gain", "relative_noise", "render_python", "render_yaml",
 ]
 
 PLAN_VERSION = 1
