@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     The process groups a multi-process command started (``demo --devices 2``, ``scaling`` workers) are destroyed
     before it returns. Run as the program, it ends through :func:`~lightning_accel.strategies.shutdown.
-    exit_distributed`, which leaves without the interpreter's teardown where backend threads outlive the groups
-    (DeepSpeed holds them): that teardown can abort a finished run with exit -6.
+    exit_distributed`, which leaves without the interpreter's teardown once a process group was started: that
+    teardown, or a group destroyed on its own gloo thread, can abort a finished run with exit -6.
     """
     from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
 
@@ -47,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning-accel {args.command}: error: {err}", file=sys.stderr)
         code = 2
     finally:
-        destroy_process_groups()
+        if argv is not None:  # run as the program, exit_distributed destroys them (keeping the default one's object)
+            destroy_process_groups()
     if argv is None:
         exit_distributed(code)
     return code

@@ -363,10 +363,7 @@ if __name__ == "__main__":  # a worker: python -m lightning_accel.commands.scali
     _parser = argparse.ArgumentParser(prog="lightning-accel scaling")
     _sub = _parser.add_subparsers(dest="command")
     register(_sub)
-    from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
+    from lightning_accel.strategies.shutdown import exit_distributed
 
-    try:
-        code = _run(_parser.parse_args(["scaling", *sys.argv[1:]]))
-    finally:
-        destroy_process_groups()
-    exit_distributed(code)
+    # a failing worker raises (its traceback printed, exit 1) through the strategies' registered clean exit
+    exit_distributed(_run(_parser.parse_args(["scaling", *sys.argv[1:]])))

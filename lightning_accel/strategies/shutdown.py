@@ -9,23 +9,34 @@ Under DeepSpeed that call is not enough. ZeRO-3 stores the group on every parame
 group's C++ object, and its ``pt_gloo_runloop`` / ``gloo_tcp_loop`` threads, live on after ``destroy_process_group``
 until the interpreter tears the objects down: the same random abort, measured after a 2-process ZeRO-3 fit on CPU
 (10 such threads alive in rank 0 after the call). :func:`exit_distributed` then ends the process without the
-interpreter's teardown, once the exit handlers have run and the standard streams are flushed; where nothing
-outlives the groups it is a plain ``sys.exit``.
+interpreter's teardown, once the exit handlers have run and the open files and standard streams are flushed; in a
+process that never started a group it is a plain ``sys.exit``.
 
 A user's script should not have to call it: every strategy of the collection calls :func:`register_clean_exit`
 when it sets up and again when it tears down, which arranges the same at interpreter exit through ``atexit``.
 Measured before (2-process CPU ``ddp_powersgd``): about 1 in 25 finished runs aborted with -6.
+
+A process that leaves keeps the default group's object alive to its end. Destroying the groups in torch's registry
+can leave the last reference to a group in a Python callback of a DDP comm hook (PowerSGD's closures hold
+``group_to_use``): the gloo worker thread that finishes the callback's work then drops that reference and runs the
+group's destructor, which joins the worker threads, that thread among them: "terminate called after throwing an
+instance of 'std::system_error' what(): Resource deadlock avoided", exit -6 (gdb: ``~ProcessGroupGloo`` ←
+``func_dealloc`` of ``powerSGD_hook``'s ``unpack_uncompressed_tensors_and_allreduce_ps`` ← ``finishWorkGloo`` on
+``pt_gloo_runloop``). Measured: 5 of 12 runs of the 12-fit compression test script aborted so, at the end, after
+all their work. Kept, the group is never destroyed on any thread: the process leaves before the teardown, as above.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
+import io
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = ["backend_threads_alive", "destroy_process_groups", "exit_distributed", "register_clean_exit"]
 
@@ -60,15 +71,11 @@ def destroy_process_groups() -> bool:
 
     Returns whether backend threads outlive the call (groups still referenced elsewhere, as under DeepSpeed).
     """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available():
+    dist = _started_distributed()
+    if dist is None:
         return False
     if dist.is_initialized():
-        deepspeed_comm = sys.modules.get("deepspeed.comm")
-        if deepspeed_comm is not None and deepspeed_comm.is_initialized():
-            deepspeed_comm.destroy_process_group()  # also drops deepspeed.utils.groups' references
-        else:
-            dist.destroy_process_group()
+        _destroy_registered_groups(dist)
     # the backend's threads end a moment after their group is destroyed: a CI run asked at once and found gloo's
     # still running; a group held elsewhere (DeepSpeed) keeps them, and costs this wait once, at exit
     deadline = time.monotonic() + THREAD_END_SECONDS
@@ -79,29 +86,78 @@ def destroy_process_groups() -> bool:
     return False
 
 
+def _started_distributed() -> Any:
+    """``torch.distributed`` if this process imported it and it is usable, else None (nothing to destroy)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() else None
+
+
+def _destroy_registered_groups(dist: Any) -> None:
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()  # also drops deepspeed.utils.groups' references
+    else:
+        dist.destroy_process_group()
+
+
+#: the default groups of a leaving process, kept alive to its end (module docstring: never destroyed on a gloo thread)
+_KEPT_TO_THE_END: list[Any] = []
+
+
+def _destroy_groups_before_leaving() -> bool:
+    """:func:`destroy_process_groups` for a process about to leave; returns whether it must leave before the
+    interpreter's teardown (backend threads outlive the groups).
+
+    The default group's object is kept alive to the end of the process, so that its destructor never runs on one of
+    its own worker threads (module docstring); its threads then outlive the call, and no wait is spent on them.
+    """
+    dist = _started_distributed()
+    if dist is not None and dist.is_initialized():
+        _KEPT_TO_THE_END.append(dist.group.WORLD)
+        _destroy_registered_groups(dist)
+    if _KEPT_TO_THE_END:
+        return True
+    return destroy_process_groups()
+
+
 def exit_distributed(code: int = 0) -> NoReturn:
     """End a finished script of a multi-process run: ``exit_distributed()`` as its last line, on every rank.
 
-    Destroys the process groups; when backend threads outlive them, runs the ``atexit`` handlers, flushes the
-    logging handlers and standard streams, and leaves with ``os._exit(code)`` so that the interpreter's teardown
-    cannot abort the finished process. Files the script wrote and closed are complete either way.
+    Destroys the process groups in torch's registry (keeping the default group's object alive, see the module
+    docstring); when backend threads outlive them, runs the ``atexit`` handlers, flushes the files still open, the
+    logging handlers and the standard streams, and leaves with ``os._exit(code)`` so that the interpreter's
+    teardown cannot abort the finished process. Files the script wrote are complete either way.
     """
-    if not destroy_process_groups():
+    if not _destroy_groups_before_leaving():
         sys.exit(code)
     _leave_before_teardown(code)
 
 
 def _leave_before_teardown(code: int) -> NoReturn:
-    """Run the ``atexit`` handlers, flush logging and the standard streams, and ``os._exit(code)``: the
-    interpreter's teardown (which can abort on live gloo threads) never runs."""
+    """Run the ``atexit`` handlers, flush the open files, logging and the standard streams, and ``os._exit(code)``:
+    the interpreter's teardown (which can abort on live gloo threads) never runs."""
+    atexit.unregister(_at_interpreter_exit)  # leaving already: it would leave again, with its own status
     atexit._run_exitfuncs()
     logging.shutdown()
+    _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed or replaced stream
             pass
     os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Flush every file object still open: the teardown that is skipped would have flushed them as it freed them
+    (a script that writes a file and never closes it must not lose the buffered part)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError, AttributeError):  # detached, closed meanwhile, or not a real file
+                pass
 
 
 _exit_code: dict[str, object] = {"code": 0, "known": False}
@@ -131,7 +187,7 @@ def _uncaught_exception() -> BaseException | None:
 
 def _at_interpreter_exit() -> None:
     """The ``atexit`` handler of :func:`register_clean_exit`."""
-    if not destroy_process_groups():
+    if not _destroy_groups_before_leaving():
         return  # the groups' threads are joined: the interpreter's own teardown is safe
     uncaught = _uncaught_exception()
     if uncaught is not None:  # Python's exit status after an uncaught exception (Ctrl-C: 128 + SIGINT, as a shell)
@@ -144,8 +200,7 @@ def _at_interpreter_exit() -> None:
         return
     else:
         status = 0
-    # backend threads outlive the groups (DeepSpeed): run the other exit handlers, flush, and leave before teardown
-    atexit.unregister(_at_interpreter_exit)
+    # backend threads outlive the groups: run the other exit handlers, flush, and leave before teardown
     _leave_before_teardown(status)
 
 
@@ -153,14 +208,15 @@ def register_clean_exit() -> None:
     """Arrange a clean end for this process at interpreter exit, without the script calling anything.
 
     At exit the handler destroys the process groups (torch's advice: left to interpreter teardown, gloo's threads
-    are sometimes destroyed while joinable and abort the finished process with -6); if backend threads outlive
-    them (DeepSpeed keeps references), it runs the remaining exit handlers, flushes logging and the standard
-    streams and leaves with ``os._exit`` and the script's exit status (0, ``sys.exit(n)``'s ``n``, or 1 after an
+    are sometimes destroyed while joinable and abort the finished process with -6); as backend threads outlive
+    them (the default group's object is kept, see the module docstring; DeepSpeed keeps references too), it runs
+    the remaining exit handlers, flushes the open files, logging and the standard streams and leaves with
+    ``os._exit`` and the script's exit status (0, ``sys.exit(n)``'s ``n``, or 1 after an
     uncaught exception; a bare ``raise SystemExit(n)`` is not seen by any hook and counts as 0 there, so end such
     a script with ``sys.exit(n)``; under pytest, whose ``-m`` entry raises SystemExit, an unseen status leaves
     through the normal teardown instead). Idempotent; each call moves the
     handler to the end of the ``atexit`` list, so that it runs first and the others, run from it, run once
-    (a handler registered after the last call would run twice on that DeepSpeed path).
+    (a handler registered after the last call would run twice on that path).
     """
     atexit.unregister(_at_interpreter_exit)
     atexit.register(_at_interpreter_exit)

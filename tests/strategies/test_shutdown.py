@@ -102,6 +102,22 @@ def test_registered_clean_exit_leaves_with_the_scripts_code_when_threads_outlive
     assert "terminate called" not in proc.stderr
 
 
+def test_a_file_left_open_keeps_its_writes_and_the_code_survives_the_strategies_handler(tmp_path):
+    # exit_distributed leaves before the teardown that would have flushed the file; the strategies' handler, run
+    # among the exit handlers, must not leave again with its own status
+    out = tmp_path / "never_closed.txt"
+    proc = _run(f"""
+        from lightning_accel.strategies.shutdown import register_clean_exit
+        register_clean_exit()
+        f = open({str(out)!r}, "w")
+        f.write("buffered, never flushed")
+        exit_distributed(3)
+    """, _free_port())
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.count("atexit handler ran") == 1
+    assert out.read_text() == "buffered, never flushed"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
 def test_registered_clean_exit_destroys_the_group_and_reports_an_uncaught_exception():
     proc = _run("""
@@ -140,13 +156,56 @@ def test_an_exit_status_no_hook_saw_is_never_replaced_under_pytest():
     proc = _run("""
         import _pytest  # noqa: F401
         from lightning_accel.strategies import shutdown
-        real = shutdown.destroy_process_groups
-        # as if threads outlived the groups (they do not here: the real call joins them, so teardown stays safe)
-        shutdown.destroy_process_groups = lambda: (real(), True)[1]
-        shutdown.register_clean_exit()
+        shutdown.register_clean_exit()  # at exit the default group's object is kept: its threads outlive the groups
         raise SystemExit(5)
     """, _free_port())
     assert proc.returncode == 5, proc.stderr
+
+
+IN_FLIGHT = """
+import atexit, os, sys, time
+import torch
+import torch.distributed as dist
+from lightning_accel.strategies.shutdown import exit_distributed
+
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+
+def callback_holding_the_group():
+    group = dist.group.WORLD  # as torch's PowerSGD hook closes over group_to_use
+    def done(fut):
+        return group.size()
+    return done
+
+if rank == 0:
+    # the all-reduce completes after rank 0 has destroyed the groups: its callback, run on a gloo worker thread,
+    # then drops the closure's reference to the group
+    fut = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(callback_holding_the_group())
+    del fut
+    atexit.register(time.sleep, 1.0)  # rank 0 is still leaving when rank 1 joins the all-reduce
+else:
+    time.sleep(0.3)
+    dist.all_reduce(torch.ones(3))
+with open(f"rank{rank}.txt", "w") as f:
+    f.write("done")
+exit_distributed(0)
+"""
+
+
+@pytest.mark.distributed
+def test_a_group_whose_last_reference_a_gloo_callback_drops_never_aborts_the_exit(tmp_path):
+    # before the default group's object was kept alive, the worker thread running the callback destroyed the group,
+    # joined itself and aborted rank 0 ("Resource deadlock avoided", exit -6): the end of a ddp_powersgd script
+    port = str(_free_port())
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    ranks = [subprocess.Popen([sys.executable, "-c", IN_FLIGHT, port, str(r)], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outs = [proc.communicate(timeout=120) for proc in ranks]
+    for rank, (proc, (_, err)) in enumerate(zip(ranks, outs)):
+        assert proc.returncode == 0, (rank, proc.returncode, err[-2000:])
+        assert "terminate called" not in err
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "done"
 
 
 def _bench_clean_exit():
