@@ -124,7 +124,7 @@ def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str
     # inheriting them believes it was launched externally and rank 0 waits forever for peers
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     full_env = {**inherited, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
+                "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}  # an abort prints every thread
     proc = subprocess.run([sys.executable, str(script), *(args or [])], cwd=tmp_path, env=full_env, text=True,
                           capture_output=True, timeout=timeout)
     if proc.returncode != 0:
