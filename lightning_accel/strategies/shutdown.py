@@ -152,12 +152,12 @@ def _flush_open_files() -> None:
     """Flush every file object still open: the teardown that is skipped would have flushed them as it freed them
     (a script that writes a file and never closes it must not lose the buffered part)."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except (OSError, ValueError, AttributeError):  # detached, closed meanwhile, or not a real file
-                pass
+        try:
+            # the type, not isinstance: a dead weakref.proxy raises ReferenceError on any look at it
+            if issubclass(type(obj), io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:  # noqa: BLE001 - detached, closed meanwhile, not a real file: leaving must go on
+            pass
 
 
 _exit_code: dict[str, object] = {"code": 0, "known": False}

@@ -107,8 +107,13 @@ def test_a_file_left_open_keeps_its_writes_and_the_code_survives_the_strategies_
     # among the exit handlers, must not leave again with its own status
     out = tmp_path / "never_closed.txt"
     proc = _run(f"""
+        import weakref
         from lightning_accel.strategies.shutdown import register_clean_exit
         register_clean_exit()
+        class Gone: pass
+        gone = Gone()
+        dead = weakref.proxy(gone)  # a dead proxy among the objects looked at: any look at it raises ReferenceError
+        del gone
         f = open({str(out)!r}, "w")
         f.write("buffered, never flushed")
         exit_distributed(3)
