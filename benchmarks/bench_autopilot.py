@@ -15,7 +15,8 @@ Each scenario is a small Lightning run with one planted problem (or none). For e
 
 Scenarios: ``data`` (a ``__getitem__`` that sleeps like network storage, ``num_workers=0``, the DataLoader passed
 straight to ``fit``), ``compute`` (the demo GPT on memory-mapped tokens: nothing to fix),
-``micro_batch`` (a per-call cost with batch 4 × accumulation 8), ``attention`` (hand-written attention),
+``micro_batch`` (a per-call cost with batch 4 × accumulation 8; 400 optimizer steps, so that 32 × 1's ~0.4 s fit
+is measured over more than a few dozen 1 ms batches), ``attention`` (hand-written attention),
 ``optimizer`` (Adam over many small tensors with the for-loop step).
 
     python benchmarks/bench_autopilot.py                 # all scenarios (~10 minutes on 2 cores)
@@ -267,7 +268,7 @@ SCENARIOS = {
                         {"dtype": "fp32", "prefetch": False}, steps=150, heldout=_heldout_compute),
     "micro_batch": Scenario("micro_batch", "6-layer MLP of width 64 (per-call cost), batch 4 × accumulate 8",
                             build_micro_batch, {"micro": [(4, 8), (8, 4), (16, 2), (32, 1)]},
-                            {"micro": (4, 8)}, steps=60, heldout=_heldout_mlp(64)),
+                            {"micro": (4, 8)}, steps=400, heldout=_heldout_mlp(64)),
     "attention": Scenario("attention", "2 blocks of hand-written causal attention, seq 256, d 128",
                           build_attention, {"fused_attention": [False, True], "prefetch": [False, True]},
                           {"fused_attention": False, "prefetch": False}, steps=40, heldout=_heldout_attention),
