@@ -187,8 +187,6 @@ def _uncaught_exception() -> BaseException | None:
 
 def _at_interpreter_exit() -> None:
     """The ``atexit`` handler of :func:`register_clean_exit`."""
-    if not _destroy_groups_before_leaving():
-        return  # the groups' threads are joined: the interpreter's own teardown is safe
     uncaught = _uncaught_exception()
     if uncaught is not None:  # Python's exit status after an uncaught exception (Ctrl-C: 128 + SIGINT, as a shell)
         status = 130 if isinstance(uncaught, KeyboardInterrupt) else 1
@@ -196,10 +194,14 @@ def _at_interpreter_exit() -> None:
         status = _status(_exit_code["code"])
     elif "_pytest" in sys.modules:
         # `python -m pytest` ends with `raise SystemExit(status)`, which no hook sees: never turn a failing test
-        # run into exit 0; leave through the interpreter's teardown (as without this handler)
+        # run into exit 0; leave through the interpreter's teardown (as without this handler), the groups
+        # destroyed outright so that their threads are joined before it
+        destroy_process_groups()
         return
     else:
         status = 0
+    if not _destroy_groups_before_leaving():
+        return  # no group was started, no backend thread outlives: the interpreter's own teardown is safe
     # backend threads outlive the groups: run the other exit handlers, flush, and leave before teardown
     _leave_before_teardown(status)
 

@@ -294,7 +294,10 @@ import time
 class Stall(pl.Callback):  # rank 1 stops answering at the third step (a deadlocked or hung peer)
     def on_train_batch_start(self, trainer, module, batch, i):
         if i == 2 and trainer.global_rank == 1:
-            time.sleep(25)
+            # alive, silent, until rank 0 has timed out (its connection must not close first); at most 60 s
+            deadline = time.monotonic() + 60
+            while not os.path.exists("stall_rank0.json") and time.monotonic() < deadline:
+                time.sleep(0.1)
             os._exit(0)  # never comes back to the schedule
 
 
