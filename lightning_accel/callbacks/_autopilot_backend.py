@@ -185,7 +185,7 @@ class LightningSearchBackend:
 
     # ------------------------------------------------------------------ what to try
     def offers(self, shares: Mapping[str, float], tried: set[str]) -> list[Offer]:
-        from lightning_accel.core.autopilot import prior_device
+        from lightning_accel.core.autopilot import prior_confidence, prior_device
         from lightning_accel.core.rules import diagnose, holding_back
 
         autopilot, run = self.autopilot, self.run
@@ -208,8 +208,8 @@ class LightningSearchBackend:
             candidate = self.candidates[name]
             why = "frozen by Autopilot(freeze=...)" if autopilot._frozen(candidate) else candidate.unavailable(run)
             gain = expected_gain(name, shares, device) if name in self._builtin else None
-            rows.append((name, why, gain))
+            rows.append((name, why, gain, prior_confidence(name, device)))
         if run.trainer.world_size > 1:
             # rank 0's list for every rank: a smell previewed on one rank's clock must not make the ranks diverge
             rows = run.trainer.strategy.broadcast(rows, src=0)
-        return [Offer(self.candidates[name], why, gain) for name, why, gain in rows]
+        return [Offer(self.candidates[name], why, gain, confidence) for name, why, gain, confidence in rows]

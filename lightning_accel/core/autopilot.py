@@ -34,10 +34,11 @@ from lightning_accel._atomic import atomic_open
 from lightning_accel.core.batch import iter_tensors
 
 __all__ = [
-    "DEFAULT_TOLERANCES", "NUMERICS_KINDS", "PLAN_VERSION", "RULE_FIXES", "SHAPE_FIRST", "STAGE_FIXES",
-    "AutopilotPlan", "Decision", "NumericsCheck", "ProbeResult", "SearchBudget", "Tolerance", "TrialRecord",
-    "batch_digest", "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide", "expected_gain",
-    "prior_device", "propose", "rank_by_expected_gain", "relative_noise", "render_python", "render_yaml",
+    "DEFAULT_TOLERANCES", "NUMERICS_KINDS", "PLAN_VERSION", "PRIOR_CONFIDENCE", "RULE_FIXES", "SHAPE_FIRST",
+    "STAGE_FIXES", "AutopilotPlan", "Decision", "NumericsCheck", "ProbeResult", "SearchBudget", "Tolerance",
+    "TrialRecord", "batch_digest", "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide",
+    "expected_gain", "prior_confidence", "prior_device", "propose", "rank_by_expected_gain", "relative_noise",
+    "render_python", "render_yaml",
 ]
 
 PLAN_VERSION = 1
@@ -383,6 +384,20 @@ def expected_gain(name: str, shares: Mapping[str, float], device_type: str | Non
         if isinstance(override, Mapping):
             fractions.update(override)
     return min(0.95, sum(float(shares.get(stage, 0.0)) * fraction for stage, fraction in fractions.items()))
+
+
+#: How far a prior can be counted on when deciding whether a short fit repays a search, per fix and device (1.0 where
+#: not listed). bf16 on a CPU with it in hardware is a bet on large matmuls: on the 2-core VM it measured 1.2-1.6x on
+#: the naive GPT-2 and Llama at micro-batch 32, 0.87-1.01x at micro-batch 4 and 0.905x on the balanced 300-step demo
+#: fit of ``bench_autopilot_real.py --short`` (searched for it, that fit took 0.89x vanilla's wall time): about half
+#: the time. The ranking (:func:`rank_by_expected_gain`) keeps the prior itself: a long fit still tries bf16 early.
+PRIOR_CONFIDENCE: dict[str, dict[str, float]] = {"precision": {"cpu+bf16": 0.5}}
+
+
+def prior_confidence(name: str, device_type: str | None = None) -> float:
+    """The share of fix ``name``'s expected gain a pay-back decision counts on ``device_type``
+    (:data:`PRIOR_CONFIDENCE`; 1.0 where the prior is not a bet)."""
+    return PRIOR_CONFIDENCE.get(name, {}).get(device_type or "", 1.0)
 
 
 #: Fixes that change the shape of the work go before the others, whatever their priors: every other fix is

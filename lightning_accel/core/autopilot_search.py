@@ -145,11 +145,18 @@ class Measurement:
 @dataclass
 class Offer:
     """A candidate the backend proposes: ``why_not`` is why it cannot be tried (``None``: it can), ``gain`` the
-    fraction of the step it is expected to remove (``None``: unknown, e.g. a fix of the user's own)."""
+    fraction of the step it is expected to remove (``None``: unknown, e.g. a fix of the user's own), ``confidence``
+    the share of that gain a pay-back decision counts (:data:`~lightning_accel.core.autopilot.PRIOR_CONFIDENCE`)."""
 
     candidate: Any
     why_not: str | None = None
     gain: float | None = None
+    confidence: float = 1.0
+
+    @property
+    def counted_gain(self) -> float | None:
+        """The gain a pay-back decision counts: ``gain x confidence``."""
+        return None if self.gain is None else self.gain * self.confidence
 
 
 @dataclass
@@ -472,14 +479,15 @@ class AutopilotSearch:
             fit = step * self.steps_left
             offers = [o for o in backend.offers(estimate.shares(), set()) if o.why_not is None]
             # a fix without a prior (one of the user's own) cannot be estimated: it is searched for
-            gains = [o.gain for o in offers]
+            gains = [o.counted_gain for o in offers]
             best, saving = None, math.inf
             if None not in gains:
-                # each fix's saving over the fit, less its one-off work: a first compile (~60 s on this CPU) is no
-                # reason to search a 30 s fit, though its prior (a fifth of forward + backward) is the largest
+                # each fix's saving over the fit (the share of its prior counted on: bf16 on a CPU is a bet), less
+                # its one-off work: a first compile (~60 s on this CPU) is no reason to search a 30 s fit, though
+                # its prior (a fifth of forward + backward) is the largest
                 setup = getattr(backend, "setup_seconds", None)
-                nets = [(o.gain * fit - (float(setup(o.candidate)) if setup is not None else 0.0), o.gain)
-                        for o in offers]
+                nets = [(o.counted_gain * fit - (float(setup(o.candidate)) if setup is not None else 0.0),
+                         o.counted_gain) for o in offers]
                 saving, best = max(nets, default=(0.0, 0.0))
             # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
             # the best fix is expected to be decisive
@@ -572,7 +580,7 @@ class AutopilotSearch:
                     name = o.candidate.name
                     if o.why_not is None:
                         cost = self._trial_cost(o.candidate, o.gain)
-                        pays, why = self._pays_back(o.gain, cost)
+                        pays, why = self._pays_back(o.counted_gain, cost)
                         if pays and self._floor and not self._measured_any():
                             # the budget was raised for a baseline and one trial that pays back: it holds that
                             # trial as costed now, with the baseline's real windows and probe (a 300-step fit

@@ -343,6 +343,41 @@ def test_a_fix_whose_one_off_work_exceeds_its_saving_is_no_reason_to_search() ->
         "~2.7 s (9.0% of a 100.0 ms step over 300 steps)")
 
 
+class Confident(Scripted):
+    """Offers each change's prior with a confidence (as the backend does for bf16 on a CPU)."""
+
+    def __init__(self, changes, confidence: float, **kwargs) -> None:
+        super().__init__(changes, **kwargs)
+        self.confidence = confidence
+
+    def offers(self, shares, tried):
+        return [Offer(c, None, c.expected, self.confidence) for c in self.changes if c.name not in tried]
+
+
+@pytest.mark.parametrize("confidence", [1.0, 0.5])
+def test_a_short_fit_counts_only_the_confident_share_of_a_prior_before_searching(confidence) -> None:
+    balanced = {"forward": 0.45, "backward": 0.45, "optimizer": 0.1}
+    backend = Confident([Change("precision", 0.9, expected=0.3)], confidence, shares=balanced)
+    result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
+    if confidence == 1.0:
+        # a 30 s fit: 0.3 x 30 s = 9 s repays twice a baseline and a confirmed trial in short windows (5.2 x 0.5 s)
+        assert [r.name for r in result.records] == ["baseline", "precision"] and result.kept == []
+    else:
+        # half of it (~4.5 s) does not: the balanced fit trains untouched (bf16 on a CPU is a bet, 0.905x here)
+        assert result.records == [] and result.stopped.startswith(
+            "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to "
+            "save ~4.5 s (15.0% of a 100.0 ms step over 300 steps)")
+
+
+def test_bf16_on_a_cpu_with_it_in_hardware_is_counted_at_half_its_prior() -> None:
+    from lightning_accel.core.autopilot import prior_confidence
+
+    assert prior_confidence("precision", "cpu+bf16") == 0.5
+    assert prior_confidence("precision", "cuda") == prior_confidence("dataloader", "cpu+bf16") == 1.0
+    assert Offer(None, None, 0.3, 0.5).counted_gain == pytest.approx(0.15)
+    assert Offer(None, None, None, 0.5).counted_gain is None
+
+
 class Windows(Scripted):
     """Records each window's (warm-up, timed) steps."""
 
