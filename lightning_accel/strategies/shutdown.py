@@ -77,7 +77,8 @@ def destroy_process_groups() -> bool:
     if dist.is_initialized():
         _destroy_registered_groups(dist)
     # the backend's threads end a moment after their group is destroyed: a CI run asked at once and found gloo's
-    # still running; a group held elsewhere (DeepSpeed) keeps them, and costs this wait once, at exit
+    # still running; a group held elsewhere (DeepSpeed) keeps them, and costs this wait (a leaving process does
+    # not wait: _destroy_groups_before_leaving)
     deadline = time.monotonic() + THREAD_END_SECONDS
     while backend_threads_alive():
         if time.monotonic() > deadline:
