@@ -188,6 +188,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "_allreduce_fut", _T,
                 ("strategies/ddp_compression.py:_counting_hook",),
                 why="torch's plain all-reduce future, the base of its default DDP hook; not exported"),
+    PrivateName("torch.distributed.distributed_c10d", "_world", _T,
+                ("strategies/outstanding_work.py:finish_outstanding_work",),
+                why="torch keeps its registry of process groups private: no public call lists the groups of a rank"),
     PrivateName("torch.optim.lr_scheduler.LRScheduler", "_last_lr", _T, ("callbacks/batch_size_tuner.py:_scale_lr",),
                 instance=_step_lr,
                 why="get_last_lr() reads it; there is no public setter after learning rates are rescaled by hand"),
@@ -364,6 +367,14 @@ def allreduce_future(process_group: Any, tensor: torch.Tensor) -> Any:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks._allreduce_fut(process_group, tensor)
+
+
+def process_groups_of_this_rank() -> list[Any]:
+    """Every process group this rank belongs to, in creation order (the same order on every rank: groups are
+    created collectively), the default group first."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
 
 
 def set_scheduler_last_lr(scheduler: Any, lrs: Iterable[float]) -> None:

@@ -30,28 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; ``argv=None`` means run as the program (the console script, ``python -m``).
-
-    The process groups a multi-process command started (``demo --devices 2``, ``scaling`` workers) are destroyed
-    before it returns. Run as the program, it ends through :func:`~lightning_accel.strategies.shutdown.
-    exit_distributed`, which leaves without the interpreter's teardown once a process group was started: that
-    teardown, or a group destroyed on its own gloo thread, can abort a finished run with exit -6.
-    """
-    from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
-
+    """Run one subcommand and return its exit status (``python -m`` and the console script exit with it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = int(args.func(args))
+        return int(args.func(args))
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback
         print(f"lightning-accel {args.command}: error: {err}", file=sys.stderr)
-        code = 2
-    finally:
-        if argv is not None:  # run as the program, exit_distributed destroys them (keeping the default one's object)
-            destroy_process_groups()
-    if argv is None:
-        exit_distributed(code)
-    return code
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,13 +35,14 @@ def _no_leaked_launch_variables():
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     """Destroy the process group an in-process Trainer started (``strategy="ddp"`` with ``devices=1`` starts a
-    one-process gloo group and leaves it): later tests would see a distributed run, and gloo's threads left to the
-    end of the session can abort pytest's own exit (exit -6) after every test passed."""
+    one-process gloo group and leaves it): later tests would see a distributed run. Its outstanding work is
+    completed first, so that no gloo thread still holds a callback that references the group when it goes."""
     yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():  # no /proc scan after every test
-        from lightning_accel.strategies.shutdown import destroy_process_groups
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from lightning_accel.strategies.outstanding_work import finish_outstanding_work
 
-        destroy_process_groups()
+        finish_outstanding_work()  # one process: the barrier is local
+        torch.distributed.destroy_process_group()
 
 
 #: test files whose assertions follow from measured speed (what the Autopilot, the tuners, the doctor and the smells'
@@ -77,7 +78,7 @@ def _share_the_cores_among_xdist_workers() -> None:
 #: the longest tests (tens of seconds to minutes each on 2 cores): under pytest-xdist they are handed out first, so
 #: the run does not end on one worker executing them alone while the other has nothing left
 LONGEST_FIRST = ("tests/test_notebooks.py", "tests/strategies/test_pipeline_ddp.py",
-                 "tests/models/test_real_models_ddp.py", "tests/strategies/test_shutdown.py",
+                 "tests/models/test_real_models_ddp.py", "tests/test_process_contract.py",
                  "tests/data/test_dali_ddp.py")
 
 
@@ -100,17 +101,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-#: appended to every script: end it through exit_distributed, which destroys the process groups and, where backend
-#: threads outlive them (DeepSpeed holds the group), leaves without the interpreter's teardown, which can abort the
-#: finished script ("terminate called without an active exception", exit -6) at random, after all its work is done.
-SHUTDOWN = """
-
-if __name__ == "__main__":  # not in a child that imports the script (spawn)
-    from lightning_accel.strategies.shutdown import exit_distributed as _exit_distributed
-    _exit_distributed()
-"""
-
-
 def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
                args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as a script file in a fresh interpreter (Lightning's DDP launcher re-runs the script per rank).
@@ -119,7 +109,7 @@ def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str
     test with the script's output if it exits non-zero.
     """
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code) + SHUTDOWN)
+    script.write_text(textwrap.dedent(code))
     # a Trainer that ran inside this pytest process leaves LOCAL_RANK, MASTER_PORT, ... in os.environ; a child
     # inheriting them believes it was launched externally and rank 0 waits forever for peers
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}

@@ -36,9 +36,8 @@ def test_every_used_in_file_exists():
 
 # Private names of this package's own objects (or dunder protocols) that are not Lightning/torch internals.
 OWN = {"_fields", "_trainer_or_none", "_pipeline", "_discard", "_thread", "_stop", "_step_depth"}
-# The standard library's: os._exit (public, documented) and atexit._run_exitfuncs (CPython 3.x; exit_distributed
-# runs the exit handlers before leaving without the interpreter's teardown).
-STDLIB = {"_exit", "_run_exitfuncs"}
+# The standard library's private-looking public names (none used today).
+STDLIB: set[str] = set()
 
 
 def _private_accesses(path: Path) -> set[str]:

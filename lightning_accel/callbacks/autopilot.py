@@ -216,6 +216,7 @@ class Autopilot(Callback):
         self._done = False
         self._restored_plan: dict[str, Any] | None = None
         self._prefetcher: Any = None
+        self._source: Any = None  # the fit's train-loader source, once a search or a replay ran
         self._step_seconds: float | None = None  # of the configuration the search ended with
 
     # ------------------------------------------------------------------ checkpoint
@@ -273,6 +274,12 @@ class Autopilot(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._source is not None and trainer.world_size > 1:
+            # a kept compression or the trial windows' timing chains Python callbacks on the all-reduces, also
+            # under Lightning's own DDPStrategy: complete them while every rank is here (only after a normal end)
+            from lightning_accel.strategies.outstanding_work import finish_outstanding_work
+
+            finish_outstanding_work()
         if self._prefetcher is not None:
             self._prefetcher.teardown(trainer, pl_module, stage)
             self._prefetcher = None

@@ -375,6 +375,12 @@ class BottleneckDoctor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._comm is not None:
+            # our timing hook chains a Python callback on every all-reduce: under Lightning's own DDPStrategy no
+            # strategy of ours completes the outstanding ones (Lightning calls this hook only after a normal end)
+            from lightning_accel.strategies.outstanding_work import finish_outstanding_work
+
+            finish_outstanding_work()
         self._uninstall()
 
     def _uninstall(self) -> None:

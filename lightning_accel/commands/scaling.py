@@ -363,13 +363,4 @@ if __name__ == "__main__":  # a worker: python -m lightning_accel.commands.scali
     _parser = argparse.ArgumentParser(prog="lightning-accel scaling")
     _sub = _parser.add_subparsers(dest="command")
     register(_sub)
-    from lightning_accel.strategies.shutdown import destroy_process_groups, exit_distributed
-
-    try:
-        code = _run(_parser.parse_args(["scaling", *sys.argv[1:]]))
-    except BaseException:
-        # the default --strategy is Lightning's own "ddp", which registers no clean exit of ours: the groups are
-        # destroyed outright before the traceback and the interpreter's teardown
-        destroy_process_groups()
-        raise
-    exit_distributed(code)  # a finished worker: the groups destroyed, the default one's object kept (shutdown.py)
+    sys.exit(_run(_parser.parse_args(["scaling", *sys.argv[1:]])))

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_accel import _compat
 from lightning_accel.strategies._bucket_state import BucketStateMover
 from lightning_accel.strategies.compression_hooks import qsgd_variance_bound
-from lightning_accel.strategies.shutdown import register_clean_exit
+from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 _compat.require_versions("the DDP compression strategies")
 
@@ -75,7 +75,7 @@ def _is_int(value: Any, low: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= low
 
 
-class DDPCompressionStrategy(DDPStrategy):
+class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
     """Lightning DDP whose gradient exchange is compressed by a DDP communication hook.
 
     ===============  =================================  ===============================================
@@ -416,7 +416,6 @@ class DDPCompressionStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        register_clean_exit()
         if self.world_size == 1:
             rank_zero_warn(f"{self.string} on a single device does nothing useful: there is no gradient all-reduce to "
                            "compress. Use strategy='auto' on one device, or devices >= 2.")
@@ -470,11 +469,6 @@ class DDPCompressionStrategy(DDPStrategy):
         module.log("comm/bytes_sent_per_step", sent, on_step=True, on_epoch=False)
         module.log("comm/compression_rate", before / sent if sent else float("nan"), on_step=True, on_epoch=False)
         self._logged = CommStats(**asdict(stats))
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        register_clean_exit()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -12,10 +12,6 @@ without CUDA. On a CUDA machine, to train on CPU with a strategy *string*, expor
 string's factory cannot see ``Trainer(accelerator=...)``), or pass ``DeepSpeedZeroStrategy(preset=...,
 accelerator=CPUAccelerator())``; a mismatch is reported before training starts.
 
-End a multi-process script with :func:`lightning_accel.strategies.shutdown.exit_distributed`: ZeRO-3 keeps the
-process group on every parameter, so its threads outlive ``destroy_process_group`` and the interpreter's teardown
-can abort the finished run (exit -6).
-
 What runs on CPU (DeepSpeed 0.19, checked by ``tests/strategies/test_deepspeed_presets.py``): ZeRO stages 1, 2
 and 3, and the CPU-offload presets, with the LightningModule's own torch optimizer (for offload presets the
 strategy sets ``zero_force_ds_cpu_optimizer: False`` on CPU, since the step runs on the CPU anyway;
@@ -41,7 +37,7 @@ from typing_extensions import override
 from lightning_accel import _compat
 from lightning_accel._imports import require
 from lightning_accel.core.memory import ZeroMemoryEstimate, count_model_params, estimate_zero_memory
-from lightning_accel.strategies.shutdown import register_clean_exit
+from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 _compat.require_versions("the DeepSpeed strategies")
 
@@ -197,7 +193,7 @@ def _cpu_requested(accelerator: Any) -> bool:
     return False
 
 
-class DeepSpeedZeroStrategy(DeepSpeedStrategy):
+class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` with a ZeRO preset, on CUDA or CPU.
 
     =====================  =====  ================  ================  ================================================
@@ -294,14 +290,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
 
     @override
-    def teardown(self) -> None:
-        super().teardown()
-        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
-
-    @override
     def setup_environment(self) -> None:
-        # a finished script ends cleanly on its own: DeepSpeed's references outlive destroy_process_group
-        register_clean_exit()
         if not self._on_cpu:
             super().setup_environment()
             self._prepare_for_device()

@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from lightning_accel._checks import is_int
 from lightning_accel.strategies.parallel_plan import ParallelPlan, apply_plan, derive_plan
-from lightning_accel.strategies.shutdown import register_clean_exit
+from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -72,7 +72,7 @@ def _check_size(mode: str, name: str, value: Any) -> None:
         raise ValueError(f"{mode}: {name}={value!r} must be 'auto' or an integer >= 1")
 
 
-class AutoParallelStrategy(ModelParallelStrategy):
+class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
     __doc__ = __doc__
 
     def __init__(self, *, mode: Mode, data_parallel_size: Literal["auto"] | int = "auto",
@@ -133,12 +133,6 @@ class AutoParallelStrategy(ModelParallelStrategy):
             rank_zero_warn(f"strategy {self.mode!r} on a single device shards nothing; use strategy='auto' on one "
                            "device, or devices >= 2")
         super().setup_environment()
-        register_clean_exit()  # a finished script ends cleanly without calling anything of ours
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
 
     # ----------------------------------------------------------------------------------------- plan
     def _apply_auto_plan(self) -> None:

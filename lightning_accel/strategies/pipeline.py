@@ -116,7 +116,7 @@ from lightning_accel.strategies.pipeline_network import (
     measure_stage_costs,
     token_cross_entropy,
 )
-from lightning_accel.strategies.shutdown import register_clean_exit
+from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -150,7 +150,7 @@ class PipelineStats:
 
 
 # ------------------------------------------------------------------------------------------------------ strategy
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
     __doc__ = __doc__
 
     def __init__(self, *, schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
@@ -402,7 +402,6 @@ class PipelineStrategy(DDPStrategy):
         if trainer is not None:
             self._check_trainer(trainer)  # before the process group: nothing has started when it refuses
         super().setup_environment()
-        register_clean_exit()  # a finished script ends cleanly without calling anything of ours
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         """The Trainer settings a pipeline cannot honour (checked before the process group starts)."""
@@ -833,7 +832,6 @@ class PipelineStrategy(DDPStrategy):
         self._schedule = None
         self._stages = []
         super().teardown()
-        register_clean_exit()  # last: its exit handler runs before the others (see strategies/shutdown.py)
 
 
 class _FlatBucket:
