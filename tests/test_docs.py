@@ -139,15 +139,15 @@ def test_an_entry_documenting_two_arguments_becomes_one_entry_each():
 
 
 # --------------------------------------------------------------------------------------------- the strict build
-# Builds the site the way .ci/docs does (mkdocs build --strict), in a fresh interpreter, then reports which modules
-# the build imported: mkdocstrings must read the package's source, not import it (no torch, no CUDA, no downloads).
+# Builds the site the way .ci/docs does (mkdocs build --strict, its own command line, which prints the warnings), in
+# a fresh interpreter that reports at exit which modules the build imported: mkdocstrings must read the package's
+# source, not import it (no torch, no CUDA, no downloads).
 _BUILD = """
-import json, sys
-from mkdocs.commands.build import build
-from mkdocs.config import load_config
-
-build(load_config("mkdocs.yml", strict=True, site_dir=sys.argv[1]))
-print(json.dumps(sorted(m for m in ("torch", "lightning", "lightning_accel") if m in sys.modules)))
+import atexit, json, runpy, sys
+atexit.register(lambda: print(json.dumps(sorted(m for m in ("torch", "lightning", "lightning_accel")
+                                                if m in sys.modules))))
+sys.argv = ["mkdocs", "build", "--strict", "--site-dir", sys.argv[1]]
+runpy.run_module("mkdocs", run_name="__main__")
 """
 
 
