@@ -33,8 +33,10 @@ class MFUMonitor(Callback):
     real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch`` is given.
     Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
     (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given,
-    else the datasheet table for the GPU and the run's compute dtype, else a short matmul probe of the device (CPU,
-    unknown GPUs). The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
+    else the datasheet table for the GPU and the run's compute dtype, else on a CPU the hardware figure (cores x clock
+    x FLOPs per cycle of the ISA, from ``/proc/cpuinfo`` and cpufreq) or a short matmul probe where that ran faster,
+    else (unknown GPUs and CPUs) the probe: :func:`~lightning_accel.core.peak.resolve_peak_flops`; the summary names
+    the source. The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
     callbacks can ask for more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every
     micro-batch of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
@@ -59,7 +61,7 @@ class MFUMonitor(Callback):
         window: batches per measuring window (logging interval).
         warmup_batches: batches at the start of ``fit`` that are not measured.
         flops_per_batch: model FLOPs of one batch on one device (forward + backward); skips counting.
-        peak_flops: peak FLOP/s of one device; overrides the table and the probe.
+        peak_flops: peak FLOP/s of one device; overrides the table, the hardware figure and the probe.
         tokens_per_batch: ``fn(batch) -> int`` tokens in a batch.
         prog_bar: show samples/s and MFU in the progress bar.
         print_summary: print the summary table at the end of ``fit`` (rank 0).
