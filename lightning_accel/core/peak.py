@@ -60,7 +60,8 @@ class PeakFlops:
     """A peak FLOP/s figure and where it came from.
 
     ``source`` is ``"user"`` (``peak_flops=``), ``"table"`` (a GPU datasheet), ``"hardware"`` (CPU cores x clock x
-    FLOPs per cycle) or ``"measured"`` (a matmul probe). ``detail`` says how the figure was obtained.
+    FLOPs per cycle), ``"measured"`` (a matmul probe) or ``"achieved"`` (a measuring window ran faster than the
+    peak it had: MFUMonitor raises the peak to that rate). ``detail`` says how the figure was obtained.
     """
 
     flops: float
@@ -468,7 +469,7 @@ def resolve_peak_flops(device: Any, dtype: Any, override: float | None = None, *
     one way to read low is a clock below the real one (turbo above cpufreq's figure, a VM's nominal ``cpu MHz``);
     the probe still runs (``measure=True``) to catch that: a probe above the hardware figure replaces it, and the
     detail names both. Where the hardware is not known (other architectures, unknown Arm cores) the probe is the
-    peak.
+    peak. Either way a window that later runs faster raises the peak (``MFUMonitor``).
 
     Returns ``None`` only when nothing is known and ``measure`` is ``False`` or the probe cannot run.
     """
