@@ -17,7 +17,7 @@ from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
-from lightning_accel.core.peak import PeakFlops, resolve_peak_flops
+from lightning_accel.core.peak import PeakFlops, format_flops, resolve_peak_flops
 from lightning_accel.core.throughput import WindowedThroughput
 
 if TYPE_CHECKING:
@@ -32,9 +32,21 @@ class MFUMonitor(Callback):
     FLOPs per batch are counted on the first training batch by ``torch.utils.flop_counter.FlopCounterMode`` around the
     real step (forward + backward of that batch; no extra step is run), unless ``flops_per_batch`` is given.
     Recomputation is not a model FLOP: what a callback reports as ``recompute_flops`` per micro-batch
-    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends. The peak comes from ``peak_flops`` if given,
-    else the datasheet table for the GPU and the run's compute dtype, else a short matmul probe of the device (CPU,
-    unknown GPUs). The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
+    (``ActivationCheckpointing`` does) is subtracted when the warm-up ends.
+
+    The peak comes from ``peak_flops`` if given, else the datasheet table for the GPU and the run's compute dtype,
+    else on a CPU the hardware figure (cores x clock x FLOPs per cycle of the ISA, read from ``/proc/cpuinfo`` and
+    cpufreq) or a short matmul probe where that ran faster (turbo), else (unknown GPUs, CPUs whose rate is not known)
+    the probe alone: :func:`~lightning_accel.core.peak.resolve_peak_flops`; the summary names the source. MFU is a
+    fraction by construction: a window whose achieved FLOP/s exceeds the peak proves the peak too low, so the peak is
+    raised to that rate (one warning, naming the old and the new peak and the old one's source): that window's MFU is
+    1.0 on its fastest rank. On a GPU the datasheet cannot be beaten: the warning then says the FLOP count (or the
+    dtype the table was read for) is wrong, with the numbers; the raise keeps ``perf/mfu`` a fraction, the warning and
+    the summary keep the inconsistency visible. Each window divides by the peak known when it closed; the summary
+    divides every window by the final peak and, when it was raised, says so with the initial peak (windows logged
+    before a raise read higher than the same windows against the final peak).
+
+    The first ``warmup_batches`` batches (FLOP counting, allocator and ``torch.compile`` warm-up;
     callbacks can ask for more with a ``warmup_batches`` attribute) and all time spent in validation are left out. Every
     micro-batch of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
@@ -49,7 +61,9 @@ class MFUMonitor(Callback):
     ``perf/tokens_per_sec``                   tokens/s    global; only when the batch has tokens (see below)
     ``perf/batches_per_sec``                  batches/s   per device (mean over ranks)
     ``perf/tflops_per_sec_per_device``        TFLOP/s     per device (mean over ranks), model FLOPs
-    ``perf/mfu``                              fraction    per device: achieved ÷ peak FLOP/s (mean over ranks)
+    ``perf/mfu``                              fraction    per device: achieved ÷ peak FLOP/s (mean over
+                                                          ranks), <= 1: a window above the peak raises the
+                                                          peak to its rate first
     ========================================  ==========  ====================================================
 
     Tokens per batch: ``tokens_per_batch(batch)`` if given, else the LightningModule's ``tokens_per_batch(batch)``
@@ -59,12 +73,14 @@ class MFUMonitor(Callback):
         window: batches per measuring window (logging interval).
         warmup_batches: batches at the start of ``fit`` that are not measured.
         flops_per_batch: model FLOPs of one batch on one device (forward + backward); skips counting.
-        peak_flops: peak FLOP/s of one device; overrides the table and the probe.
+        peak_flops: peak FLOP/s of one device; overrides the table, the hardware figure and the probe (and is raised,
+            with a warning, if a window runs faster).
         tokens_per_batch: ``fn(batch) -> int`` tokens in a batch.
         prog_bar: show samples/s and MFU in the progress bar.
         print_summary: print the summary table at the end of ``fit`` (rank 0).
 
-    After ``fit``, :attr:`summary` holds the numbers of the table as a dict.
+    After ``fit``, :attr:`summary` holds the numbers of the table as a dict (with ``peak_flops_initial``,
+    ``peak_source_initial`` and ``peak_raises``: the peak before any raise, and how many windows raised it).
     """
 
     def __init__(
@@ -103,6 +119,10 @@ class MFUMonitor(Callback):
         self._counter = FlopCounter()
         self._counting_done = self.flops_per_batch is not None
         self._peak: PeakFlops | None = None
+        self._initial_peak: PeakFlops | None = None
+        self._rank_peaks: list[float] = []  # every rank's current peak, as the last window's gather showed them
+        self._achieved_weighted: list[float] = []  # per rank: sum over windows of achieved FLOP/s x window seconds
+        self._peak_raises = 0
         self._dtype = "fp32"
         self._meter: WindowedThroughput | None = None
         self._batches_seen = 0
@@ -126,6 +146,7 @@ class MFUMonitor(Callback):
         except ValueError as err:  # e.g. an fp8 run on an unknown device: nothing to probe
             rank_zero_warn(f"MFUMonitor: no peak FLOP/s for {device} {self._dtype} ({err}); MFU is not reported. "
                            "Pass MFUMonitor(peak_flops=...) to get it.")
+        self._initial_peak = self._peak
         if self._peak is None:
             rank_zero_warn(f"MFUMonitor: no peak FLOP/s known for {device} {self._dtype}; MFU is not reported. "
                            "Pass MFUMonitor(peak_flops=...) to get it.")
@@ -225,8 +246,17 @@ class MFUMonitor(Callback):
             "batches": sum(r[4] for r in rows),
         }
         fps = record["flops_per_sec_per_device"]
-        record["mfu"] = (None if fps is None or any(math.isnan(r[5]) for r in rows)
-                         else sum(r[2] / t / r[5] for r, t in zip(rows, sec)) / n)
+        record["mfu"] = None
+        if fps is not None and not any(math.isnan(r[5]) for r in rows):
+            achieved = [r[2] / t for r, t in zip(rows, sec)]
+            peaks = [r[5] for r in rows]
+            if any(a > p for a, p in zip(achieved, peaks)):
+                peaks = self._raise_peak(trainer, achieved, peaks, seconds=record["seconds"])
+            record["mfu"] = sum(a / p for a, p in zip(achieved, peaks)) / n
+            self._rank_peaks = peaks
+            if not self._achieved_weighted:
+                self._achieved_weighted = [0.0] * n
+            self._achieved_weighted = [w + a * record["seconds"] for w, a in zip(self._achieved_weighted, achieved)]
         self.history.append(record)
         if not log:
             return
@@ -238,6 +268,59 @@ class MFUMonitor(Callback):
         if record["mfu"] is not None:
             values["perf/mfu"] = record["mfu"]
         log_window(trainer, pl_module, values, prog_bar=("perf/samples_per_sec", "perf/mfu") if self.prog_bar else ())
+
+    def _raise_peak(self, trainer: pl.Trainer, achieved: list[float], peaks: list[float], *, seconds: float
+                    ) -> list[float]:
+        """A window ran faster than the peak: that rate is a measured lower bound of the true peak, so it becomes the
+        peak. Ranks that started from one peak are one kind of device and keep one peak (the fastest rank's rate);
+        ranks with different peaks are raised each to its own rate. Every rank computes the same list from the
+        gathered rows. Warns once.
+
+        Re-probing instead would run a matmul inside the measured training (its time then counts as the window's),
+        and under the load that made the first probe read low it can read low again; the achieved rate cannot.
+        """
+        if len(set(peaks)) == 1:
+            raised = [max(peaks[0], *achieved)] * len(peaks)
+        else:
+            raised = [max(a, p) for a, p in zip(achieved, peaks)]
+        rank = max(range(len(peaks)), key=lambda r: achieved[r] / peaks[r])
+        window = len(self.history) + 1
+        mine = raised[trainer.global_rank]
+        if self._peak is not None and mine > self._peak.flops:
+            initial = self._initial_peak or self._peak
+            who = f" on rank {rank}" if trainer.world_size > 1 else ""
+            self._peak = PeakFlops(mine, "achieved",
+                                   f"achieved by window {window}{who} ({format_flops(mine)}), raised from the "
+                                   f"{initial.source} peak {format_flops(initial.flops)} ({initial.detail})")
+        if self._peak_raises == 0:
+            self._warn_raised(trainer, window, rank, achieved[rank], peaks[rank], seconds)
+        self._peak_raises += 1
+        return raised
+
+    def _warn_raised(self, trainer: pl.Trainer, window: int, rank: int, achieved: float, peak: float,
+                     seconds: float) -> None:
+        initial = self._initial_peak
+        source = initial.source if initial is not None else "unknown"
+        detail = initial.detail if initial is not None else ""
+        who = f" on rank {rank}" if trainer.world_size > 1 else ""
+        flops = "" if self._flops is None else f"{self._flops:.4g} FLOP per batch, {self._flops_source}"
+        head = (f"MFUMonitor: window {window}{who} achieved {format_flops(achieved)} over {seconds:.3g} s, "
+                f"{100 * achieved / peak:.1f} % of the peak {format_flops(peak)} ({source}: {detail}). ")
+        if source == "table":
+            why = (f"A GPU cannot run faster than its datasheet: the FLOP count ({flops}) overstates the work the "
+                   "kernels do (a causal or sparse kernel skipping work FlopCounterMode counts, a custom op counted "
+                   f"twice) or the matmuls run in a faster dtype than {self._dtype}, the one the table was read for. ")
+            fix = "Pass MFUMonitor(flops_per_batch=...) and/or MFUMonitor(peak_flops=...) with the right figures."
+        elif source == "user":
+            why = f"The peak_flops given is below what the device ran ({flops}). "
+            fix = "Pass the device's real peak as MFUMonitor(peak_flops=...)."
+        else:
+            why = ("The peak read low (a probe disturbed by other load, a clock read below the one the cores ran "
+                   f"at), or the FLOP count ({flops}) is above the work done. ")
+            fix = "Pass MFUMonitor(peak_flops=...) to fix the denominator."
+        rank_zero_warn(f"{head}{why}The peak is raised to {format_flops(achieved)}, the rate achieved, so MFU stays "
+                       "a fraction (this window's MFU is 1.0); later raises are not warned, and the summary divides "
+                       f"every window by the final peak. {fix}")
 
     # ------------------------------------------------------------------ pauses
     @override
@@ -278,8 +361,12 @@ class MFUMonitor(Callback):
             "dtype": self._dtype,
             "flops_per_batch": self._flops,
             "flops_source": self._flops_source,
-            "peak_flops": self._peak.flops if self._peak else None,
+            "peak_flops": (sum(self._rank_peaks) / len(self._rank_peaks) if self._rank_peaks
+                           else self._peak.flops if self._peak else None),
             "peak_source": self._peak.detail if self._peak else None,
+            "peak_flops_initial": self._initial_peak.flops if self._initial_peak else None,
+            "peak_source_initial": self._initial_peak.detail if self._initial_peak else None,
+            "peak_raises": self._peak_raises,
             "warmup_batches": self._skip,
             "batches_measured": int(sum(h["batches"] or 0 for h in self.history)),
         }
@@ -295,12 +382,17 @@ class MFUMonitor(Callback):
                 return None
             return sum(v * w for v, w in zip(vals, weights)) / sum(weights)  # type: ignore[operator]
 
+        mfu = None
+        if weighted("mfu") is not None and self._rank_peaks and sum(weights) > 0:
+            # every window against the final peak (windows logged before a raise divided by a lower one)
+            mfu = sum(w / sum(weights) / p for w, p in zip(self._achieved_weighted, self._rank_peaks)) / len(
+                self._rank_peaks)
         out.update(
             samples_per_sec=weighted("samples_per_sec"),
             median_samples_per_sec=statistics.median(h["samples_per_sec"] for h in self.history),
             tokens_per_sec=weighted("tokens_per_sec"),
             flops_per_sec_per_device=weighted("flops_per_sec_per_device"),
-            mfu=weighted("mfu"),
+            mfu=mfu,
             seconds_measured=sum(weights),
         )
         return out
@@ -327,8 +419,12 @@ class MFUMonitor(Callback):
             table.add_row("achieved", f"{s['flops_per_sec_per_device'] / 1e12:,.4f} TFLOP/s", "per device")
         if s.get("peak_flops") is not None:
             table.add_row("peak", f"{s['peak_flops'] / 1e12:,.4f} TFLOP/s", f"per device, {s['peak_source']}")
+        if s.get("peak_raises"):
+            table.add_row("peak raised", f"{s['peak_raises']} window(s)",
+                          f"windows ran faster than the initial peak {s['peak_flops_initial'] / 1e12:,.4f} TFLOP/s; "
+                          "windows logged before a raise divided by a lower peak")
         mfu = s.get("mfu")
-        table.add_row("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %", "achieved ÷ peak, per device")
+        table.add_row("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %", "achieved ÷ final peak, per device")
         table.add_row("measured over", f"{s['batches_measured']} batches / {s['seconds_measured']:.1f} s",
                       f"after {s['warmup_batches']} warm-up batches; validation excluded")
         return table

@@ -1,16 +1,23 @@
-"""Peak FLOP/s of a device: a datasheet table for GPUs, a measured matmul probe for CPUs and unknown devices.
+"""Peak FLOP/s of a device: a datasheet table for GPUs; for CPUs the cores' hardware rate, checked by a matmul probe.
 
 Every table entry is the **dense** figure (NVIDIA datasheets print the 2:4-sparse figure with an asterisk; dense is
 half of it). For fp16/bf16/fp8 it is the tensor-core rate with fp32 accumulation where the datasheet tells them
 apart (GeForce cards run fp16 with fp16 accumulation at twice the rate; mixed-precision training accumulates in
 fp32). A chip without a data type in hardware (bf16 on V100/T4, fp8 before Ada/Hopper) has no entry: ``None``.
+
+CPUs have no table: :func:`cpu_hardware_peak` derives cores × clock × FLOPs per cycle from ``/proc/cpuinfo`` and
+cpufreq, and :func:`resolve_peak_flops` takes the larger of that and a short matmul probe (see its docstring for why
+the hardware figure comes first).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +25,8 @@ import torch
 __all__ = [
     "DTYPE_NAMES",
     "PeakFlops",
+    "cpu_hardware_peak",
+    "format_flops",
     "get_peak_flops",
     "measure_peak_flops",
     "normalize_dtype",
@@ -44,6 +53,20 @@ def normalize_dtype(dtype: Any) -> str:
         if key in spellings:
             return name
     raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)} (or the torch dtype)")
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """A peak FLOP/s figure and where it came from.
+
+    ``source`` is ``"user"`` (``peak_flops=``), ``"table"`` (a GPU datasheet), ``"hardware"`` (CPU cores x clock x
+    FLOPs per cycle), ``"measured"`` (a matmul probe) or ``"achieved"`` (a measuring window ran faster than the
+    peak it had: MFUMonitor raises the peak to that rate). ``detail`` says how the figure was obtained.
+    """
+
+    flops: float
+    source: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -166,6 +189,199 @@ def table_source(name: str) -> str | None:
     return None if chip is None else chip.source
 
 
+# ------------------------------------------------------------------------------------ CPUs: the hardware rate
+
+_CPUINFO = Path("/proc/cpuinfo")
+_SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+# Arm cores by (implementer, part) as /proc/cpuinfo prints them: fp32 FLOPs per cycle per core and the pipes behind
+# it, from Arm's software optimization guides (FMA throughput per cycle x lanes x 2). Other parts: no figure (probe).
+_ARM_CORES: dict[tuple[str, str], tuple[int, str]] = {
+    ("0x41", "0xd0c"): (16, "Neoverse N1: 2 x 128-bit FMA pipes"),
+    ("0x41", "0xd40"): (32, "Neoverse V1: 2 x 256-bit SVE FMA pipes"),
+    ("0x41", "0xd49"): (16, "Neoverse N2: 2 x 128-bit SVE2 FMA pipes"),
+    ("0x41", "0xd4f"): (32, "Neoverse V2: 4 x 128-bit FMA pipes"),
+}
+
+
+def format_flops(flops: float) -> str:
+    """``1.526e11`` -> ``"152.6 GFLOP/s"``: the largest SI prefix (up to T) the figure reaches, one decimal."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {prefix}FLOP/s"
+    return f"{flops:.1f} FLOP/s"
+
+
+def _cpuinfo_blocks(text: str) -> dict[int, dict[str, str]]:
+    """``/proc/cpuinfo`` as {processor number: {field: value}} (blocks without a processor number are dropped)."""
+    blocks: dict[int, dict[str, str]] = {}
+    for chunk in re.split(r"\n\s*\n", text):
+        fields = {}
+        for line in chunk.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
+        if fields.get("processor", "").isdigit():
+            blocks[int(fields["processor"])] = fields
+    return blocks
+
+
+def _x86_fp32_per_cycle(cpu: dict[str, str]) -> tuple[int, str] | None:
+    """fp32 FLOPs per cycle per core of the widest FMA ISA the flags show, and the units behind it.
+
+    MKL and oneDNN, torch's CPU matmul kernels, dispatch to the widest ISA the CPU reports. The flags do not say
+    how many FMA units a core has, so each ISA counts the most any core with it has (two), except AMD families
+    whose narrower datapath is known from the family: the figure is an upper bound. Sources: Intel's optimization
+    reference manual (Haswell onward: two 256-bit FMA ports; Skylake-SP Gold 6 / Platinum and later Xeons: two
+    512-bit FMA units, so 2 x 16 lanes x 2 = 64) and AMD's software optimization guides (Zen/Zen+ and Hygon
+    Dhyana: 128-bit FP pipes, AVX2 split in two; Zen 2/3: two 256-bit FMA pipes; Zen 4: AVX-512 through the
+    256-bit pipes; Zen 5: 512-bit pipes).
+    """
+    flags = set(cpu.get("flags", "").split())
+    vendor = cpu.get("vendor_id", "")
+    try:
+        family, model = int(cpu.get("cpu family", "0")), int(cpu.get("model", "0"))
+    except ValueError:
+        family = model = 0
+    amd_like = vendor in ("AuthenticAMD", "HygonGenuine")
+    if "avx512f" in flags:
+        if amd_like and family < 0x1A:
+            return 32, "AVX-512 FMA through 2 x 256-bit pipes (AMD Zen 4)"
+        return 64, "AVX-512 FMA: 2 x 512-bit FMA units"
+    if "fma" in flags and "avx" in flags:
+        if amd_like and (family == 0x18 or (family == 0x17 and model < 0x30)):
+            return 16, "AVX2 FMA through 2 x 128-bit pipes (AMD Zen/Zen+)"
+        return 32, "AVX2 FMA: 2 x 256-bit FMA units"
+    if "avx" in flags:
+        return 16, "AVX without FMA: one 256-bit multiply + one 256-bit add"
+    if "sse2" in flags:
+        return 8, "SSE2: one 128-bit multiply + one 128-bit add"
+    return None
+
+
+def _per_cycle(cpu: dict[str, str], key: str) -> tuple[float, str] | None:
+    """FLOPs per cycle per core for dtype ``key`` and how they arise; ``None`` where the core is not known."""
+    if "flags" in cpu:  # x86
+        base = _x86_fp32_per_cycle(cpu)
+        if base is None:
+            return None
+        fp32, isa = base
+        flags = set(cpu["flags"].split())
+        if key in ("fp32", "tf32"):  # a CPU has no TF32: the matmul runs in fp32
+            return fp32, isa
+        if key == "fp64":
+            return fp32 / 2, f"{isa}, half the fp32 lanes"
+        if key == "bf16":
+            if "amx_bf16" in flags:  # TDPBF16PS: 16x16x32 MACs every 16 cycles = 1024 FLOPs per cycle
+                return 1024, "AMX-BF16 tiles"
+            if "avx512_bf16" in flags:  # VDPBF16PS: two bf16 products per fp32 lane, on the fp32 FMA units
+                return 2 * fp32, f"AVX512-BF16 dot products, 2 x the fp32 rate of {isa}"
+            return fp32, f"no bf16 instructions: bf16 runs on the fp32 FMA units, {isa}"
+        if key == "fp16":
+            if "amx_fp16" in flags:
+                return 1024, "AMX-FP16 tiles"
+            if "avx512_fp16" in flags:
+                return 2 * fp32, f"AVX512-FP16, 2 x the fp32 rate of {isa}"
+            return fp32, f"no fp16 arithmetic: fp16 runs on the fp32 FMA units, {isa}"
+        return None  # fp8: no CPU runs it
+    part = _ARM_CORES.get((cpu.get("CPU implementer", ""), cpu.get("CPU part", "")))
+    if part is None:
+        return None
+    fp32, pipes = part
+    if key in ("fp32", "tf32"):
+        return fp32, pipes
+    if key == "fp64":
+        return fp32 / 2, f"{pipes}, half the fp32 lanes"
+    return None  # bf16/fp16 throughput differs between Arm cores in ways the features do not show: probe
+
+
+def _max_clock_hz(cpus: Iterable[int], blocks: dict[int, dict[str, str]], sysfs_cpu: Path
+                  ) -> tuple[float, str] | None:
+    """The highest clock the cores reach and where it was read, or ``None``.
+
+    cpufreq's ``cpuinfo_max_freq`` (kHz) is the top of the frequency range, turbo included where the driver
+    exposes it. Without cpufreq (most VMs) the larger of ``cpu MHz`` (the current clock; a VM's nominal one) and
+    the clock in the model name (Intel prints the base clock there) is the best upper figure the system shows.
+    """
+    cpus = list(cpus)
+    khz = []
+    for n in cpus:
+        try:
+            khz.append(int((sysfs_cpu / f"cpu{n}" / "cpufreq" / "cpuinfo_max_freq").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    if khz and max(khz) > 0:
+        return max(khz) * 1e3, "cpufreq max"
+    found: list[tuple[float, str]] = []
+    for n in cpus:
+        cpu = blocks.get(n, {})
+        try:
+            found.append((float(cpu["cpu MHz"]) * 1e6, "cpuinfo cpu MHz"))
+        except (KeyError, ValueError):
+            pass
+        named = re.search(r"@\s*([0-9.]+)\s*GHz", cpu.get("model name", ""))
+        if named:
+            found.append((float(named.group(1)) * 1e9, "model name"))
+    found = [f for f in found if f[0] > 0]
+    return max(found) if found else None
+
+
+def _physical_cores(cpus: list[int], blocks: dict[int, dict[str, str]]) -> int:
+    """Cores under the logical CPUs ``cpus``: SMT siblings share one core's FMA units."""
+    mine = [blocks[n] for n in cpus if n in blocks]
+    if mine and all("core id" in cpu for cpu in mine):
+        return len({(cpu.get("physical id"), cpu["core id"]) for cpu in mine})
+    return len(cpus)
+
+
+def cpu_hardware_peak(dtype: Any = torch.float32, *, threads: int | None = None,
+                      affinity: Iterable[int] | None = None, cpuinfo: Path = _CPUINFO,
+                      sysfs_cpu: Path = _SYSFS_CPU) -> PeakFlops | None:
+    """The CPU's peak FLOP/s for ``dtype`` from the hardware: cores x clock x FLOPs per cycle per core.
+
+    * cores: the physical cores under the CPUs this process may run on (affinity; SMT siblings count once), at most
+      ``threads`` (torch's intra-op threads, ``torch.get_num_threads()``): the cores torch's matmuls use;
+    * clock: cpufreq's maximum, else the larger of ``/proc/cpuinfo``'s ``cpu MHz`` and the model name's GHz;
+    * FLOPs per cycle: from the ISA the flags show (x86) or the core part (Arm Neoverse N1/V1/N2/V2), as the
+      comments of ``_x86_fp32_per_cycle`` / ``_ARM_CORES`` source them.
+
+    Every factor is the most the hardware could do (two FMA units where the flags cannot tell one from two, the
+    single-core turbo clock where cpufreq gives it): an upper bound, so an MFU against it stays a fraction. A clock
+    read below the real one (a VM's nominal ``cpu MHz`` under turbo) is the one way it reads low;
+    :func:`resolve_peak_flops` checks it against a probe for that reason.
+
+    Returns ``None`` where the CPU, its clock or the dtype's rate is not known (other architectures, Arm parts not
+    in the table, Arm bf16/fp16, fp8, no ``/proc/cpuinfo``).
+    """
+    key = normalize_dtype(dtype)
+    try:
+        blocks = _cpuinfo_blocks(cpuinfo.read_text())
+    except OSError:
+        return None
+    if not blocks:
+        return None
+    if affinity is None:
+        try:
+            affinity = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            affinity = blocks
+    cpus = sorted(n for n in affinity if n in blocks) or sorted(blocks)
+    rate = _per_cycle(blocks[cpus[0]], key)
+    clock = _max_clock_hz(cpus, blocks, sysfs_cpu)
+    if rate is None or clock is None:
+        return None
+    cores = _physical_cores(cpus, blocks)
+    if threads is None:
+        threads = torch.get_num_threads()
+    cores = max(1, min(cores, threads))
+    per_cycle, why = rate
+    hz, clock_source = clock
+    flops = cores * hz * per_cycle
+    return PeakFlops(flops, "hardware",
+                     f"hardware: {cores} core{'s' if cores > 1 else ''} x {hz / 1e9:.2f} GHz ({clock_source}) x "
+                     f"{per_cycle:g} {key} FLOP/cycle ({why}) = {format_flops(flops)}")
+
+
 _MEASURED: dict[tuple[Any, ...], float] = {}
 
 
@@ -241,18 +457,19 @@ def measure_peak_flops(device: Any = "cpu", dtype: Any = torch.float32, *, budge
     return best
 
 
-@dataclass(frozen=True)
-class PeakFlops:
-    """A peak FLOP/s figure and where it came from (``"user"``, ``"table"`` or ``"measured"``)."""
-
-    flops: float
-    source: str
-    detail: str
-
-
 def resolve_peak_flops(device: Any, dtype: Any, override: float | None = None, *, measure: bool = True
                        ) -> PeakFlops | None:
-    """The peak to divide by: the user's ``override``, else the datasheet table, else a measured probe.
+    """The peak to divide by: the user's ``override``, else the datasheet table (GPUs), else for a CPU the larger
+    of the hardware figure (:func:`cpu_hardware_peak`) and a matmul probe, else (an unknown GPU) the probe.
+
+    On a CPU the hardware figure comes first because it cannot read low for the reason probes do: a probe is the
+    fastest of a fraction of a second of matmuls, and on a machine other processes share that fraction can run at
+    half speed, after which training "achieves" more than the peak (MFU above 1). The hardware figure is the same
+    whatever the load, costs nothing, and is what utilisation means: the share of what the cores could do. Its
+    one way to read low is a clock below the real one (turbo above cpufreq's figure, a VM's nominal ``cpu MHz``);
+    the probe still runs (``measure=True``) to catch that: a probe above the hardware figure replaces it, and the
+    detail names both. Where the hardware is not known (other architectures, unknown Arm cores) the probe is the
+    peak. Either way a window that later runs faster raises the peak (``MFUMonitor``).
 
     Returns ``None`` only when nothing is known and ``measure`` is ``False`` or the probe cannot run.
     """
@@ -266,12 +483,28 @@ def resolve_peak_flops(device: Any, dtype: Any, override: float | None = None, *
     if table is not None:
         name = torch.cuda.get_device_name(device)
         return PeakFlops(table, "table", f"{name}, {key} dense: {table_source(name)}")
-    if not measure:
-        return None
-    try:
-        measured = measure_peak_flops(device, key)
-    except (ValueError, RuntimeError):
-        return None
+    hardware = cpu_hardware_peak(key) if device.type == "cpu" else None
+    probe = None
+    if measure:
+        try:
+            probe = measure_peak_flops(device, key)
+        except (ValueError, RuntimeError):  # fp8, or a dtype the device cannot multiply in
+            probe = None
+    return _larger_of(hardware, probe, key, device)
+
+
+def _larger_of(hardware: PeakFlops | None, probe: float | None, key: str, device: torch.device) -> PeakFlops | None:
+    """The hardware figure, unless the probe ran faster (then the probe, saying which figure it beat)."""
+    if probe is None:
+        return hardware
     where = "CPU" if device.type == "cpu" else str(device)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    return PeakFlops(measured, "measured", f"{where} {key} matmul probe{threads}")
+    measured = f"probe: {format_flops(probe)}, fastest {key} matmul on {where}{threads}"
+    if hardware is None:
+        return PeakFlops(probe, "measured", measured)
+    if probe > hardware.flops:
+        return PeakFlops(probe, "measured", f"{measured}; above the hardware figure "
+                                            f"({hardware.detail.removeprefix('hardware: ')}): the cores ran faster "
+                                            "than the clock read (turbo, or a VM's nominal clock)")
+    return PeakFlops(hardware.flops, "hardware",
+                     f"{hardware.detail}; the probe reached {100 * probe / hardware.flops:.0f} % of it")

@@ -1,4 +1,6 @@
+import re
 import types
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -106,7 +108,7 @@ def test_warmup_from_other_callbacks_such_as_torch_compile(fake_time):
     class CompileLike(pl.Callback):
         warmup_batches = 6
 
-    monitor = MFUMonitor(window=2, warmup_batches=2, flops_per_batch=1.0, peak_flops=1.0, print_summary=False)
+    monitor = MFUMonitor(window=2, warmup_batches=2, flops_per_batch=1.0, peak_flops=1e6, print_summary=False)
     trainer([monitor, CompileLike()], max_steps=20).fit(LinearModel(fake_time))
     assert monitor.summary["warmup_batches"] == 8
     assert monitor.summary["batches_measured"] == 12
@@ -138,13 +140,79 @@ def test_tokens_from_a_sequence_batch_and_from_the_module():
     assert monitor.summary["tokens_per_sec"] == pytest.approx(monitor.summary["samples_per_sec"] * 5 / B)
 
 
-def test_measured_cpu_peak_is_used_when_no_table_entry():
+def test_cpu_peak_from_the_hardware_or_the_probe_when_no_table_entry():
     monitor = MFUMonitor(window=3, warmup_batches=1, print_summary=False)
     trainer([monitor], max_steps=8).fit(LinearModel())
     s = monitor.summary
-    assert "matmul probe" in s["peak_source"] and s["peak_flops"] > 0
-    assert s["mfu"] > 0
+    assert s["peak_source"].startswith(("hardware: ", "probe: ", "achieved by window")) and s["peak_flops"] > 0
+    assert 0 < s["mfu"] <= 1
     assert s["mfu"] == pytest.approx(s["flops_per_sec_per_device"] / s["peak_flops"])
+    assert all(h["mfu"] <= 1 for h in monitor.history)
+
+
+class SpeedingUpModel(LinearModel):
+    """Steps take STEP_S, but the 11th to 15th (the third window of 5 after 4 warm-up batches) half of it."""
+
+    def training_step(self, batch, batch_idx):
+        self.clock.now += STEP_S / 2 if 14 <= batch_idx < 19 else STEP_S
+        return self.layer(batch[0]).sum()
+
+
+def logged_mfus(tmp_path):
+    text = (tmp_path / "m" / "version_0" / "metrics.csv").read_text().splitlines()
+    rows = [dict(zip(text[0].split(","), line.split(","))) for line in text[1:]]
+    return [float(r["perf/mfu"]) for r in rows if r.get("perf/mfu")]
+
+
+def test_a_probe_that_under_reads_is_raised_and_mfu_stays_a_fraction(fake_time, tmp_path, capsys):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_accel.core import peak
+
+    achieved = FLOPS_PER_BATCH / STEP_S  # 102.4 kFLOP/s; the probe reads half of it
+    monitor = MFUMonitor(window=5, warmup_batches=4)
+    t = trainer([monitor], logger=CSVLogger(tmp_path, name="m"), log_every_n_steps=5, max_steps=24)
+    with mock.patch.object(peak, "cpu_hardware_peak", return_value=None), \
+            mock.patch.object(peak, "measure_peak_flops", return_value=achieved / 2), \
+            pytest.warns(UserWarning, match="raised") as record:
+        t.fit(SpeedingUpModel(fake_time))
+    raised = [str(w.message) for w in record if "raised" in str(w.message)]
+    assert len(raised) == 1  # one warning, though the third window raises the peak again
+    assert "102.4 kFLOP/s" in raised[0] and "peak 51.2 kFLOP/s (measured: probe: 51.2 kFLOP/s" in raised[0]
+    assert "200.0 %" in raised[0] and "The peak read low" in raised[0]
+    # windows: 102.4 k (raises the peak, 1.0), 102.4 k (1.0), 204.8 k (raises again, 1.0), 102.4 k (0.5)
+    assert [h["mfu"] for h in monitor.history] == pytest.approx([1.0, 1.0, 1.0, 0.5])
+    assert logged_mfus(tmp_path) == pytest.approx([1.0, 1.0, 1.0, 0.5])
+    s = monitor.summary
+    assert s["peak_flops"] == pytest.approx(2 * achieved) and s["peak_raises"] == 2
+    assert s["peak_flops_initial"] == achieved / 2 and s["peak_source_initial"].startswith("probe: 51.2 kFLOP/s")
+    assert s["peak_source"].startswith("achieved by window 3 (204.8 kFLOP/s), raised from the measured peak 51.2")
+    # the summary divides every window by the final peak: 4 windows of 5 batches over 0.05 + 0.05 + 0.025 + 0.05 s
+    assert s["mfu"] == pytest.approx(20 * FLOPS_PER_BATCH / 0.175 / (2 * achieved))
+    assert s["mfu"] == pytest.approx(s["flops_per_sec_per_device"] / s["peak_flops"])
+    out = capsys.readouterr().out
+    assert "peak raised" in out and "achieved ÷ final peak" in out
+
+
+def test_gpu_window_above_the_datasheet_warns_with_the_numbers(fake_time, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_accel.core.peak import PeakFlops
+
+    datasheet = PeakFlops(80e3, "table", "NVIDIA H100 80GB HBM3, bf16 dense: NVIDIA H100 datasheet (SXM5)")
+    monitor = MFUMonitor(window=5, warmup_batches=4, print_summary=False)
+    t = trainer([monitor], logger=CSVLogger(tmp_path, name="m"), log_every_n_steps=5, max_steps=14)
+    with mock.patch("lightning_accel.callbacks.mfu_monitor.resolve_peak_flops", return_value=datasheet), \
+            pytest.warns(UserWarning, match="cannot run faster than its datasheet") as record:
+        t.fit(LinearModel(fake_time))
+    message = next(str(w.message) for w in record if "datasheet" in str(w.message))
+    assert "achieved 102.4 kFLOP/s" in message and "128.0 % of the peak 80.0 kFLOP/s (table: NVIDIA H100" in message
+    assert f"the FLOP count ({FLOPS_PER_BATCH} FLOP per batch, counted on the first batch" in message
+    assert "faster dtype than fp32" in message and "flops_per_batch=" in message
+    assert logged_mfus(tmp_path) == pytest.approx([1.0, 1.0])
+    s = monitor.summary
+    assert s["peak_flops_initial"] == 80e3 and "datasheet" in s["peak_source_initial"]
+    assert s["peak_flops"] == pytest.approx(FLOPS_PER_BATCH / STEP_S) and s["mfu"] == pytest.approx(1.0)
 
 
 def test_model_without_counted_flops_warns_once_and_keeps_training():
@@ -240,3 +308,51 @@ def test_recomputed_flops_reported_by_a_callback_are_not_model_flops(fake_time):
     assert monitor.summary["flops_per_batch"] == FLOPS_PER_BATCH - 100
     assert "recomputed by activation checkpointing" in monitor.summary["flops_source"]
     assert monitor.summary["mfu"] == pytest.approx((FLOPS_PER_BATCH - 100) / STEP_S / 1e6)
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_of_one_device_kind_share_the_raised_peak(ddp_script, tmp_path):
+    ddp_script(f"""
+        import json, types
+        import lightning.pytorch as pl
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        import lightning_accel.core.throughput as tp
+        from lightning_accel import MFUMonitor
+
+        from tests.helpers import FakeClock
+        clock = FakeClock()
+        tp.time = types.SimpleNamespace(perf_counter=lambda: clock.now)
+
+        class M(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear({IN}, {OUT})
+            def training_step(self, batch, batch_idx):
+                clock.now += {STEP_S} * (1 + self.global_rank)  # rank 0 runs above the given peak, rank 1 below
+                return self.layer(batch[0]).sum()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+            def train_dataloader(self):
+                return DataLoader(TensorDataset(torch.randn({B} * 64, {IN})), batch_size={B})
+
+        monitor = MFUMonitor(window=4, warmup_batches=2, peak_flops=6e4, print_summary=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=14, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[monitor])
+        trainer.fit(M())
+        with open(f"summary_rank{{trainer.global_rank}}.json", "w") as f:
+            json.dump(dict(monitor.summary, history=monitor.history), f)
+    """)
+    from tests.conftest import read_rank_json
+
+    s0, s1 = read_rank_json(tmp_path, "summary")
+    assert s0 == s1  # the raised peak, its source and the MFU are the same on every rank
+    fast = FLOPS_PER_BATCH / STEP_S
+    # later windows run at the same rate: they may raise it again by a rounding error of the window's seconds
+    assert s0["peak_flops"] == pytest.approx(fast) and s0["peak_flops_initial"] == 6e4 and s0["peak_raises"] >= 1
+    assert re.fullmatch(r"achieved by window \d on rank 0 \(102.4 kFLOP/s\), raised from the user peak 60.0 kFLOP/s "
+                        r"\(given by the user\)", s0["peak_source"])
+    assert [h["mfu"] for h in s0["history"]] == pytest.approx([0.75, 0.75, 0.75])  # (1.0 + 0.5) / 2 per window
+    assert s0["mfu"] == pytest.approx(0.75)

@@ -27,9 +27,8 @@ def test_demo_runs_and_reports_mfu():
     summary = result["mfu_monitor"]
     assert summary["samples_per_sec"] > 0 and summary["tokens_per_sec"] == pytest.approx(
         summary["samples_per_sec"] * 64)
-    assert "matmul probe" in summary["peak_source"]
-    # MFU is achieved ÷ measured peak (no upper bound asserted: a probe disturbed by other load reads low)
-    assert summary["mfu"] > 0
+    assert summary["peak_source"].startswith(("hardware: ", "probe: ", "achieved by window"))
+    assert 0 < summary["mfu"] <= 1  # a window above the peak raises the peak: MFU is a fraction
     assert summary["mfu"] == pytest.approx(summary["flops_per_sec_per_device"] / summary["peak_flops"])
     assert result["train_loss"] < 5.545  # learning: below a uniform guess over 256 tokens
 
