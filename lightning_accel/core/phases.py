@@ -260,8 +260,9 @@ def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
     if fit.sanity_seconds > 0.5 * val:
         steps.append("the sanity check is most of it: Trainer(num_sanity_val_steps=0) skips it")
     if tail[0] > 0:
-        steps.append("keep the validation DataLoader's workers between runs: DataLoader(persistent_workers=True) "
-                     "(their start-up lands in the next training batch)")
+        steps.append("the slow batches after each run wait for what Lightning does before on_validation_start: the "
+                     "validation DataLoader's workers starting (keep them: DataLoader(persistent_workers=True)) or "
+                     "the model's on_validation_model_eval")
     return Finding("validation_heavy", "validation", evidence + ".", "; ".join(steps) + ".", share, kind="fit",
                    saving=share)
 
