@@ -38,7 +38,7 @@ from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport
 from lightning_accel.core.rules import RunContext, Thresholds, diagnose
 from lightning_accel.core.stages import StageMachine, StageWindow
-from lightning_accel.core.verdict import build_report
+from lightning_accel.core.verdict import build_report, place_finding
 from lightning_accel.core.window_row import RankWindow
 
 if TYPE_CHECKING:
@@ -98,7 +98,10 @@ class BottleneckDoctor(Callback):
     its fix changes or it comes back, at most every ``warn_interval_s``), and reported at the end of ``fit``: a rich
     table (rank 0), the JSON at ``report_path`` and a PNG of the stacked shares over time next to it (with the
     ``plots`` extra). After ``fit``, :attr:`report` (a :class:`~lightning_accel.core.report.DoctorReport`) has
-    ``bottleneck``, ``shares`` and ``findings``, and beside the step breakdown:
+    ``bottleneck``, ``shares`` and ``findings``: the step's, the fit's and the pipeline bubble reconciled into one
+    list (:func:`~lightning_accel.core.verdict.build_report`: no two findings count the same seconds, e.g. a
+    straggler's cost is not the network's too), each with the share of the fit its fix would save (``saving``),
+    largest first. Beside the step breakdown:
 
     * **the whole fit** (``report.fit``, ``report.fit_findings``): wall time split into start-up (set-up and the
       warm-up batches: FLOP counting, compilation), training batches, validation (sanity check included),
@@ -641,7 +644,7 @@ class BottleneckDoctor(Callback):
         if callable(bubble):
             finding = bubble(skip=min(self._skip, max(0, self._batches_seen - 1)))
             if finding is not None:
-                self.report.findings.insert(0, finding)
+                place_finding(self.report, finding)
         if not trainer.is_global_zero:
             return
         if self.print_report:

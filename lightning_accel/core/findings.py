@@ -9,11 +9,11 @@ Plain data shared by every rule family — the step rules (:mod:`lightning_accel
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds"]
+__all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "by_saving"]
 
 #: The stages of a training step, in the order a step runs them.
 STAGES: tuple[str, ...] = ("data", "transfer", "forward", "backward", "optimizer", "communication", "other")
@@ -187,6 +187,13 @@ class Finding:
         gain: the measured speed-up of the fix (old time ÷ new time) where it was previewed, else ``None``.
         kind: ``"step"`` (from the stage shares), ``"fit"`` (fit phases) or ``"smell"`` (static, before the
             first step).
+        saving: the share of the time that fixing it would save (the time its cause takes now, or for a fix that
+            speeds a stage up rather than removing it, the rule's estimate of what it takes off; each rule says
+            which); findings are shown largest saving first (:func:`by_saving`). Of the step time for a step
+            finding (:func:`~lightning_accel.core.rules.diagnose`, stragglers, variability), of the fit after
+            start-up for a fit finding and for every finding of a report that measured the fit
+            (:func:`~lightning_accel.core.verdict.build_report` rescales the step findings by the training's share
+            of that fit). ``None`` where the rule cannot say (the gain of a larger batch, the attention's share).
     """
 
     rule: str
@@ -196,19 +203,26 @@ class Finding:
     value: float
     gain: float | None = None
     kind: str = "step"
+    saving: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Finding:
-        gain = data.get("gain")
+        gain, saving = data.get("gain"), data.get("saving")
         return cls(rule=str(data["rule"]), stage=str(data["stage"]), evidence=str(data["evidence"]),
                    fix=str(data["fix"]), value=float(data["value"]), gain=None if gain is None else float(gain),
-                   kind=str(data.get("kind", "step")))
+                   kind=str(data.get("kind", "step")), saving=None if saving is None else float(saving))
 
     def __str__(self) -> str:
         return f"[{self.stage}] {self.evidence} Fix: {self.fix}"
+
+
+def by_saving(findings: Iterable[Finding]) -> list[Finding]:
+    """Findings largest :attr:`~Finding.saving` first, so the first is the fix that saves the most; those that
+    cannot say what they save (``None``) follow, in their given order (the sort is stable)."""
+    return sorted(findings, key=lambda f: (f.saving is None, -(f.saving or 0.0)))
 
 
 @dataclass(frozen=True)
@@ -225,7 +239,7 @@ class SkippedRule:
 @dataclass
 class Diagnosis:
     """The result of :func:`~lightning_accel.core.rules.diagnose` (and the other rule families): findings (largest
-    share first) and the rules that were skipped."""
+    saving first) and the rules that were skipped."""
 
     findings: list[Finding] = field(default_factory=list)
     skipped: list[SkippedRule] = field(default_factory=list)

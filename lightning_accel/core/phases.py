@@ -2,7 +2,11 @@
 
 :class:`FitClock` attributes wall time to nested phases (the innermost open phase gets the time: a checkpoint
 saved at the end of validation is ``checkpoint``, a sanity check during start-up is ``validation``);
-:func:`diagnose_fit` turns the result into findings with the concrete Trainer / ``ModelCheckpoint`` settings.
+:func:`diagnose_fit` turns the result into findings with the concrete Trainer / ``ModelCheckpoint`` settings. A fit
+finding's ``saving`` is its phase's share of the fit after start-up, together with the tail the phase leaves in the
+training batches when the caller measured one (``tails``: e.g. the validation DataLoader's workers starting before
+Lightning's ``on_validation_start``, counted as the next batch's data wait): validating or saving less often removes
+both.
 
 Phases (:data:`FIT_PHASES`):
 
@@ -25,7 +29,7 @@ from typing import Any
 
 from lightning_accel.core.findings import Diagnosis, Finding, RunContext, Thresholds
 
-__all__ = ["FIT_PHASES", "FitBreakdown", "FitClock", "diagnose_fit"]
+__all__ = ["FIT_PHASES", "FitBreakdown", "FitClock", "diagnose_fit", "phase_cadences"]
 
 FIT_PHASES: tuple[str, ...] = ("startup", "train", "validation", "checkpoint", "other")
 # Where the fixes aim: validation at ~5 % of the fit, checkpoints at ~2 %.
@@ -148,11 +152,44 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def phase_cadences(context: RunContext | None = None, fit: FitBreakdown | None = None) -> dict[str, int]:
+    """Training batches between two runs of the periodic work a step-time spike can come from: ``logging``
+    (``log_every_n_steps``), ``checkpoint`` (``ModelCheckpoint(every_n_train_steps)``) and ``validation`` (an int
+    ``val_check_interval``); both count optimizer steps or batches as Lightning does (x ``accumulate_grad_batches``
+    for the step counts). Without the setting, a fit's measured cadence: its training batches ÷ its runs of the
+    phase. Work with no known cadence is left out."""
+    ctx = context or RunContext()
+    accumulate = ctx.accumulate_grad_batches or 1
+    out: dict[str, int] = {}
+    if ctx.log_every_n_steps:
+        out["logging"] = ctx.log_every_n_steps * accumulate
+    if ctx.checkpoint_every_n_train_steps:
+        out["checkpoint"] = ctx.checkpoint_every_n_train_steps * accumulate
+    interval = ctx.val_check_interval
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+        out["validation"] = interval
+    if fit is not None and fit.train_batches > 0:
+        for phase in ("checkpoint", "validation"):
+            runs = fit.counts.get(phase, 0)
+            if phase not in out and runs >= 2:
+                out[phase] = round(fit.train_batches / runs)
+    return out
+
+
 def diagnose_fit(fit: FitBreakdown, context: RunContext | None = None,
-                 thresholds: Thresholds | None = None) -> Diagnosis:
+                 thresholds: Thresholds | None = None, *,
+                 tails: Mapping[str, tuple[float, int]] | None = None) -> Diagnosis:
     """Findings about the fit outside the training step: ``validation_heavy``, ``checkpoint_heavy``.
 
     Shares are of the fit after start-up (wall − ``startup``), so a long compilation does not hide them.
+
+    Args:
+        fit: the fit's phases.
+        context: the Trainer's validation and checkpoint settings (for the fix).
+        thresholds: where the findings fire (``validation_share``, ``checkpoint_share``).
+        tails: phase → (seconds, batches): the extra time of the training batches that run slow right after each
+            run of the phase (spikes at its cadence), which the step time counted. It is that phase's cost: it is
+            added to the phase's share, and the evidence says how much of it there was.
     """
     ctx = context or RunContext()
     th = thresholds or Thresholds()
@@ -160,28 +197,44 @@ def diagnose_fit(fit: FitBreakdown, context: RunContext | None = None,
     base = fit.wall - fit.seconds.get("startup", 0.0)
     if base <= 0:
         return out
-    val = fit.seconds.get("validation", 0.0)
+    tails = dict(tails or {})
+    for phase, (seconds, batches) in tails.items():
+        if phase not in ("validation", "checkpoint") or not seconds >= 0 or batches < 0:
+            raise ValueError(f"tails[{phase!r}] = ({seconds!r}, {batches!r}): give 'validation' or 'checkpoint' "
+                             "with seconds >= 0 and a batch count >= 0")
+    val_tail = tails.get("validation", (0.0, 0))
+    val = fit.seconds.get("validation", 0.0) + val_tail[0]
     runs = fit.counts.get("validation", 0)
     if val / base > th.validation_share:
-        out.findings.append(_validation_finding(fit, ctx, th, base, val, runs))
-    ckpt = fit.seconds.get("checkpoint", 0.0)
+        out.findings.append(_validation_finding(fit, ctx, th, base, val, runs, val_tail))
+    ckpt_tail = tails.get("checkpoint", (0.0, 0))
+    ckpt = fit.seconds.get("checkpoint", 0.0) + ckpt_tail[0]
     if ckpt / base > th.checkpoint_share:
-        out.findings.append(_checkpoint_finding(fit, ctx, th, base, ckpt))
+        out.findings.append(_checkpoint_finding(fit, ctx, th, base, ckpt, ckpt_tail))
     return out
 
 
+def _tail_clause(tail: tuple[float, int], after: str) -> str:
+    seconds, batches = tail
+    if seconds <= 0:
+        return ""
+    return (f"; {seconds:.2f} s of it are the {batches} training batch(es) that ran slow right after {after} "
+            "(counted in the step time)")
+
+
 def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, val: float,
-                        runs: int) -> Finding:
+                        runs: int, tail: tuple[float, int]) -> Finding:
     share = val / base
     evidence = (f"validation takes {val:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, threshold "
                 f"{_pct(th.validation_share)})")
     if runs:
-        per_run = (val - fit.sanity_seconds) / runs
+        per_run = (val - tail[0] - fit.sanity_seconds) / runs
         evidence += f": {runs} run(s) of {per_run:.2f} s"
         if fit.train_batches:
             evidence += f", one every {fit.train_batches / runs:.0f} training batches"
     if fit.sanity_seconds > 0:
         evidence += f"; the sanity check {fit.sanity_seconds:.2f} s"
+    evidence += _tail_clause(tail, "a validation run")
     # validate k x less (or on k x fewer batches) to bring it to ~5 % of the fit
     train_like = max(base - val, 1e-9)
     k = max(2, math.ceil(val / (_VALIDATION_TARGET / (1 - _VALIDATION_TARGET) * train_like)))
@@ -206,19 +259,26 @@ def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
         steps.append(f"or on fewer batches: Trainer(limit_val_batches={limit / k:.2g})")
     if fit.sanity_seconds > 0.5 * val:
         steps.append("the sanity check is most of it: Trainer(num_sanity_val_steps=0) skips it")
-    return Finding("validation_heavy", "validation", evidence + ".", "; ".join(steps) + ".", share, kind="fit")
+    if tail[0] > 0:
+        steps.append("the slow batches after each run wait for what Lightning does before on_validation_start: the "
+                     "validation DataLoader's workers starting (keep them: DataLoader(persistent_workers=True)) or "
+                     "the model's on_validation_model_eval")
+    return Finding("validation_heavy", "validation", evidence + ".", "; ".join(steps) + ".", share, kind="fit",
+                   saving=share)
 
 
-def _checkpoint_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, ckpt: float) -> Finding:
+def _checkpoint_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, ckpt: float,
+                        tail: tuple[float, int]) -> Finding:
     share = ckpt / base
     saves = fit.counts.get("checkpoint", 0)
     evidence = (f"saving checkpoints takes {ckpt:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, "
                 f"threshold {_pct(th.checkpoint_share)})")
     if saves:
-        evidence += f": {saves} save(s) of {1e3 * ckpt / saves:.0f} ms"
+        evidence += f": {saves} save(s) of {1e3 * (ckpt - tail[0]) / saves:.0f} ms"
     every = ctx.checkpoint_every_n_train_steps
     if every:
         evidence += f", every {every} training step(s)"
+    evidence += _tail_clause(tail, "a save")
     train_like = max(base - ckpt, 1e-9)
     k = max(2, math.ceil(ckpt / (_CHECKPOINT_TARGET / (1 - _CHECKPOINT_TARGET) * train_like)))
     steps = []
@@ -231,4 +291,5 @@ def _checkpoint_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
                      "(lightning.pytorch.plugins.io.AsyncCheckpointIO)")
     steps.append("keep only what a resume needs (save_top_k, save_weights_only=True when the optimizer state is "
                  "not needed)")
-    return Finding("checkpoint_heavy", "checkpoint", evidence + ".", "; ".join(steps) + ".", share, kind="fit")
+    return Finding("checkpoint_heavy", "checkpoint", evidence + ".", "; ".join(steps) + ".", share, kind="fit",
+                   saving=share)

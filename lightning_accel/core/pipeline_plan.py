@@ -224,4 +224,5 @@ def bubble_finding(bubbles: Sequence[float | None], *, pipeline_ranks: int, micr
     if max(known) > expected + 0.15:
         fixes.append("the measured bubble is well above the formula: balance the stages (blocks_per_stage=...; the "
                      "slowest stage sets the pace) or the point-to-point sends dominate (larger micro-batches)")
-    return Finding("pipeline_bubble", "forward", evidence, "; ".join(fixes) + ".", max(known))
+    # saving: the idle share itself, the most that the fixes above can take off the step
+    return Finding("pipeline_bubble", "forward", evidence, "; ".join(fixes) + ".", max(known), saving=max(known))

@@ -44,7 +44,9 @@ class DoctorReport:
         utilisation: means over windows: ``cpu_process_pct`` / ``cpu_workers_pct`` (% of one core, per rank),
             ``gpu_util_pct`` (%), ``gpu_mem_used_frac`` and ``memory_peak_frac`` (fractions of capacity),
             ``gpu_sm_clock_mhz``.
-        findings: diagnosed problems with their fixes, largest stage first.
+        findings: diagnosed problems with their fixes, the step's and the fit's reconciled into one list, largest
+            ``saving`` first (the first is the fix that saves the most; :func:`~lightning_accel.core.verdict.
+            build_report`).
         skipped: rules that could not run and why.
         context: what was known about the run (device, dtype, DataLoader settings, ...).
         precision: ``loss_scale``, ``skipped_steps``, ``total_steps`` of the precision plugin when it has them.
@@ -56,7 +58,8 @@ class DoctorReport:
             merge_windows` (``step_p5``, ``step_p50``, ``step_p95`` in seconds, ``spikes``, ``spike_period``, ...).
         fit: the whole fit (:class:`~lightning_accel.core.phases.FitBreakdown` as a dict: ``seconds`` per phase,
             ``wall``, ``counts``, ``sanity_seconds``, ``train_batches``), rank 0's clock.
-        fit_findings: findings about the fit outside the step (``validation_heavy``, ``checkpoint_heavy``).
+        fit_findings: findings about the fit outside the step (``validation_heavy``, ``checkpoint_heavy``), also
+            in ``findings``.
         smells: code smells found before the first step (:func:`~lightning_accel.core.smells.find_smells`).
         smells_skipped: smells that could not be checked and why.
     """
@@ -230,8 +233,10 @@ class DoctorReport:
         parts.append(Text("; ".join(facts)))
         parts.extend(self._rank_parts())
         if self.findings:
+            basis = "fit" if self.fit.get("wall") else "step"
             for i, f in enumerate(self.findings, 1):
-                parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), f.evidence))
+                saves = f"(saves up to {100 * f.saving:.1f} % of the {basis}) " if f.saving is not None else ""
+                parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), saves, f.evidence))
                 parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
         elif self.bottleneck is not None:
             parts.append(Text("No finding: no stage crosses its threshold.", style="green"))
@@ -295,7 +300,8 @@ class DoctorReport:
                              f"p50 {1e3 * v['step_p50']:.2f} ms, p95 {1e3 * v['step_p95']:.2f} ms, "
                              f"{int(v.get('spikes', 0))} spike(s)" for r, v in stats)
             parts.append(Text(f"step-time variability: {text}"))
-        for i, f in enumerate(self.fit_findings, 1):
+        listed = [f for f in self.fit_findings if f not in self.findings]  # reports that kept them apart
+        for i, f in enumerate(listed, 1):
             parts.append(Text.assemble((f"fit {i}. [{f.stage}] ", "bold yellow"), f.evidence))
             parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
         return parts
@@ -349,8 +355,8 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
             lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
                          f"{_fmt_pct(new.shares.get(new_b))})")
     lines.extend(_compare_fit(new, baseline))
-    old_rules = {f.rule: f for f in baseline.findings}
-    new_rules = {f.rule for f in new.findings}
+    old_rules = {f.rule: f for f in baseline.findings if f.kind != "fit"}  # the fit's: in _compare_fit
+    new_rules = {f.rule for f in new.findings if f.kind != "fit"}
     resolved = [old_rules[r] for r in sorted(set(old_rules) - new_rules)]
     if resolved:
         lines.append("resolved findings: " + ", ".join(

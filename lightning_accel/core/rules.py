@@ -22,19 +22,38 @@ Default thresholds come from the project's playbook (``PLAYBOOK.md``) and the so
   the peak under ~80 %);
 * MFU ÷ compute share < 0.30: the compute stages take the time but deliver little of the peak, the signature of a
   launch-bound step (well-tuned stacks reach 40–60 % MFU overall, playbook "Compute").
+
+Every finding carries its ``saving``, the share of the step its fix would save, and :func:`diagnose` returns them
+largest saving first, so the first finding is the fix to make first:
+
+* a stage the fix hides or removes (data wait, transfer, communication, the stage a GPU idles for): the whole share;
+* fp32 on tensor cores: a third of forward + backward (1.5x, the low end of the 1.5-2x mixed precision gives);
+* an unfused optimizer: half of the update (the Autopilot's prior for a foreach step, ``EXPECTED_REMOVAL``;
+  fused measured 1.8-4x faster on this project's CPU benchmarks);
+* launch-bound compute: the compute time above what it takes at ``mfu_per_compute``'s efficiency;
+* memory near capacity and the math SDPA kernel: ``None`` (the gain is a larger batch's, or the attention's share
+  of the compute, neither of which the breakdown measures);
+* a straggler: its excess over the other ranks (:mod:`lightning_accel.core.ranks`).
+
+Time that one finding accounts for is not judged again by another: with a straggler, the step rules see the shares
+without the straggler's extra time and the others' wait for it (:func:`~lightning_accel.core.ranks.straggler_shares`;
+the network is judged by what the all-reduce itself costs), and a caller that attributes time elsewhere (a fit
+phase's tail in the training batches, :func:`~lightning_accel.core.verdict.build_report`) passes it as
+``accounted``. A GPU-utilisation finding whose idle stage already has a finding is folded into that one.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 # The data model lives in findings.py; re-exported here, where the doctor's users import it from.
-from lightning_accel.core.findings import STAGES, Diagnosis, Finding, RunContext, SkippedRule, Thresholds
-from lightning_accel.core.ranks import find_stragglers, own_communication_share
+from lightning_accel.core.findings import STAGES, Diagnosis, Finding, RunContext, SkippedRule, Thresholds, by_saving
+from lightning_accel.core.ranks import find_stragglers, straggler_shares
 
 __all__ = ["RULES", "STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "bottleneck_of",
-           "diagnose", "holding_back"]
+           "by_saving", "diagnose", "holding_back"]
 
 
 class _Skip(Exception):
@@ -54,16 +73,22 @@ def bottleneck_of(shares: Mapping[str, float]) -> str | None:
 
 
 def holding_back(shares: Mapping[str, float], findings: Sequence[Finding]) -> str | None:
-    """The stage that holds the run back: the stage of the first finding (findings come largest stage first), or,
-    with no finding (a balanced run), the largest stage — for a healthy run that is forward or backward, i.e. the
-    run is compute-bound. A data wait of 34 % next to a 41 % backward is therefore a ``data`` bottleneck: it is the
-    part of the step that should not be there."""
-    if findings:
-        return findings[0].stage
+    """The stage that holds the run back: the stage of the first finding on a step stage (findings come largest
+    saving first; a fit finding's phase is not a stage), or, with none (a balanced run), the largest stage — for a
+    healthy run that is forward or backward, i.e. the run is compute-bound. A data wait of 34 % next to a 41 %
+    backward is therefore a ``data`` bottleneck: it is the part of the step that should not be there."""
+    for finding in findings:
+        if finding.stage in STAGES:
+            return finding.stage
     return bottleneck_of(shares)
 
 
 # ---------------------------------------------------------------------------------------------------- the rules
+_MIXED_SPEEDUP = 1.5  # the low end of the 1.5-2x the mixed-precision fix names
+_FUSED_REMOVAL = 0.5  # the share of an unfused update a foreach/fused one removes (the Autopilot's foreach prior)
+#: the stages a rule judges, where they are not just its finding's stage (the compute rules: forward + backward)
+_JUDGED = {"fp32_compute": ("forward", "backward"), "launch_bound": ("forward", "backward"),
+           "math_sdpa": ("forward", "backward"), "memory": ()}
 def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
     """The data rule for a DALI pipeline: its own knobs, not a DataLoader's."""
     evidence = (f"waiting for the next batch takes {_pct(data)} of the step time (threshold {_pct(th.data_share)}); "
@@ -86,7 +111,7 @@ def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
                  "500x375 to 1000x750 JPEGs in benchmarks/bench_dali.py)")
     if ctx.decode_device == "cpu" and ctx.device_type != "cuda" and not spare_cores:
         steps.append("every core already decodes: the data rate is this machine's, until more cores or a GPU")
-    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data)
+    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data, saving=data)
 
 
 def _rule_data_wait(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -123,7 +148,7 @@ def _rule_data_wait(shares: Mapping[str, float], ctx: RunContext, th: Thresholds
     steps.append("let DataLoaderTuner search num_workers/prefetch_factor for you")
     steps.append("pack many small files into sequential shards (pack_memmap, pack_webdataset)")
     steps.append("decode and augment images on the GPU (DALIImageDataModule)")
-    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data)
+    return Finding("data_wait", "data", evidence, "; ".join(steps) + ".", data, saving=data)
 
 
 def _rule_gpu_utilisation(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -149,7 +174,7 @@ def _rule_gpu_utilisation(shares: Mapping[str, float], ctx: RunContext, th: Thre
     }
     if stage == "data" and ctx.loader == "DALIImageDataModule":
         fixes["data"] = _dali_data_fix(host["data"], ctx, th).fix
-    return Finding("gpu_utilisation", stage, evidence, fixes[stage], util)
+    return Finding("gpu_utilisation", stage, evidence, fixes[stage], util, saving=host[stage])
 
 
 def _rule_transfer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -172,7 +197,7 @@ def _rule_transfer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds)
         evidence += "; pin_memory is already on."
         fix = ("overlap the copy with compute (DevicePrefetcher) and move fewer bytes: uint8 instead of float "
                "images, fp16 output from DALI (DALIImageDataModule), normalise on the device.")
-    return Finding("transfer", "transfer", evidence, fix, transfer)
+    return Finding("transfer", "transfer", evidence, fix, transfer, saving=transfer)
 
 
 def _rule_fp32_compute(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -192,7 +217,7 @@ def _rule_fp32_compute(shares: Mapping[str, float], ctx: RunContext, th: Thresho
                 f"{'bf16' if half.startswith('bf16') else 'fp16'} several times faster.")
     fix = (f"train in mixed precision: Trainer(plugins=[AutoMixedPrecision()]) (or precision='{half}'); "
            "typically 1.5-2x on tensor-core GPUs; compare the loss curve once.")
-    return Finding("fp32_compute", "forward", evidence, fix, compute)
+    return Finding("fp32_compute", "forward", evidence, fix, compute, saving=compute * (1 - 1 / _MIXED_SPEEDUP))
 
 
 def _rule_optimizer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -217,7 +242,7 @@ def _rule_optimizer(shares: Mapping[str, float], ctx: RunContext, th: Thresholds
         fix += "; on several GPUs, ZeRO sharding (strategy='deepspeed_zero1'/'deepspeed_zero2') splits the update"
     if (ctx.accumulate_grad_batches or 1) == 1:
         fix += "; gradient accumulation (accumulate_grad_batches=N) runs the step once per N micro-batches"
-    return Finding("optimizer", "optimizer", evidence, fix + ".", opt)
+    return Finding("optimizer", "optimizer", evidence, fix + ".", opt, saving=opt * _FUSED_REMOVAL)
 
 
 def _rule_communication(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -238,7 +263,7 @@ def _rule_communication(shares: Mapping[str, float], ctx: RunContext, th: Thresh
            "slow networks; check convergence); on a slow link with few ranks also 'ddp_qsgd' (4-bit, ~7x) or "
            "'ddp_topk' (1 % of the entries, ~50x; by all-gather: pays while density < 1/ranks); all-reduce less "
            "often with gradient accumulation (accumulate_grad_batches=N: one all-reduce per N micro-batches).")
-    return Finding("communication", "communication", evidence, fix, comm)
+    return Finding("communication", "communication", evidence, fix, comm, saving=comm)
 
 
 def _rule_memory(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -275,7 +300,8 @@ def _rule_launch_bound(shares: Mapping[str, float], ctx: RunContext, th: Thresho
            "larger per-device batch (BatchSizeTuner)")
     if ctx.compute_dtype in ("fp32", "tf32"):
         fix += ", mixed precision (AutoMixedPrecision)"
-    return Finding("launch_bound", "forward", evidence, fix + ".", per_compute)
+    return Finding("launch_bound", "forward", evidence, fix + ".", per_compute,
+                   saving=compute * (1 - per_compute / th.mfu_per_compute))
 
 
 def _rule_math_sdpa(shares: Mapping[str, float], ctx: RunContext, th: Thresholds) -> Finding | None:
@@ -312,7 +338,8 @@ RULES: tuple[str, ...] = tuple(_RULES)
 
 def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
              thresholds: Thresholds | None = None, *,
-             rank_seconds: Sequence[Mapping[str, float]] | None = None) -> Diagnosis:
+             rank_seconds: Sequence[Mapping[str, float]] | None = None,
+             accounted: Sequence[tuple[str, float, str]] = ()) -> Diagnosis:
     """Run every rule over the stage shares.
 
     Args:
@@ -321,11 +348,16 @@ def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
         thresholds: where the rules fire (defaults: :class:`Thresholds`).
         rank_seconds: per rank (index = global rank), stage → mean seconds per batch. With two or more ranks the
             straggler rule runs (:func:`~lightning_accel.core.ranks.find_stragglers`), and when it finds one the
-            communication rule judges the all-reduce by its own cost (the wait of the rank that waits least),
-            since the others' extra wait is the straggler's.
+            other rules judge the shares without the time the stragglers account for
+            (:func:`~lightning_accel.core.ranks.straggler_shares`): their extra time in their slow stage, and the
+            other ranks' wait for them in the all-reduce, which is the straggler's cost, not the network's.
+        accounted: ``(stage, share of the step, the finding that counts it)`` for time another finding accounts
+            for (e.g. ``("data", 0.2, "the validation finding")``): taken out of the stage before the rules judge
+            it, and named in the evidence of a finding on that stage.
 
     Returns:
-        findings ordered by the share of the stage they hold back (largest first), and the skipped rules.
+        findings ordered by :attr:`~Finding.saving` (largest first; :func:`~lightning_accel.core.findings.
+        by_saving`), and the skipped rules.
     """
     unknown = sorted(set(shares) - set(STAGES))
     if unknown:
@@ -333,16 +365,24 @@ def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
     for stage, value in shares.items():
         if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
             raise ValueError(f"share of {stage!r} must be a number >= 0, got {value!r}")
+    for stage, value, who in accounted:
+        if stage not in STAGES or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+            raise ValueError(f"accounted time ({stage!r}, {value!r}, {who!r}): give a stage of {list(STAGES)} and a "
+                             "share >= 0")
     ctx = context or RunContext()
     th = thresholds or Thresholds()
     out = Diagnosis()
     stragglers: list[Finding] = []
-    rule_shares = shares
+    taken_out = list(accounted)
     if rank_seconds is not None and len(rank_seconds) > 1:
         stragglers = find_stragglers(rank_seconds, th)
-        own = own_communication_share(rank_seconds)
-        if stragglers and own is not None:
-            rule_shares = {**shares, "communication": min(own, shares.get("communication", 0.0))}
+        if stragglers:
+            taken_out += [(stage, share, "the straggler finding")
+                          for stage, share in straggler_shares(rank_seconds, th).items()]
+    rule_shares = dict(shares)
+    for stage, share, _ in taken_out:
+        rule_shares[stage] = max(0.0, rule_shares.get(stage, 0.0) - share)
+    found: list[Finding] = []
     for name, rule in _RULES.items():
         try:
             finding = rule(rule_shares, ctx, th)
@@ -350,7 +390,32 @@ def diagnose(shares: Mapping[str, float], context: RunContext | None = None,
             out.skipped.append(SkippedRule(name, str(skip)))
             continue
         if finding is not None:
-            out.findings.append(finding)
-    out.findings.extend(stragglers)
-    out.findings.sort(key=lambda f: -shares.get(f.stage, 0.0))
+            found.append(_name_what_was_taken_out(finding, taken_out))
+    out.findings = by_saving(_fold_utilisation(found) + stragglers)
     return out
+
+
+def _name_what_was_taken_out(finding: Finding, taken_out: Sequence[tuple[str, float, str]]) -> Finding:
+    """The finding, its evidence saying which share of its stages another finding counts (so the two add up)."""
+    judged = _JUDGED.get(finding.rule, (finding.stage,))
+    by_whom: dict[str, float] = {}
+    for stage, share, who in taken_out:
+        if stage in judged and share >= 0.0005:
+            by_whom[who] = by_whom.get(who, 0.0) + share
+    if not by_whom:
+        return finding
+    parts = "; ".join(f"{_pct(share)} of the step, which {who} accounts for" for who, share in by_whom.items())
+    return replace(finding, evidence=f"{finding.evidence} Not counted here: {parts}.")
+
+
+def _fold_utilisation(findings: list[Finding]) -> list[Finding]:
+    """A GPU-utilisation finding whose idle stage has its own finding (data wait, transfer, communication) is the
+    same seconds with the same fix: its evidence joins that finding instead of a second entry."""
+    util = next((f for f in findings if f.rule == "gpu_utilisation"), None)
+    if util is None:
+        return findings
+    same = next((f for f in findings if f is not util and f.stage == util.stage), None)
+    if same is None:
+        return findings
+    joined = replace(same, evidence=f"{same.evidence} Meanwhile: {util.evidence}")
+    return [joined if f is same else f for f in findings if f is not util]

@@ -7,12 +7,16 @@ A window's batch times (host seconds per batch) and data waits are summarised in
 * spikes whose extra time is mostly data wait → **bursty data stalls** (the workers fall behind now and then):
   deeper prefetch, persistent workers, more workers;
 * spikes at a fixed batch interval → **periodic work** on the step: logging (``log_every_n_steps``), checkpoint
-  cadence (``every_n_train_steps``), Python's garbage collector;
+  cadence (``every_n_train_steps``), validation (``val_check_interval``: its loader's set-up runs before Lightning's
+  ``on_validation_start`` and lands in the next batch's data wait), Python's garbage collector. Spikes at a
+  checkpoint's or validation's cadence are that phase's cost even when they are data wait (:func:`spike_phase`), so
+  they are not called data stalls;
 * otherwise irregular spikes: the garbage collector or other processes on the machine.
 
 A spike is a batch that takes more than twice the window's median. The finding fires when p95 ÷ p5 exceeds
 ``Thresholds.variability``, or when at least 3 spikes at a fixed interval add 5 % or more to the measured time
-(spikes once per window or rarer leave p95 alone).
+(spikes once per window or rarer leave p95 alone). Its ``saving`` is the spikes' extra time as a share of the
+measured time.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from lightning_accel.core.findings import Finding, RunContext, Thresholds
+from lightning_accel.core.phases import phase_cadences
 
-__all__ = ["VARIABILITY_FIELDS", "merge_windows", "summarise_window", "variability_finding"]
+__all__ = ["VARIABILITY_FIELDS", "merge_windows", "spike_phase", "summarise_window", "variability_finding"]
 
 #: The summary of one window of one rank (gathered with the stage row).
 VARIABILITY_FIELDS: tuple[str, ...] = ("step_p5", "step_p50", "step_p95", "spikes", "spike_excess",
@@ -108,8 +113,29 @@ def merge_windows(rows: Sequence[Sequence[float]]) -> dict[str, float] | None:
     }
 
 
+def _matching(stats: Mapping[str, float], cadences: Mapping[str, int]) -> list[str]:
+    """The periodic work whose cadence (batches between runs) the spikes' period matches (within one batch)."""
+    period = int(stats.get("spike_period", 0))
+    if period <= 0 or int(stats.get("spikes", 0)) < 3:
+        return []
+    return [work for work, every in cadences.items() if every > 0 and abs(period - every) <= 1]
+
+
+def spike_phase(stats: Mapping[str, float], cadences: Mapping[str, int]) -> str | None:
+    """The fit phase (``checkpoint`` or ``validation``) whose cadence the spikes follow, or ``None``: their extra
+    time is then that phase's tail in the training batches (the checkpoint first when both match).
+
+    Args:
+        stats: a :func:`merge_windows` result.
+        cadences: work → training batches between runs (:func:`~lightning_accel.core.phases.phase_cadences`).
+    """
+    matched = _matching(stats, cadences)
+    return next((phase for phase in ("checkpoint", "validation") if phase in matched), None)
+
+
 def variability_finding(stats: Mapping[str, float], context: RunContext | None = None,
-                        thresholds: Thresholds | None = None, *, rank: int | None = None) -> Finding | None:
+                        thresholds: Thresholds | None = None, *, rank: int | None = None,
+                        cadences: Mapping[str, int] | None = None) -> Finding | None:
     """The ``step_variability`` finding when p95 ÷ p5 of the batch times exceeds ``thresholds.variability`` or at
     least 3 spikes at a fixed interval add >= 5 % to the measured time.
 
@@ -118,6 +144,8 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
         context: run facts (logging and checkpoint cadence, the DataLoader's settings) to name the cause.
         thresholds: where the rule fires.
         rank: the rank the stats are from (named in the evidence under DDP).
+        cadences: work → training batches between runs, to name periodic spikes' cause (default: the context's
+            settings, :func:`~lightning_accel.core.phases.phase_cadences`).
     """
     th = thresholds or Thresholds()
     ctx = context or RunContext()
@@ -138,10 +166,12 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
                 f"(p95/p5 {ratio:.1f}, threshold {th.variability:.1f})")
     period = int(stats.get("spike_period", 0))
     data_frac = stats.get("spike_data_excess", 0.0) / excess if excess > 0 else 0.0
+    matched = _matching(stats, phase_cadences(ctx) if cadences is None else cadences)
     if spikes:
         evidence += (f"; {spikes} batch(es) took over {_SPIKE:.0f}x the median, {1e3 * excess:.1f} ms extra in all "
                      f"({100 * spike_share:.1f} % of the measured time)")
-    if spikes and data_frac >= 0.5:
+    # spikes at a checkpoint's or validation's cadence are that phase's, even when they are data wait
+    if spikes and data_frac >= 0.5 and not {"checkpoint", "validation"} & set(matched):
         stage = "data"
         evidence += f", {100 * data_frac:.0f} % of it waiting for data: bursty data stalls."
         steps = []
@@ -155,14 +185,20 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
         steps.append("find the slow samples (very large files, remote reads) and pre-process them once")
         fix = "; ".join(steps) + "."
     elif spikes and period:
-        stage = "other"
+        stage = "data" if data_frac >= 0.5 else "other"
         causes = []
-        if ctx.log_every_n_steps and abs(period - ctx.log_every_n_steps) <= 1:
+        if "logging" in matched:
             causes.append(f"logging (Trainer(log_every_n_steps={ctx.log_every_n_steps})): log less often or "
                           "keep .item()/host syncs out of the logged values")
-        if ctx.checkpoint_every_n_train_steps and abs(period - ctx.checkpoint_every_n_train_steps) <= 1:
-            causes.append(f"checkpoints (ModelCheckpoint(every_n_train_steps={ctx.checkpoint_every_n_train_steps}))"
-                          ": save less often, or in the background with Trainer(plugins=[AsyncCheckpointIO()])")
+        if "checkpoint" in matched:
+            every = ctx.checkpoint_every_n_train_steps
+            causes.append(f"checkpoints ({f'ModelCheckpoint(every_n_train_steps={every})' if every else 'the saves'}"
+                          "): save less often, or in the background with Trainer(plugins=[AsyncCheckpointIO()])")
+        if "validation" in matched:
+            interval = ctx.val_check_interval
+            causes.append(f"validation ({f'Trainer(val_check_interval={interval})' if interval else 'its runs'}): "
+                          "the set-up before each run (its DataLoader's workers starting) lands in the next batch; "
+                          "DataLoader(persistent_workers=True) for validation, or validate less often")
         if not causes:
             causes.append(f"work that runs every {period} batches: a callback or logger with that cadence, or "
                           "Python's garbage collector (gc.freeze() after set-up, or gc.disable() and gc.collect() "
@@ -175,4 +211,4 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
         fix = ("look for work outside the model: Python's garbage collector (gc.freeze() after set-up), other "
                "processes on the machine's cores or GPU, variable-length batches (bucket by length); a "
                "ProfileWindow trace of the slow steps shows which.")
-    return Finding("step_variability", stage, evidence, fix, ratio)
+    return Finding("step_variability", stage, evidence, fix, ratio, saving=spike_share)

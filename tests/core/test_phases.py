@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_accel.core.phases import FIT_PHASES, FitBreakdown, FitClock, diagnose_fit
+from lightning_accel.core.phases import FIT_PHASES, FitBreakdown, FitClock, diagnose_fit, phase_cadences
 from lightning_accel.core.rules import RunContext
 from tests.helpers import FakeClock as Clock
 
@@ -67,3 +67,32 @@ def test_checkpoint_heavy_fit_suggests_the_cadence_and_async_io():
 def test_a_light_fit_has_no_finding():
     assert diagnose_fit(fit_with(validation=0.5, checkpoint=0.2)).findings == []
     assert diagnose_fit(FitBreakdown()).findings == []
+
+
+def test_a_phase_with_a_tail_in_the_training_batches_is_judged_with_it():
+    # 2 s of validation (10 % of the 20 s fit after start-up, under the 20 % threshold) plus 3 s of slow training
+    # batches right after each run: 25 %, one finding whose saving is both
+    fit = fit_with(validation=2.0, counts={"validation": 20})
+    fit.seconds["train"], fit.wall = 18.0, 25.0
+    ctx = RunContext(val_check_interval=10)
+    assert diagnose_fit(fit, ctx).findings == []
+    [finding] = diagnose_fit(fit, ctx, tails={"validation": (3.0, 19)}).findings
+    assert finding.value == pytest.approx(0.25) and finding.saving == pytest.approx(0.25)
+    assert "20 run(s) of 0.10 s" in finding.evidence  # the runs themselves
+    assert "3.00 s of it are the 19 training batch(es) that ran slow right after a validation run" in finding.evidence
+    assert "persistent_workers=True" in finding.fix
+    fit = fit_with(checkpoint=1.0, counts={"checkpoint": 10})
+    [finding] = diagnose_fit(fit, RunContext(), tails={"checkpoint": (1.5, 10)}).findings
+    assert finding.saving == pytest.approx(2.5 / 11) and "10 save(s) of 100 ms" in finding.evidence
+    with pytest.raises(ValueError, match="tails\\['train'\\]"):
+        diagnose_fit(fit, RunContext(), tails={"train": (1.0, 1)})
+
+
+def test_phase_cadences_from_the_settings_else_from_the_fit():
+    ctx = RunContext(log_every_n_steps=50, checkpoint_every_n_train_steps=20, val_check_interval=100,
+                     accumulate_grad_batches=4)
+    # step counts are optimizer steps: 4 batches each; an int val_check_interval counts batches
+    assert phase_cadences(ctx) == {"logging": 200, "checkpoint": 80, "validation": 100}
+    measured = fit_with(counts={"validation": 4, "checkpoint": 10})  # 200 training batches
+    assert phase_cadences(RunContext(val_check_interval=0.25), measured) == {"checkpoint": 20, "validation": 50}
+    assert phase_cadences(RunContext(), fit_with(counts={"validation": 1})) == {}  # one run has no cadence

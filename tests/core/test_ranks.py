@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_accel.core.ranks import find_stragglers, own_communication_share
+from lightning_accel.core.ranks import find_stragglers, own_communication_share, straggler_shares
 from lightning_accel.core.rules import RunContext, diagnose
 
 
@@ -55,3 +55,49 @@ def test_diagnose_blames_the_straggler_not_communication():
 def test_bad_rank_rows_raise():
     with pytest.raises(ValueError, match="rank 1"):
         find_stragglers([ms(), {"gpu": 1.0}])
+
+
+# rank 1 loads its batches 16 ms slower; its own all-reduce (4 ms, what the network costs) is above the 15 %
+# communication threshold of the 25.5 ms step, and rank 0 waits 16 ms more for rank 1 in it
+OWN_COMM_ABOVE = [ms(data=0.5, forward=2, backward=2, optimizer=0.5, communication=20, other=0.5),
+                  ms(data=16.5, forward=2, backward=2, optimizer=0.5, communication=4, other=0.5)]
+
+
+def _shares(rank_seconds):
+    total = sum(sum(r.values()) for r in rank_seconds)
+    return {s: sum(r[s] for r in rank_seconds) / total for s in rank_seconds[0]}
+
+
+def test_the_straggler_comes_first_and_the_network_keeps_only_its_own_cost():
+    ctx = RunContext(world_size=2, communication_measured=True)
+    findings = diagnose(_shares(OWN_COMM_ABOVE), ctx, rank_seconds=OWN_COMM_ABOVE).findings
+    assert [f.rule for f in findings] == ["straggler", "communication"]
+    straggler, comm = findings
+    assert straggler.saving == pytest.approx(16 / 25.5)  # every rank's step shortens by rank 1's 16 ms excess
+    # 24 ms of the 51 ms summed steps are all-reduce; 16 of them are rank 0's wait for rank 1: 8 / 51 is left
+    assert comm.value == pytest.approx(8 / 51) and comm.saving == pytest.approx(8 / 51)
+    assert "takes 15.7 % of the step" in comm.evidence
+    assert "Not counted here: 31.4 % of the step, which the straggler finding accounts for." in comm.evidence
+    # rank 1's data wait is the straggler's slow stage: no data_wait finding blames the loader for it again
+    assert straggler.stage == "data"
+
+
+def test_a_loader_slow_on_every_rank_and_a_straggler_are_two_findings_sized_by_what_each_fix_saves():
+    # every rank waits 6 ms per batch for data; rank 1 waits 12 ms more, and rank 0 waits for it in the all-reduce
+    ranks = [ms(data=6, forward=2, backward=2, optimizer=0.5, communication=12.5, other=0.5),
+             ms(data=18, forward=2, backward=2, optimizer=0.5, communication=0.5, other=0.5)]
+    ctx = RunContext(world_size=2, communication_measured=True, num_workers=0)
+    findings = diagnose(_shares(ranks), ctx, rank_seconds=ranks).findings
+    assert [f.rule for f in findings] == ["straggler", "data_wait"]
+    straggler, data = findings
+    assert straggler.saving == pytest.approx(12 / 23.5)  # removing rank 1's extra 12 ms
+    assert data.saving == pytest.approx(6 / 23.5)  # removing the 6 ms every rank waits
+    assert "Not counted here: 25.5 % of the step, which the straggler finding accounts for." in data.evidence
+    assert straggler_shares(ranks) == pytest.approx({"data": 12 / 47, "communication": 12 / 47})
+
+
+def test_straggler_shares_are_empty_without_a_straggler_and_check_their_input():
+    even = [ms(data=1, forward=5, backward=10, communication=2), ms(data=1.2, forward=5, backward=10, communication=1)]
+    assert straggler_shares(even) == {} and straggler_shares(even[:1]) == {}
+    with pytest.raises(ValueError, match="rank 0"):
+        straggler_shares([{"data": -1.0}, ms()])

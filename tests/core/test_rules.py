@@ -141,13 +141,48 @@ def test_gpu_rule_skips_name_the_missing_input():
     assert "memory peak unknown" in reasons["memory"]
 
 
-def test_findings_are_ordered_by_stage_share_and_bad_shares_raise():
+def test_findings_are_ordered_by_what_their_fix_saves_and_bad_shares_raise():
+    # a 50 % unfused update: a foreach/fused one takes half of it off (25 % of the step); a 30 % data wait can go
+    # entirely: the loader's fix saves more and comes first, although the optimizer's stage is larger
+    d = diagnose(shares(data=0.3, optimizer=0.5, forward=0.2), RunContext())
+    assert [(f.rule, f.saving) for f in d.findings] == [("data_wait", 0.3), ("optimizer", 0.25)]
     d = diagnose(shares(data=0.2, optimizer=0.5, forward=0.3), RunContext())
     assert [f.stage for f in d.findings] == ["optimizer", "data"]
     with pytest.raises(ValueError, match="unknown stage"):
         diagnose({"decode": 0.5})
     with pytest.raises(ValueError, match="share of 'data'"):
         diagnose({"data": -0.1})
+    with pytest.raises(ValueError, match="accounted time"):
+        diagnose(shares(data=0.5), accounted=[("validation", 0.1, "the validation finding")])
+
+
+def test_each_rule_says_what_its_fix_saves():
+    ctx = gpu(compute_dtype="fp32", gpu_utilisation=0.55, mfu=0.05, sdpa_backend="math", memory_peak_fraction=0.95,
+              batch_size=4, world_size=2, communication_measured=True)
+    d = diagnose(shares(forward=0.3, backward=0.3, transfer=0.12, communication=0.23, other=0.05), ctx)
+    saving = {f.rule: f.saving for f in d.findings}
+    assert saving["fp32_compute"] == pytest.approx(0.6 / 3)  # 1.5x on forward + backward
+    assert saving["launch_bound"] == pytest.approx(0.6 * (1 - (0.05 / 0.6) / 0.30))  # compute above 30 % of peak
+    assert saving["transfer"] == pytest.approx(0.12) and saving["communication"] == pytest.approx(0.23)
+    assert saving["memory"] is None and saving["math_sdpa"] is None  # a larger batch's gain, attention's share
+    # the GPU idles for the all-reduce, which has its own finding: one finding, not two on the same seconds
+    assert "gpu_utilisation" not in saving
+    [comm] = [f for f in d.findings if f.rule == "communication"]
+    assert "Meanwhile: GPU utilisation 55.0 % (threshold 90.0 %)" in comm.evidence
+    # largest saving first; those that cannot say follow, in rule order
+    assert [f.rule for f in d.findings] == ["launch_bound", "communication", "fp32_compute", "transfer", "memory",
+                                            "math_sdpa"]
+
+
+def test_time_another_finding_accounts_for_is_not_judged_again():
+    ctx = RunContext(num_workers=0)
+    [f] = diagnose(shares(data=0.5, forward=0.5), ctx).findings
+    assert f.saving == 0.5
+    [f] = diagnose(shares(data=0.5, forward=0.5), ctx, accounted=[("data", 0.3, "the validation finding")]).findings
+    assert f.saving == pytest.approx(0.2) and "takes 20.0 % of the step" in f.evidence
+    assert f.evidence.endswith("Not counted here: 30.0 % of the step, which the validation finding accounts for.")
+    # below the threshold once the other finding's share is out: no finding
+    assert diagnose(shares(data=0.5, forward=0.5), ctx, accounted=[("data", 0.45, "x")]).findings == []
 
 
 def test_bottleneck_of():
@@ -167,5 +202,7 @@ def test_holding_back_is_the_finding_stage_else_the_largest():
     shares = {"data": 0.34, "forward": 0.22, "backward": 0.41, "optimizer": 0.03}
     finding = Finding(rule="data_wait", stage="data", evidence="...", fix="...", value=0.34)
     assert holding_back(shares, [finding]) == "data"  # the data wait is what should not be there
+    validation = Finding("validation_heavy", "validation", "...", "...", 0.4, kind="fit", saving=0.4)
+    assert holding_back(shares, [validation, finding]) == "data"  # a fit phase is not a stage of the step
     assert holding_back(shares, []) == "backward"  # no finding: compute-bound
     assert holding_back({}, []) is None
