@@ -250,6 +250,7 @@ class BottleneckDoctor(Callback):
         self._epoch_paused = False
         self._ranges: Any = None
         self._in_validation = False
+        self._validation_hooks_only = False
 
     def _break(self, what: str) -> None:
         self._broken = True
@@ -308,6 +309,12 @@ class BottleneckDoctor(Callback):
         self._restore.extend(install_optimizer_hooks(trainer.optimizers, self._before_optimizer_step_hook,
                                                      self._after_optimizer_step))
         self._restore.extend(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
+        # The validation loop builds its iterator (worker start-up) and switches the module to eval before
+        # on_validation_start: timed from the loop's own entry, that time is validation's, not the next batch's
+        # data wait.
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        self._restore.append(install_instance_wrapper(val_loop, "run", lambda: self._validation_begin(trainer),
+                                                      self._validation_end))
         if self._comm is None and trainer.world_size > 1:
             self._comm = install_comm_timer(trainer, self._device.type == "cuda", self._notes)
         if self._comm is not None:
@@ -582,19 +589,39 @@ class BottleneckDoctor(Callback):
         return ctx
 
     # ------------------------------------------------------------------ pauses
+    def _validation_begin(self, trainer: pl.Trainer) -> bool:
+        """The validation loop's ``run`` starts: open the phase (its run is counted at ``on_validation_start``,
+        which a loop with no batches never reaches)."""
+        if trainer.state.fn != "fit" or self._in_validation:  # only validation inside fit is a fit phase
+            return False
+        self._in_validation = True
+        self._fit_clock.enter("validation", sanity=trainer.sanity_checking, count=False)
+        self._pause()
+        return True
+
+    def _validation_end(self, opened: bool) -> None:
+        if opened:
+            self._in_validation = False
+            self._fit_clock.exit("validation")
+            self._resume()
+
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn != "fit":  # only validation inside fit is a fit phase
+        if trainer.state.fn != "fit":
             return
-        self._in_validation = True
+        if self._in_validation:  # opened by the loop's run: count the run
+            self._fit_clock.count_run("validation", sanity=trainer.sanity_checking)
+            return
+        # the loop's run was not wrapped (timers not installed): time from the hooks
+        self._in_validation = self._validation_hooks_only = True
         self._fit_clock.enter("validation", sanity=trainer.sanity_checking)
         self._pause()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn != "fit" or not self._in_validation:
+        if trainer.state.fn != "fit" or not self._validation_hooks_only:
             return
-        self._in_validation = False
+        self._in_validation = self._validation_hooks_only = False
         self._fit_clock.exit("validation")
         self._resume()
 

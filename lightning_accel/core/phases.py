@@ -102,10 +102,15 @@ class FitClock:
         now = self._charge()
         self._stack.append(phase)
         if phase == "validation" and sanity:
-            self.counts["sanity_check"] += 1
             self._sanity_from = now
-        elif phase in self.counts and count:
-            self.counts[phase] += 1
+        if count:
+            self.count_run(phase, sanity=sanity)
+
+    def count_run(self, phase: str, *, sanity: bool = False) -> None:
+        """Count one run of ``phase`` (``enter(..., count=False)`` opened it before it was known to run)."""
+        key = "sanity_check" if phase == "validation" and sanity else phase
+        if key in self.counts:
+            self.counts[key] += 1
 
     def exit(self, phase: str) -> None:
         """Close ``phase`` (and any phase opened inside it and left open); a phase not open is ignored."""

@@ -149,3 +149,27 @@ def test_smells_are_found_at_the_start_warned_and_reported(tmp_path, monkeypatch
     quiet = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False, smells=False)
     report, messages, _ = fit(Task(optimizer="adam"), doctor=quiet, max_steps=6)
     assert report.smells == [] and not any("code smell" in m for m in messages)
+
+
+class SlowToStartLoader(DataLoader):
+    """A validation loader whose iterator takes a while to start (as worker processes do)."""
+
+    def __iter__(self):
+        time.sleep(0.15)
+        return super().__iter__()
+
+
+class SlowValidationStart(Task):
+    def val_dataloader(self):
+        return SlowToStartLoader(TensorDataset(torch.randn(16, 16)), batch_size=8)
+
+
+def test_the_validation_loops_start_up_is_validation_not_the_next_batchs_data_wait():
+    # Lightning builds the validation iterator before on_validation_start: 6 starts x 150 ms, against ~2 ms steps,
+    # would otherwise land in the data wait of the training batch that follows each validation
+    report, _, _ = fit(SlowValidationStart(), max_steps=24, val_check_interval=4, limit_val_batches=2)
+    seconds = report.fit["seconds"]
+    assert report.fit["counts"]["validation"] == 6
+    assert seconds["validation"] >= 6 * 0.15
+    assert report.shares["data"] < 0.2, report.shares
+    assert not [f for f in report.findings if f.rule == "data_wait"]

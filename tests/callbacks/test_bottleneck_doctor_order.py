@@ -31,8 +31,8 @@ class SlowData(Dataset):
 
 
 class ThreeCauses(pl.LightningModule):
-    """5 validation runs of 0.12 s, each with a 0.2 s tail in the next training batch (1.6 s); a loader that waits
-    6 ms per batch (0.9 s over 150 batches); 6 checkpoint saves of 90 ms (0.54 s)."""
+    """5 validation runs of 0.12 s, each with 0.2 s that Lightning runs before on_validation_start (1.6 s); a
+    loader that waits 6 ms per batch (0.9 s over 150 batches); 6 checkpoint saves of 90 ms (0.54 s)."""
 
     def __init__(self):
         super().__init__()
@@ -47,7 +47,7 @@ class ThreeCauses(pl.LightningModule):
 
     def on_validation_model_eval(self):
         super().on_validation_model_eval()
-        time.sleep(0.2)  # Lightning runs it before on_validation_start: the next batch's data wait counts it
+        time.sleep(0.2)  # Lightning runs it before on_validation_start: the doctor times the loop from its run
 
     def on_save_checkpoint(self, checkpoint):
         time.sleep(0.09)
@@ -71,12 +71,12 @@ def test_validation_its_tail_the_loader_and_checkpoints_come_largest_first(tmp_p
     trainer.fit(ThreeCauses())
     report = doctor.report
     rules = [f.rule for f in report.findings]
-    # validation alone (0.6 s) is under its 20 % threshold: with the tail it counts in the training batches it is
-    # the largest cause, and that tail is not the loader's
+    # validation with what Lightning runs before on_validation_start is the largest cause, and none of it is
+    # blamed on the loader
     assert rules[:3] == ["validation_heavy", "data_wait", "checkpoint_heavy"], report.findings
     validation, data, _ = report.findings[:3]
-    assert "training batch(es) that ran slow right after a validation run" in validation.evidence
-    assert "which the validation finding accounts for" in data.evidence
+    assert report.fit["seconds"]["validation"] >= 5 * (0.2 + 4 * 0.03)
+    assert validation.saving > data.saving
     assert "step_variability" not in rules
     savings = [f.saving for f in report.findings[:3]]
     assert savings == sorted(savings, reverse=True) and all(0 < s < 1 for s in savings)
