@@ -254,20 +254,23 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self.pp_rank, self.dp_rank = rank // self.dp_size, rank % self.dp_size
         self._pp_group = self._dp_group = None
         self._dp_hook = None  # a compression hook's state is bound to the replica group
-        # every rank creates every group, in the same order (torch's new_group contract)
+        # every rank creates every group, in the same order (torch's new_group contract). Each group carries this
+        # strategy's timeout: gloo's point-to-point waits keep the timeout their group was created with, so the
+        # world group (created before this strategy, perhaps by an earlier fit) would not honour ``timeout``.
+        timeout = self._timeout
         for d in range(self.dp_size):
             ranks = [r * self.dp_size + d for r in range(self.pp_size)]
-            group = dist.new_group(ranks) if self.pp_size < world else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout)
             if d == self.dp_rank:
                 self._pp_group, self._pp_ranks = group, ranks
         for p in range(self.pp_size):
             ranks = [p * self.dp_size + d for d in range(self.dp_size)]
-            group = dist.new_group(ranks) if self.dp_size > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if self.dp_size > 1 else None
             if p == self.pp_rank:
                 self._dp_group = group
         for d in range(self.dp_size):
             ranks = [d, (self.pp_size - 1) * self.dp_size + d]
-            group = dist.new_group(ranks) if self.pp_size > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if self.pp_size > 1 else None
             if d == self.dp_rank:
                 self._tie_group = group
 

@@ -7,6 +7,8 @@ the rank and stage. 4 processes: ``pp_ddp`` (2 stages x 2 replicas)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+from datetime import timedelta
 
 import pytest
 
@@ -290,37 +292,54 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
 STALL = COMMON + r"""
 import time
 
+import torch.distributed as dist
+
 
 class Stall(pl.Callback):  # rank 1 stops answering at the third step (a deadlocked or hung peer)
+    def __init__(self, timeout):
+        self.timeout = timeout
+
     def on_train_batch_start(self, trainer, module, batch, i):
         if i == 2 and trainer.global_rank == 1:
-            # alive, silent, until rank 0 has timed out (its connection must not close first); at most 60 s
-            deadline = time.monotonic() + 60
+            # alive, silent, until rank 0 has timed out (its connection must not close first); a rank 0 that
+            # does not honour the timeout sees this peer leave instead, and the test says so
+            deadline = time.monotonic() + 4 * self.timeout
             while not os.path.exists("stall_rank0.json") and time.monotonic() < deadline:
                 time.sleep(0.1)
             os._exit(0)  # never comes back to the schedule
 
 
-t = trainer(PipelineStrategy(timeout=8), 6, callbacks=[Stall()])
+# The timeout derives from how long this machine takes now: a first fit (the split, the first-batch check and two
+# steps, under whatever else runs on these cores) is timed on every rank, and the stalled fit gets five times the
+# slowest (at least 15 s). A peer still in its set-up while the other waits at step 0 is inside that bound on a
+# loaded machine, while a stall is still caught in seconds rather than after the default 30 minutes.
+started = time.monotonic()
+trainer(PipelineStrategy(timeout=600), 2).fit(Task("demo"))
+first_fit = torch.tensor([time.monotonic() - started])
+dist.all_reduce(first_fit, op=dist.ReduceOp.MAX)
+timeout = max(15.0, 5 * float(first_fit))
+t = trainer(PipelineStrategy(timeout=timeout), 6, callbacks=[Stall(timeout)])
 try:
     t.fit(Task("demo"))
     error = "no error"
 except RuntimeError as err:
     error = str(err)
 with open(f"stall_rank{t.global_rank}.json", "w") as fh:
-    json.dump({"error": error, "step": t.global_step}, fh)
+    json.dump({"error": error, "step": t.global_step, "timeout": timeout, "first_fit": float(first_fit)}, fh)
 os._exit(0)
 """
 
 
 @pytest.mark.distributed
 def test_a_peer_that_stops_answering_times_out_naming_rank_and_stage(ddp_script, tmp_path):
-    ddp_script(STALL, timeout=120)
-    import json
+    ddp_script(STALL, timeout=900)
 
     rank0 = json.loads((tmp_path / "stall_rank0.json").read_text())
-    assert rank0["step"] == 2
-    assert "pipeline rank 0 (stage 0 of 2)" in rank0["error"] and "stopped answering" in rank0["error"]
+    assert rank0["step"] == 2, rank0
+    assert "pipeline rank 0 (stage 0 of 2)" in rank0["error"] and "stopped answering" in rank0["error"], rank0
+    # the strategy's own timeout ended the wait (the process group was created by the first fit with 10 minutes)
+    assert f"(timeout {timedelta(seconds=rank0['timeout'])})" in rank0["error"], rank0
+    assert "Timed out" in rank0["error"], rank0
 
 
 PP_DDP = COMMON + r"""
