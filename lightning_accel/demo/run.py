@@ -64,7 +64,7 @@ class DemoConfig:
 
             if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
                 raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
-                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the README)")
+                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the DDP compression and ZeRO pages of the docs)")
         if self.precision.startswith("amp:") and self.precision[4:] not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"demo: --precision {self.precision!r}: use amp:auto, amp:fp32, amp:bf16 or amp:fp16")
         if self.num_workers < 0:

@@ -1,0 +1,157 @@
+"""The package's layout rules, read from the source (nothing is imported).
+
+- ``lightning_accel/core/`` is framework-free: no module there imports Lightning, even lazily inside a function.
+- No import cycles between the package's modules at import time (imports at module level, ``if TYPE_CHECKING:``
+  blocks excluded): a cycle makes the import order matter and breaks lazy public names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accel"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The absolute module names an ``import`` / ``from ... import`` node names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = module.split(".")
+        base = base if is_package else base[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+    else:
+        prefix = node.module or ""
+    # "from pkg import name" may name a submodule: count both
+    return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def top_level_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    out: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if is_type_checking_block(node):
+            stack.extend(getattr(node, "orelse", []))
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue  # runs when called, not at import
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update(imported(node, module, is_package))
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef, ast.For, ast.While)):
+            stack.extend(ast.iter_child_nodes(node))
+        elif hasattr(ast, "TryStar") and isinstance(node, ast.TryStar):
+            stack.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.ExceptHandler):
+            stack.extend(node.body)
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        names = top_level_imports(tree, name, path.name == "__init__.py")
+        graph[name] = {n for n in names if n in modules and n != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that returns to its start, or ``None``."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def lightning_imports(path: Path, names: set[str] | None = None) -> list[str]:
+    """Imports of Lightning in ``path``, as ``file:line name``: everywhere (lazy ones inside functions included), or
+    when ``names`` is given, at module level and inside the functions and classes of those names only."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes: list[ast.AST] = []
+    for top in tree.body:
+        defines = isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        if names is None or not defines or top.name in names:
+            nodes.extend(ast.walk(top))
+    return [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}"
+            for node in nodes
+            for name in imported(node, module_name(path), path.name == "__init__.py")
+            if name.split(".")[0] in LIGHTNING]
+
+
+def core_dependencies() -> dict[Path, set[str]]:
+    """Each module outside ``core/`` that a core module imports, with the names the core takes from it."""
+    out: dict[Path, set[str]] = {}
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in imported(node, module_name(path), path.name == "__init__.py"):
+                if not name.startswith("lightning_accel.") or name.startswith("lightning_accel.core"):
+                    continue
+                target = PACKAGE.parent / (name.replace(".", "/") + ".py")
+                if target.exists():
+                    taken = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
+                    out.setdefault(target, set()).update(taken)
+    return out
+
+
+def test_the_core_never_imports_lightning():
+    # directly, or through what it uses of the package's own helpers (_atomic, _checks, _imports, _compat)
+    offenders = [hit for path in sorted((PACKAGE / "core").rglob("*.py")) for hit in lightning_imports(path)]
+    offenders += [f"{hit} (used by the core)" for path, names in core_dependencies().items()
+                  for hit in lightning_imports(path, names)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_core_uses_only_framework_free_helpers_outside_it():
+    # callbacks, strategies and commands are Lightning's side: the core must not reach into them
+    outside = {p.relative_to(PACKAGE).parts[0] for p in core_dependencies()}
+    assert outside <= {"_atomic.py", "_checks.py", "_imports.py", "_compat.py"}, outside
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
