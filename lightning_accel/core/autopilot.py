@@ -383,7 +383,7 @@ def expected_gain(name: str, shares: Mapping[str, float], device_type: str | Non
         override = table.get(key)
         if isinstance(override, Mapping):
             fractions.update(override)
-    return min(0.95, sum(float(shares.get(stage, 0.0)) * fraction for stage, fraction in fractions.items()))
+    return min(0.95, sum(float(shares.get(stage, 0.0)) * float(fraction) for stage, fraction in fractions.items()))
 
 
 #: How far a prior can be counted on when deciding whether a short fit repays a search, per fix and device (1.0 where

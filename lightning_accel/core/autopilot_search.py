@@ -64,7 +64,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from lightning_accel.core.autopilot import NUMERICS_KINDS, NumericsCheck, TrialRecord, relative_noise
 
@@ -168,7 +168,7 @@ class Bundle:
 
     @property
     def kind(self) -> str:
-        return max((m.kind for m in self.members), key=NUMERICS_KINDS.index)
+        return str(max((m.kind for m in self.members), key=NUMERICS_KINDS.index))
 
     @property
     def same_batches(self) -> bool:
@@ -486,7 +486,7 @@ class AutopilotSearch:
                 # its one-off work: a first compile (~60 s on this CPU) is no reason to search a 30 s fit, though
                 # its prior (a fifth of forward + backward) is the largest
                 setup = getattr(backend, "setup_seconds", None)
-                nets = [(o.counted_gain * fit - (float(setup(o.candidate)) if setup is not None else 0.0),
+                nets = [(cast(float, o.counted_gain) * fit - (float(setup(o.candidate)) if setup is not None else 0.0),
                          o.counted_gain) for o in offers]
                 saving, best = max(nets, default=(0.0, 0.0))
             # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
@@ -525,7 +525,8 @@ class AutopilotSearch:
         first = self._measure()
         second = self._measure()
         rates = [first.samples_per_sec, second.samples_per_sec]
-        fresh, spread = second, relative_noise(rates)
+        fresh: MeasurementLike | None = second
+        spread = relative_noise(rates)
         # the ranks agree on the budget (their clocks differ; one rank measuring alone would hang the other)
         if spread > BASELINE_RETRY_NOISE * self.threshold and self._affords(4.2 * _window_length(first)):
             # a third window, and the two closest of the three (the burst dropped); the newest stays the first
@@ -570,6 +571,7 @@ class AutopilotSearch:
         while True:
             stopped = None
             while True:
+                assert self._current is not None  # the baseline measured it
                 offers = backend.offers(self._current.shares(), tried)
                 self._max_trials = len(self.result.records) + len([o for o in offers if o.why_not is None])
                 # held gains keep the time to confirm them together: a trial may not eat the bundle's windows
@@ -850,7 +852,8 @@ class AutopilotSearch:
             why = self._guard(bundle, record)
             if why is not None:  # split: add the members one at a time, the guard after each
                 _undo_all(undos)
-                undos, survivors = [], []
+                undos = []
+                survivors: list[Any] = []
                 for member in bundle.members:
                     backend.prepare(member)
                     undo, failure = self._apply(member)

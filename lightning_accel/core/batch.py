@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,7 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         if isinstance(batch, defaultdict):
             return defaultdict(batch.default_factory, items)
         try:
-            return type(batch)(items)
+            return cast(Any, type(batch))(items)
         except TypeError:  # a Mapping type that cannot be built from pairs
             return dict(items)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

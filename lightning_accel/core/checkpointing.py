@@ -94,9 +94,9 @@ def disable_kv_cache(model: nn.Module) -> list[Any]:
     torch's checkpoint then finds tensors of another sequence length ("Recomputed values ... have different
     metadata"). Hugging Face's own ``gradient_checkpointing_enable`` sets ``use_cache=False`` for training too.
     """
-    changed = []
+    changed: list[Any] = []
     for module in model.modules():
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if _compat.hf_attn_implementation(module) is not None and getattr(config, "use_cache", False) is True \
                 and all(config is not c for c in changed):
             config.use_cache = False

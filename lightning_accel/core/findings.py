@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["STAGES", "Diagnosis", "Finding", "RunContext", "SkippedRule", "Thresholds", "by_saving"]
 
@@ -75,7 +75,7 @@ class Thresholds:
             if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
                     or not 0.0 < value < 1.0):
                 raise ValueError(f"thresholds: {f.name}={value!r} must be a fraction strictly between 0 and 1 "
-                                 f"(e.g. {f.default} for {100 * f.default:.0f} %)")
+                                 f"(e.g. {f.default} for {100 * cast(float, f.default):.0f} %)")
 
     @classmethod
     def from_kwargs(cls, **overrides: Any) -> Thresholds:

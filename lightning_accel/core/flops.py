@@ -32,14 +32,14 @@ def _extra_flop_formulas() -> dict[Any, Any]:
     from torch.utils import flop_counter
 
     def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-        return flop_counter.sdpa_flop_count(query, key, value)
+        return int(flop_counter.sdpa_flop_count(query, key, value))
 
     def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
                  **kwargs: Any) -> int:
         b, h_q, s_q, d_q = query
         s_k = key[2]
         recomputed_scores = flop_counter.bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, s_k))
-        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value) - recomputed_scores
+        return int(flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)) - int(recomputed_scores)
 
     aten = torch.ops.aten
     formulas = {

@@ -36,7 +36,7 @@ Bytes are plain bytes; the CLI prints GB = 10⁹ bytes, as the paper does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 __all__ = ["ZERO_CONFIGS", "ZeroMemoryEstimate", "count_model_params", "estimate_zero_memory", "zero_memory_table"]
 
@@ -136,7 +136,7 @@ def _check_offload(name: str, value: Any) -> OffloadDevice | None:
         return "cpu"
     if value not in ("cpu", "nvme"):
         raise ValueError(f"estimate_zero_memory({name}={value!r}): use None, 'cpu' or 'nvme'")
-    return value  # type: ignore[return-value]
+    return cast(OffloadDevice, value)
 
 
 def estimate_zero_memory(

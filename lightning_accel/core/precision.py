@@ -121,7 +121,9 @@ def autocast_speedup(device: torch.device | str, dtype: str, *, size: int = 256,
     fast = AUTOCAST_DTYPES[dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
     mats = [torch.randn(size, size, generator=gen).to(device) for _ in range(chain + 1)]
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def run(enabled: bool) -> float:
         sync()

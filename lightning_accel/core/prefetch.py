@@ -39,7 +39,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -106,7 +106,7 @@ class CudaTransfer:
         return moved
 
 
-def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
+def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
             q.put(item, timeout=_POLL_S)
@@ -116,7 +116,7 @@ def _put(q: queue.Queue, item: tuple[str, Any], stop: threading.Event) -> bool:
     return False
 
 
-def _produce(source: Iterator[Any], q: queue.Queue, stop: threading.Event, transfer: CudaTransfer | None) -> None:
+def _produce(source: Iterator[Any], q: queue.Queue[tuple[str, Any]], stop: threading.Event, transfer: CudaTransfer | None) -> None:
     # Holds no reference to the PrefetchIterator, so dropping that object stops this thread (via __del__).
     try:
         while not stop.is_set():
@@ -139,7 +139,7 @@ class PrefetchIterator(Iterator[Any]):
 
     def __init__(self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None) -> None:
         self._transfer = transfer
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._done = False
@@ -247,12 +247,12 @@ class PrefetchingLoader:
     @property
     def loader(self) -> Iterable[Any]:
         """The wrapped loader."""
-        return self._prefetch_loader
+        return cast(Iterable[Any], self._prefetch_loader)
 
     @property
     def depth(self) -> int:
         """Batches fetched ahead."""
-        return self._prefetch_depth
+        return int(self._prefetch_depth)
 
     @property
     def device(self) -> torch.device | None:
@@ -281,7 +281,7 @@ class PrefetchingLoader:
         return iterator
 
     def __len__(self) -> int:
-        return len(self._prefetch_loader)  # type: ignore[arg-type]  # TypeError for unsized loaders, as usual
+        return len(self._prefetch_loader)  # a TypeError for an unsized loader, as len() gives
 
     def close(self) -> None:
         """Stop every running pass over this loader and wait for its thread to end."""

@@ -99,7 +99,7 @@ def _dali_data_fix(data: float, ctx: RunContext, th: Thresholds) -> Finding:
         steps.append("decode on the GPU: decode_device='mixed' (nvJPEG; 'auto' picks it on CUDA)")
     threads, cores = ctx.loader_threads, ctx.cpu_count
     spare_cores = threads is not None and cores is not None and threads < cores
-    if spare_cores:
+    if spare_cores and threads is not None and cores is not None:
         per_rank = " (the cores are shared by the ranks of a node)" if (ctx.world_size or 1) > 1 else ""
         stage = "the Huffman decoding of nvJPEG" if ctx.decode_device == "mixed" else "decode and augmentation"
         steps.append(f"give {stage} more CPU threads: num_threads={min(cores, 2 * threads)} of the {cores} cores"

@@ -354,7 +354,7 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
     compute, t_bwd, t_fwd = w.compute_s, w.backward_s, w.forward_s
     t = 1
     if strategy in ("ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd"):
-        size, calls = grads, 1
+        size, calls = float(grads), 1
         if strategy in ("ddp_fp16_compress", "ddp_bf16_compress"):
             size = w.params * 2
         elif strategy == "ddp_powersgd":

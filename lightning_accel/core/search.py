@@ -175,9 +175,9 @@ class _Search:
             rec = ProbeRecord(size, OOM)
         else:
             peak, seconds = out if isinstance(out, tuple) else (out, None)
-            peak = float(peak)  # type: ignore[arg-type]
+            peak = float(peak)
             rec = ProbeRecord(size, OK if peak <= self.budget else OVER_BUDGET, peak,
-                              None if seconds is None else float(seconds))  # type: ignore[arg-type]
+                              None if seconds is None else float(seconds))
         self.records.append(rec)
         return rec
 

@@ -71,7 +71,7 @@ class CpuUtilisation:
         if self._own:
             return time.process_time()
         t = self._proc.cpu_times()
-        return t.user + t.system
+        return float(t.user + t.system)
 
     def start(self) -> None:
         """Open a window."""

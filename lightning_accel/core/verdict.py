@@ -43,10 +43,10 @@ def step_to_fit(fit: Mapping[str, Any] | FitBreakdown | None) -> float:
         return 1.0
     data = fit.to_dict() if isinstance(fit, FitBreakdown) else fit
     seconds = data.get("seconds", {})
-    base = data.get("wall", 0.0) - seconds.get("startup", 0.0)
+    base = float(data.get("wall", 0.0)) - float(seconds.get("startup", 0.0))
     if base <= 0:
         return 1.0
-    return max(0.0, min(1.0, seconds.get("train", 0.0) / base))
+    return max(0.0, min(1.0, float(seconds.get("train", 0.0)) / base))
 
 
 def _rescaled(findings: Sequence[Finding], factor: float) -> list[Finding]:
