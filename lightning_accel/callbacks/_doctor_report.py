@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.core.html_report import write_html
 from lightning_accel.core.report import DoctorReport, plot_timeline
 
 if TYPE_CHECKING:
@@ -31,10 +32,14 @@ def report_dir(trainer: pl.Trainer) -> Path:
 
 def write_report_files(trainer: pl.Trainer, report: DoctorReport, report_path: str | Path | None, *, plot: bool,
                        files: list[Path]) -> None:
-    """Write the JSON at ``report_path`` (``None``: ``bottleneck_report.json`` in :func:`report_dir`) and, with
+    """Write the JSON at ``report_path`` (``None``: ``bottleneck_report.json`` in :func:`report_dir`; a path ending
+    in ``.html``: the self-contained HTML page there, the JSON beside it) and, with
     ``plot``, the PNG of the timeline next to it; ``files`` gets the paths written (the JSON first). A missing
     matplotlib is a note in the report; a write that fails warns."""
     path = Path(report_path) if report_path else report_dir(trainer) / "bottleneck_report.json"
+    page = None
+    if path.suffix.lower() in (".html", ".htm"):  # the page at that path, the JSON beside it
+        page, path = path, path.with_suffix(".json")
     try:
         if plot and report.timeline:
             png = path.with_suffix(".png")
@@ -42,6 +47,12 @@ def write_report_files(trainer: pl.Trainer, report: DoctorReport, report_path: s
                 files.append(plot_timeline(report, png))
             except ImportError as err:
                 report.notes.append(f"no PNG: {err}")
+        if page is not None:
+            try:
+                files.append(write_html(report, page, title=f"BottleneckDoctor report: {page.stem}"))
+            except ImportError as err:
+                report.notes.append(f"no HTML page: {err}")
+                warnings.warn(f"BottleneckDoctor: no HTML page at {page}: {err}", stacklevel=2)
         files.insert(0, report.save(path))
     except OSError as err:
         warnings.warn(f"BottleneckDoctor: could not write the report to {path} ({err})", stacklevel=2)

@@ -151,7 +151,9 @@ class BottleneckDoctor(Callback):
         thresholds: a :class:`~lightning_accel.core.rules.Thresholds` or a dict of its fields
             (e.g. ``{"data_share": 0.2}``); defaults documented there.
         report_path: where the JSON report goes; ``None`` → ``bottleneck_report.json`` in the logger's ``log_dir``
-            (``trainer.log_dir``), or ``trainer.default_root_dir`` without a logger; ``False`` → no files.
+            (``trainer.log_dir``), or ``trainer.default_root_dir`` without a logger; ``False`` → no files. A path
+            ending in ``.html`` writes the self-contained HTML page there (plots inline; needs matplotlib) and the
+            JSON beside it (``lightning-accel report RUN.json --html OUT.html`` makes the same page later).
         plot: also write ``<report_path stem>.png`` (needs matplotlib; skipped with a note if missing).
         warn: warn findings during training (rank 0). A new finding also asks a ``ProfileWindow`` among the
             callbacks (if any) for a ``torch.profiler`` trace of the next steps.

@@ -84,7 +84,7 @@ class FitWindows:
             self.util_sums.setdefault(f, []).append(v)
         self.comm_passes += int(sum(r.comm_passes for r in measured if math.isfinite(r.comm_passes)))
         self.timeline.append({"batch": self.breakdown.batches, "shares": window.shares,
-                              "step_seconds": window.step_seconds})
+                              "step_seconds": window.step_seconds, "samples_per_sec": window.samples_per_sec})
         return window, util
 
     def live_context(self, ctx: RunContext) -> RunContext:

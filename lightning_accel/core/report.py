@@ -50,7 +50,8 @@ class DoctorReport:
         skipped: rules that could not run and why.
         context: what was known about the run (device, dtype, DataLoader settings, ...).
         precision: ``loss_scale``, ``skipped_steps``, ``total_steps`` of the precision plugin when it has them.
-        timeline: one entry per window: ``{"batch": batches measured so far, "shares": {...}, "step_seconds": s}``.
+        timeline: one entry per window: ``{"batch": batches measured so far, "shares": {...}, "step_seconds": s,
+            "samples_per_sec": global throughput of that window}``.
         notes: caveats (too little data, measuring problems).
         thresholds: the thresholds the rules used.
         rank_stage_seconds: each rank's mean seconds per batch and stage (index = global rank; DDP only).

@@ -333,3 +333,16 @@ def test_a_new_finding_asks_profile_window_for_a_trace(tmp_path):
     assert len(window.windows) == 1  # traced once, on the first data finding, not the whole run
     table = next(tmp_path.glob("top_ops_step*_rank0.txt")).read_text()
     assert "BottleneckDoctor finding: [data]" in table
+
+
+def test_a_report_path_ending_in_html_writes_the_page_and_the_json_beside_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=tmp_path / "run.html", print_report=False,
+                              log_metrics=False)
+    report, _, _ = fit(Planted(dim=64, hidden=64, batch=32, pre_batched=True), doctor=doctor, max_steps=10)
+    assert [p.name for p in doctor.files] == ["run.json", "run.png", "run.html"]
+    assert DoctorReport.load(tmp_path / "run.json") == report
+    page = (tmp_path / "run.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "Step breakdown" in page and page.count("<svg") >= 2
+    # each window's throughput is in the report, so the page can plot it
+    assert all(w["samples_per_sec"] > 0 for w in report.timeline)
