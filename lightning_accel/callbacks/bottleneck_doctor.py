@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
 from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
 from lightning_accel.callbacks._doctor_facts import read_dataloader_settings, static_context
-from lightning_accel.callbacks._doctor_report import write_report_files
+from lightning_accel.callbacks._doctor_report import report_dir, write_report_files
 from lightning_accel.callbacks._doctor_smells import DoctorSmells
 from lightning_accel.callbacks._doctor_timers import (
     install_checkpoint_timer,
@@ -39,6 +40,7 @@ from lightning_accel.core.report import DoctorReport
 from lightning_accel.core.rules import RunContext, Thresholds, diagnose
 from lightning_accel.core.stages import StageMachine, StageWindow
 from lightning_accel.core.verdict import build_report, place_finding
+from lightning_accel.core.window_log import WINDOW_LOG_SUFFIX, WindowLogWriter
 from lightning_accel.core.window_row import RankWindow
 
 if TYPE_CHECKING:
@@ -165,6 +167,9 @@ class BottleneckDoctor(Callback):
             the loading of one batch are timed).
         nvtx: emit the stages (data, transfer, forward, backward, optimizer, and each bucket's communication) as
             NVTX ranges in the ``lightning_accel`` domain, for an ``nsys`` timeline (see ``core/nvtx.py``).
+        window_log: the live log ``lightning-accel watch`` follows (rank 0, one JSON line per window: stage
+            shares, step time, throughput, MFU, the window's findings); ``None`` → beside the report as
+            ``<report stem>.windows.jsonl`` (none when ``report_path=False``); ``False`` → none.
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class BottleneckDoctor(Callback):
         utilisation: bool = True,
         smells: bool = True,
         nvtx: bool = False,
+        window_log: str | Path | bool | None = None,
     ) -> None:
         check_int("BottleneckDoctor", "window", window, unit="batches", example=20)
         check_int("BottleneckDoctor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
@@ -219,6 +225,14 @@ class BottleneckDoctor(Callback):
         if not isinstance(nvtx, bool):
             raise ValueError(f"BottleneckDoctor(nvtx={nvtx!r}): use True to emit the stages as NVTX ranges, or False")
         self.nvtx = nvtx
+        if window_log is True or (window_log is not None and window_log is not False
+                                  and not isinstance(window_log, (str, Path))):
+            raise ValueError(f"BottleneckDoctor(window_log={window_log!r}): give a file path, None for "
+                             "<report path stem>.windows.jsonl beside the report, or False for none")
+        self.window_log = window_log
+        #: the window log of the current or last fit (rank 0), for ``lightning-accel watch``
+        self.window_log_path: Path | None = None
+        self._window_log: WindowLogWriter | None = None
         self.report: DoctorReport | None = None
         #: files written at the end of the last fit (JSON, PNG)
         self.files: list[Path] = []
@@ -282,6 +296,7 @@ class BottleneckDoctor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_run_state()
         self.report, self.files = None, []
+        self._open_window_log(trainer)
         strategy = trainer.strategy
         self._device = strategy.root_device
         self._manual = not pl_module.automatic_optimization
@@ -393,6 +408,8 @@ class BottleneckDoctor(Callback):
             from lightning_accel.strategies.outstanding_work import finish_outstanding_work
 
             finish_outstanding_work()
+        if stage == "fit":
+            self._close_window_log("finished")  # still open only when the report could not be built
         self._uninstall()
 
     def _uninstall(self) -> None:
@@ -574,11 +591,50 @@ class BottleneckDoctor(Callback):
             for finding in self._smells.take_live(window.shares):
                 if self.warn:
                     warn_smell(trainer, finding)
-        if self.warn:
+        if self.warn or self._window_log is not None:
             ranks = [r for r in window.per_rank_seconds if r is not None]
-            diagnosis = diagnose(window.shares, self._live_context(), self.thresholds,
+            context = self._live_context()
+            diagnosis = diagnose(window.shares, context, self.thresholds,
                                  rank_seconds=ranks if len(ranks) > 1 else None)
-            self._warnings.warn(trainer, diagnosis.findings, self._clock(), self.warn_interval_s)
+            if self.warn:
+                self._warnings.warn(trainer, diagnosis.findings, self._clock(), self.warn_interval_s)
+            if self._window_log is not None:
+                self._window_log.write(
+                    "window", batch=self._windows.breakdown.batches, shares=window.shares,
+                    step_ms=1e3 * window.step_seconds, samples_per_sec=window.samples_per_sec, mfu=context.mfu,
+                    findings=[{"stage": f.stage, "rule": f.rule, "evidence": f.evidence, "fix": f.fix,
+                               "value": f.value} for f in diagnosis.findings])
+
+    # ------------------------------------------------------------------ the live window log
+    def _open_window_log(self, trainer: pl.Trainer) -> None:
+        self._close_window_log(None)
+        if not trainer.is_global_zero or self.window_log is False:
+            return
+        if self.window_log is None:
+            if self.report_path is False:
+                return
+            report = Path(self.report_path) if self.report_path else report_dir(trainer) / "bottleneck_report.json"
+            path = report.with_name(report.stem + WINDOW_LOG_SUFFIX)
+        else:
+            path = Path(self.window_log)
+        try:
+            self._window_log = WindowLogWriter(path)
+            self._window_log.write("start", world_size=trainer.world_size, window=self.window, pid=os.getpid())
+            self.window_log_path = path
+        except OSError as err:  # a live view must not stop the fit
+            self._window_log = None
+            warnings.warn(f"BottleneckDoctor: no window log at {path} ({err})", stacklevel=2)
+
+    def _close_window_log(self, status: str | None) -> None:
+        log, self._window_log = self._window_log, None
+        if log is None:
+            return
+        try:
+            if status is not None:  # the page when one was written, else the JSON
+                pages = [f for f in self.files if f.suffix == ".html"] + self.files
+                log.write("end", status=status, report=str(pages[0]) if pages else None)
+        finally:
+            log.close()
 
     def _live_context(self) -> RunContext:
         ctx = self._windows.live_context(self._context)
@@ -647,6 +703,7 @@ class BottleneckDoctor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close_window_log(f"failed: {type(exception).__name__}: {exception}")
         if self._machine is not None:
             self._machine.cancel()
         if self._comm is not None:
@@ -680,6 +737,7 @@ class BottleneckDoctor(Callback):
             rank_zero_print(trainer, self.report.table())
         if self.report_path is not False:
             write_report_files(trainer, self.report, self.report_path, plot=self.plot, files=self.files)
+        self._close_window_log("finished")
 
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
         measured = max(0, self._batches_seen - self._skip)

@@ -47,7 +47,8 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=14,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[doctor])
 trainer.fit(Model())
-out = {"report": doctor.report.to_dict(), "buckets": doctor._comm.buckets if doctor._comm is not None else 0}
+out = {"report": doctor.report.to_dict(), "buckets": doctor._comm.buckets if doctor._comm is not None else 0,
+       "pid": os.getpid()}
 with open(f"doctor_rank{trainer.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -86,6 +87,16 @@ def test_ddp_two_processes_time_the_allreduce_and_aggregate_ranks(ddp_script, tm
     assert len(r0["variability"]) == 2 and all(v["step_p50"] > 0 for v in r0["variability"])
     assert (tmp_path / "report.json").is_file()
     assert r0["fit"]["seconds"]["train"] > 0 and r0["fit"]["wall"] >= r0["fit"]["seconds"]["train"]
+    # the live window log (lightning-accel watch): rank 0's alone, one line per window, the straggler named live
+    import json
+
+    assert sorted(p.name for p in tmp_path.glob("*.windows.jsonl")) == ["report.windows.jsonl"]
+    events = [json.loads(line) for line in (tmp_path / "report.windows.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "start" and events[0]["world_size"] == 2 and events[0]["pid"] == rank0["pid"]
+    windows = [e for e in events if e["event"] == "window"]
+    assert len(windows) == r0["windows"] and windows[-1]["batch"] == r0["batches"]
+    assert any(f["rule"] == "straggler" for w in windows for f in w["findings"]), windows
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "finished"
 
 
 #: the model both scripts below train: one linear layer, one bucket per step
