@@ -362,9 +362,13 @@ class Autopilot(Callback):
         display = SearchDisplay(enabled=self.print_summary and trainer.is_global_zero, live=live,
                                 on_record=lambda record: self._log_trial(trainer, record))
         if self.nvtx:
-            from lightning_accel.core.nvtx import SearchPhaseRanges
+            from lightning_accel.core.nvtx import SearchPhaseRanges, nvtx_unavailable
 
-            display = SearchPhaseRanges(display)
+            why = nvtx_unavailable()
+            if why is None:
+                display = SearchPhaseRanges(display)
+            else:  # a diagnostics flag never takes the search or the training down
+                rank_zero_warn(f"Autopilot(nvtx=True): no NVTX ranges: {why}. The search runs without them.")
         search = AutopilotSearch(
             LightningSearchBackend(self, run), threshold=self.threshold, warmup_steps=self.warmup_steps,
             measure_steps=self.measure_steps, patience=self.patience, budget=self.budget,

@@ -265,6 +265,8 @@ class BottleneckDoctor(Callback):
         self._smells = DoctorSmells(check_gradients=self.smells)
         self._epoch_paused = False
         self._ranges: Any = None
+        self._nvtx_missing = False  # nvtx=True where no range can be emitted: warned once per fit
+        self._comm_failure_noted = False
         self._in_validation = False
         self._validation_hooks_only = False
 
@@ -339,11 +341,17 @@ class BottleneckDoctor(Callback):
 
     def _nvtx_ranges(self) -> Any:
         """The fit's NVTX emitter (``nvtx=True``), shared by the stage machine and the comm recorder; else None."""
-        if not self.nvtx:
+        if not self.nvtx or self._nvtx_missing:
             return None
         if self._ranges is None:
-            from lightning_accel.core.nvtx import StageRanges
+            from lightning_accel.core.nvtx import StageRanges, nvtx_unavailable
 
+            why = nvtx_unavailable()
+            if why is not None:  # a diagnostics flag never takes the training down: say so once, run without
+                self._nvtx_missing = True
+                warnings.warn(f"BottleneckDoctor(nvtx=True): no NVTX ranges: {why}. Training and measuring go on "
+                              "without them.", stacklevel=2)
+                return None
             self._ranges = StageRanges()
         return self._ranges
 
@@ -549,6 +557,12 @@ class BottleneckDoctor(Callback):
             return RankWindow.unmeasured()
         try:
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
+            if self._comm is not None and self._comm.failed is not None and not self._comm_failure_noted:
+                self._comm_failure_noted = True
+                message = (f"timing the all-reduce stopped ({self._comm.failed}): the all-reduces run untimed and "
+                           "communication is not measured from here on")
+                self._notes.append(message)
+                warnings.warn(f"BottleneckDoctor: {message}", stacklevel=2)
             return self._windows.local_row(window, comm, passes, self._samplers.sample, self._device)
         except Exception as err:  # noqa: BLE001
             self._break(f"closing a window: {err!r}")

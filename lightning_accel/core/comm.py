@@ -66,6 +66,16 @@ class CommRecorder:
         #: a :class:`~lightning_accel.core.nvtx.StageRanges`: each bucket's exchange becomes a "communication"
         #: NVTX range from launch to completion (None: off)
         self.ranges: Any = None
+        #: why recording stopped (an error inside our wrapper), or None: the all-reduces then run untimed
+        self.failed: str | None = None
+
+    def fail(self, err: BaseException) -> None:
+        """Stop recording after an error of ours: the hook's all-reduces go on, untimed, and :meth:`flush` reports
+        no measured pass, so no communication share is built on a partial record."""
+        with self._lock:
+            if self.failed is None:
+                self.failed = f"{type(err).__name__}: {err}"
+            self._launches, self._completions, self._passes = [], [], []
 
     def _mark(self) -> Any:
         if self.cuda:
@@ -115,6 +125,9 @@ class CommRecorder:
 
         On CUDA this waits for the recorded completion events (all but the last pass's are long complete).
         """
+        if self.failed is not None:
+            self._exposed, self._n_passes = 0.0, 0
+            return 0.0, 0
         if self._passes:
             for _, completions in self._passes:  # complete already, except (at most) the last pass's: cheap
                 for event in completions:
@@ -135,6 +148,9 @@ def timed_comm_hook(hook: CommHook, recorder: CommRecorder) -> CommHook:
     The wrapped hook returns a future that resolves to the same tensor as ``hook``'s future, so it can stand in
     for ``hook`` in ``DistributedDataParallel.register_comm_hook`` (and be wrapped again).
 
+    An error inside the recording (not inside ``hook``) stops it (:meth:`CommRecorder.fail`) and the bucket's
+    all-reduce proceeds unchanged.
+
     Args:
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``default_hooks.allreduce_hook``.
         recorder: where the marks go.
@@ -142,11 +158,22 @@ def timed_comm_hook(hook: CommHook, recorder: CommRecorder) -> CommHook:
 
     @functools.wraps(hook)
     def timed(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        handle = recorder.launch()
+        # Diagnostics never break training: an error in our recording (a mark, an NVTX range) stops the recording
+        # and the user's hook runs as if unwrapped; the hook's own errors stay the user's.
+        if recorder.failed is not None:
+            return hook(state, bucket)
+        try:
+            handle = recorder.launch()
+        except Exception as err:  # noqa: BLE001
+            recorder.fail(err)
+            return hook(state, bucket)
         fut = hook(state, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            recorder.complete(handle)
+            try:
+                recorder.complete(handle)
+            except Exception as err:  # noqa: BLE001
+                recorder.fail(err)
             return f.value()
 
         return fut.then(done)

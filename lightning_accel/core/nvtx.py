@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DOMAIN", "NvtxBackend", "SearchPhaseRanges", "StageRanges", "nvtx_range"]
+__all__ = ["DOMAIN", "NvtxBackend", "SearchPhaseRanges", "StageRanges", "nvtx_range", "nvtx_unavailable"]
 
 #: the NVTX domain of every range this package emits
 DOMAIN = "lightning_accel"
@@ -78,6 +78,24 @@ class _TorchNvtx:
 
     def end_range(self, handle: Any) -> None:
         torch.cuda.nvtx.range_end(handle)
+
+
+def nvtx_unavailable() -> str | None:
+    """Why no NVTX range can be emitted here, with the install that fixes it; ``None`` when ranges work.
+
+    Ranges need NVIDIA's ``nvtx`` package or a CUDA build of torch: a CPU-only torch's ``torch.cuda.nvtx`` raises
+    on every call.
+    """
+    try:
+        import nvtx  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return None
+    if torch.version.cuda is not None:
+        return None
+    return (f"torch {torch.__version__} is a CPU-only build and the nvtx package is not installed: "
+            "pip install nvtx (or install a CUDA build of torch) to get the ranges")
 
 
 def _default_backend() -> NvtxBackend:

@@ -395,6 +395,7 @@ def test_nvtx_shows_each_search_phase_as_one_balanced_range(monkeypatch) -> None
 
     mock = MockNvtx()
     monkeypatch.setattr(nvtx, "_default_backend", lambda: mock)
+    monkeypatch.setattr(nvtx, "nvtx_unavailable", lambda: None)  # the mock is the backend
     slow = Sleeps()
     autopilot = Autopilot(**FAST, patience=1, only=[], interventions=[slow], save_plan=False, nvtx=True)
     _trainer([autopilot], max_steps=1).fit(Model(sleep_s=0.0), _loader(sleep_s=0.0))

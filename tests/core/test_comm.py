@@ -56,3 +56,54 @@ def test_wrapper_keeps_name_and_annotations_for_ddp_validation():
     timed = timed_comm_hook(default_hooks.allreduce_hook, CommRecorder())
     assert timed.__name__ == "allreduce_hook"
     assert timed.__annotations__ == default_hooks.allreduce_hook.__annotations__
+
+
+def _completed(value):
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class _Bucket:
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def buffer(self):
+        return self._tensor
+
+
+def _hook(state, bucket):  # the user's all-reduce, here over one process: the buffer itself
+    state.append("ran")
+    return _completed(bucket.buffer() * 2)
+
+
+@pytest.mark.parametrize("broken", ["launch", "complete"])
+def test_an_error_in_our_recording_stops_it_and_the_users_hook_result_goes_through(broken):
+    from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+
+    recorder = CommRecorder()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"{broken} broke")
+
+    setattr(recorder, broken, fail)
+    timed = timed_comm_hook(_hook, recorder)
+    state = []
+    for _ in range(3):
+        out = timed(state, _Bucket(torch.ones(4))).wait()
+        assert torch.equal(out, torch.full((4,), 2.0))  # the all-reduce's result, untouched
+    assert state == ["ran"] * 3  # the user's hook ran every time
+    assert recorder.failed == f"RuntimeError: {broken} broke"
+    assert recorder.flush() == (0.0, 0)  # no communication share built on a partial record
+
+
+def test_the_users_hook_errors_stay_the_users():
+    from lightning_accel.core.comm import CommRecorder, timed_comm_hook
+
+    def broken_hook(state, bucket):
+        raise ValueError("user hook")
+
+    recorder = CommRecorder()
+    with pytest.raises(ValueError, match="user hook"):
+        timed_comm_hook(broken_hook, recorder)(None, _Bucket(torch.ones(2)))
+    assert recorder.failed is None

@@ -81,6 +81,7 @@ def test_stage_machine_pushes_one_range_per_open_stage_and_pauses_and_cancels_st
 def test_without_ranges_the_machine_emits_nothing(monkeypatch):
     mock = MockNvtx()
     monkeypatch.setattr(nvtx_module, "_default_backend", lambda: mock)
+    monkeypatch.setattr(nvtx_module, "nvtx_unavailable", lambda: None)  # the mock is the backend
     machine = StageMachine(clock=FakeClock())
     machine.batch_requested()
     machine.batch_arrived()
@@ -154,6 +155,7 @@ def test_bottleneck_doctor_nvtx_emits_the_stages_balanced(monkeypatch, tmp_path)
 
     mock = MockNvtx()
     monkeypatch.setattr(nvtx_module, "_default_backend", lambda: mock)
+    monkeypatch.setattr(nvtx_module, "nvtx_unavailable", lambda: None)  # the mock is the backend
     doctor = BottleneckDoctor(nvtx=True, window=2, warmup_batches=1, report_path=False, print_report=False,
                               utilisation=False, smells=False, warn=False)
     _trainer([doctor]).fit(Tiny(), _loader())
@@ -212,3 +214,37 @@ def test_nsys_capture_bad_input():
         NsysCapture(start_step=-1)
     with pytest.raises(ValueError, match="ranks='0'"):
         NsysCapture(ranks="0")
+
+
+def test_nvtx_unavailable_names_the_install_on_a_cpu_torch_without_the_package(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
+    monkeypatch.setattr(torch.version, "cuda", None)
+    why = nvtx_module.nvtx_unavailable()
+    assert why is not None and "pip install nvtx" in why and "CUDA build of torch" in why
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert nvtx_module.nvtx_unavailable() is None
+
+
+def test_doctor_and_autopilot_with_nvtx_but_no_support_warn_once_and_train(monkeypatch):
+    import sys
+    import warnings
+
+    from lightning_accel.callbacks.autopilot import Autopilot
+    from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)
+    monkeypatch.setattr(torch.version, "cuda", None)  # as on a CPU-only build, whatever this test runs on
+    doctor = BottleneckDoctor(nvtx=True, window=2, warmup_batches=1, report_path=False, print_report=False,
+                              utilisation=False, smells=False, warn=False)
+    autopilot = Autopilot(nvtx=True, budget_seconds=0.0, save_plan=False, print_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer([autopilot, doctor], steps=8)
+        trainer.fit(Tiny(), _loader())
+    nvtx_warnings = [str(w.message) for w in caught if "NVTX" in str(w.message)]
+    assert len([m for m in nvtx_warnings if m.startswith("BottleneckDoctor(nvtx=True)")]) == 1, nvtx_warnings
+    assert len([m for m in nvtx_warnings if m.startswith("Autopilot(nvtx=True)")]) == 1, nvtx_warnings
+    assert all("pip install nvtx" in m for m in nvtx_warnings)
+    assert trainer.global_step == 8 and doctor.report is not None and doctor.report.batches > 0
