@@ -102,3 +102,62 @@ def test_topk_and_qsgd_defaults_and_bad_input():
     ddp_qsgd(use_error_feedback=True, levels=127, chunk_size=512)
     with pytest.raises(ValueError, match="'topK'"):
         DDPCompressionStrategy(compression="topK")  # type: ignore[arg-type]
+
+
+class _OneBucket:
+    def __init__(self, values):
+        self._buffer = torch.tensor(values)
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def _one_process(monkeypatch):
+    """The hook's collectives over one process: the all-gather returns this rank's own payload."""
+    from lightning_accel.strategies import compression_hooks
+
+    def gather(state, payload):
+        state.bytes_sent += payload.numel() * payload.element_size()
+        fut = torch.futures.Future()
+        fut.set_result([[payload.clone()]])
+        return fut
+
+    monkeypatch.setattr(compression_hooks, "_all_gather", gather)
+    monkeypatch.setattr(compression_hooks.dist, "get_world_size", lambda group=None: 1)
+
+
+def test_topk_sends_the_largest_entries_and_keeps_the_rest_for_the_next_step(monkeypatch):
+    from lightning_accel.strategies.compression_hooks import TopKState, topk_hook
+
+    _one_process(monkeypatch)
+    state = TopKState(density=0.25, start_iter=0)  # 8 entries -> k = 2
+    g = [0.5, -3.0, 1.0, 0.2, -2.0, 0.1, 4.0, -0.3]
+    bucket = _OneBucket(g)
+    sent = topk_hook(state, bucket).wait()
+    assert sent.tolist() == [0.0, -3.0, 0.0, 0.0, 0.0, 0.0, 4.0, 0.0]  # the two largest magnitudes, as they were
+    residual = state.error_dict[0]
+    assert residual.tolist() == pytest.approx([0.5, 0.0, 1.0, 0.2, -2.0, 0.1, 0.0, -0.3])
+    assert torch.equal(sent + residual, torch.tensor(g))  # nothing lost: sent + kept = the gradient
+    assert state.bytes_sent == 2 * 4 + 2 * 4  # two fp32 values + two int32 indices
+    # the next step sends from its gradient plus what the last one kept: -2 + 0.1 and 1 + 0.1 win, not 0.1s
+    second = topk_hook(state, _OneBucket([0.1] * 8)).wait()
+    assert second.tolist() == pytest.approx([0.0, 0.0, 1.1, 0.0, -1.9, 0.0, 0.0, 0.0])
+    assert state.error_dict[0].tolist() == pytest.approx([0.6, 0.1, 0.0, 0.3, 0.0, 0.2, 0.1, -0.2])
+    assert state.iter == 2
+
+
+def test_topk_without_error_feedback_forgets_the_unsent_entries(monkeypatch):
+    from lightning_accel.strategies.compression_hooks import TopKState, topk_hook
+
+    _one_process(monkeypatch)
+    state = TopKState(density=0.25, start_iter=0, use_error_feedback=False)
+    topk_hook(state, _OneBucket([0.5, -3.0, 1.0, 0.2, -2.0, 0.1, 4.0, -0.3])).wait()
+    assert state.error_dict == {}
+    second = topk_hook(state, _OneBucket([0.1, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.3])).wait()
+    assert second.tolist() == pytest.approx([0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3])
