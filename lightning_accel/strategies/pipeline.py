@@ -59,8 +59,10 @@ state expects DDP's buckets). ``"pp_fsdp2"`` is refused with the reason (``strat
 parameters only through the wrapped module's own forward, and the gradient hand-back, the tied-embedding sum and
 the checkpoint gather handle plain tensors, not FSDP2's sharded DTensors.
 
-**Faults.** Peers that stop answering (a dead rank, a deadlocked schedule) raise after ``timeout`` (the process
-group's, default 30 min) with this rank and its stage(s) named, instead of hanging.
+**Faults.** Peers that stop answering (a dead rank, a deadlocked schedule) raise after ``timeout`` (default 30 min;
+every pipeline group is created with it, also when the default group already existed) with this rank and its
+stage(s) named, instead of hanging. An error of this rank's own stage (a shape, the user's layer) keeps its type and
+message, with a note naming the rank and stage.
 
 **Checkpoints.** ``trainer.save_checkpoint`` gathers every stage on rank 0 and writes one ordinary Lightning file
 whose ``state_dict`` is the whole unsplit model's (``module.load_state_dict(torch.load(path)["state_dict"])`` loads
@@ -166,6 +168,18 @@ class PipelineStats:
         if not self.timed or not step or sum(step) <= 0 or sum(comp) <= 0:
             return None
         return max(0.0, 1.0 - sum(comp) / sum(step))
+
+
+def _is_peer_failure(err: BaseException) -> bool:
+    """Whether a schedule error comes from the communication with another stage (a timeout, a closed connection)
+    rather than from this rank's own computation."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                                   "gloo", "nccl", "peer"))
 
 
 # ------------------------------------------------------------------------------------------------------ strategy
@@ -549,10 +563,18 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 self._schedule.eval(*args, **kwargs)
         except Exception as err:
             stages = [s.stage_index for s in self._stages]
-            raise RuntimeError(f"pipeline rank {self.global_rank} (stage {', '.join(map(str, stages))} of "
-                               f"{self.plan.num_stages if self.plan else '?'}): the {self.schedule_name} schedule "
-                               f"failed, a peer stage died or stopped answering (timeout {self._timeout}): "
-                               f"{err}") from err
+            where = (f"pipeline rank {self.global_rank} (stage {', '.join(map(str, stages))} of "
+                     f"{self.plan.num_stages if self.plan else '?'})")
+            if _is_peer_failure(err):
+                raise RuntimeError(f"{where}: the {self.schedule_name} schedule failed, a peer stage died or stopped "
+                                   f"answering (timeout {self._timeout}): {err}") from err
+            # this rank's own error (the user's layer, a shape, memory): the original exception, its type and
+            # message first, with where it was raised added
+            note = f"raised on {where} inside the {self.schedule_name} schedule"
+            if hasattr(err, "add_note"):
+                err.add_note(note)
+                raise
+            raise RuntimeError(f"{err} ({note})") from err
         last_rank = self._pp_ranks[self.plan.ranks[-1]] if self.plan else 0
         if self._has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean() * self._loss_divisor

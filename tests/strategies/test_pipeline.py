@@ -3,6 +3,7 @@ process (no process group)."""
 
 from __future__ import annotations
 
+import re
 import pytest
 import lightning.pytorch as pl
 import torch
@@ -435,3 +436,37 @@ def test_on_cuda_the_bubble_is_timed_with_events_read_only_when_asked(monkeypatc
     assert stats.bubble(skip=0) == pytest.approx(0.4)
     assert stats.pending == [] and stats.step_s == pytest.approx([0.1] * 3)
     assert stats.compute_s == pytest.approx([0.06] * 3)
+
+
+def _failing_strategy(error):
+    from types import SimpleNamespace
+
+    strategy = _strategy()
+
+    def step(*args, **kwargs):
+        raise error
+
+    strategy._schedule = SimpleNamespace(step=step, eval=step)
+    strategy._stages = [SimpleNamespace(stage_index=1, is_first=False, is_last=False)]
+    return strategy
+
+
+def test_an_error_of_this_ranks_stage_keeps_its_type_and_message_first():
+    class ShapeError(ValueError):
+        pass
+
+    strategy = _failing_strategy(ShapeError("mat1 and mat2 shapes cannot be multiplied (4x7 and 8x8)"))
+    with pytest.raises(ShapeError) as caught:
+        strategy._run(torch.zeros(1), torch.zeros(1), train=True)
+    assert str(caught.value).startswith("mat1 and mat2 shapes")
+    assert "stopped answering" not in str(caught.value)
+    assert any("raised on pipeline rank 0 (stage 1 of ?) inside the 1f1b schedule" in n
+               for n in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("message", ["[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms",
+                                     "[gloo/transport/tcp/pair.cc:553] Connection closed by peer"])
+def test_a_peer_that_stopped_answering_is_named_as_such(message):
+    strategy = _failing_strategy(RuntimeError(message))
+    with pytest.raises(RuntimeError, match=r"pipeline rank 0 \(stage 1 of \?\).*stopped answering.*" + re.escape(message[:20])):
+        strategy._run(torch.zeros(1), torch.zeros(1), train=True)
