@@ -159,10 +159,10 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_short(spec: dict[str, Any]) -> dict[str, Any]:
     """One 300-step fit (vanilla or with ``Autopilot()`` at its defaults); its whole wall time."""
+    import tempfile
+
     import bench_autopilot as ba
     import lightning.pytorch as pl
-
-    import tempfile
 
     _quiet()
     steps = spec["steps"]

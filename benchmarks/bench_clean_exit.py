@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], collections.Cou
     if unknown:
         parser.error(f"--endings {','.join(unknown)}: choose from {', '.join(ENDINGS)} or 'all'")
     results: dict[tuple[str, str], collections.Counter[str]] = {}
-    print(f"| strategy | ending | runs | as Python ends it | other | s per run |\n|---|---|---|---|---|---|")
+    print("| strategy | ending | runs | as Python ends it | other | s per run |\n|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
             for ending in endings:

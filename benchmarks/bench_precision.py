@@ -38,13 +38,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_accel.callbacks.torch_compile import TorchCompile  # noqa: E402
-from lightning_accel.core.checkpointing import apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
-from lightning_accel.core.memory_probe import peak_rss_bytes, reset_peak_rss  # noqa: E402
-from lightning_accel.core.flops import count_flops  # noqa: E402
-from lightning_accel.demo.model import Block, GPTConfig  # noqa: E402
-from lightning_accel.demo.task import GPTTask  # noqa: E402
-from lightning_accel.precision import AutoMixedPrecision  # noqa: E402
+from lightning_accel.callbacks.torch_compile import TorchCompile
+from lightning_accel.core.checkpointing import apply_activation_checkpointing, saved_activation_bytes
+from lightning_accel.core.flops import count_flops
+from lightning_accel.core.memory_probe import peak_rss_bytes, reset_peak_rss
+from lightning_accel.demo.model import Block, GPTConfig
+from lightning_accel.demo.task import GPTTask
+from lightning_accel.precision import AutoMixedPrecision
 
 
 def batch(cfg: GPTConfig, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

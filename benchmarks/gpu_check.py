@@ -30,7 +30,6 @@ import time
 import traceback
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -127,7 +126,7 @@ def check_stage_timer(args: argparse.Namespace) -> list[Row]:
         for _ in range(3):
             model(x)
         sync()
-        timer, events = StageTimer(device), []
+        timer = StageTimer(device)
         for _ in range(20):
             timer.start("forward")
             model(x)
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         start = time.perf_counter()
         try:
             rows.extend(check(args))
-        except Exception as err:  # one failing check must not hide the others
+        except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
             rows.append((name, "ERROR", f"{err!r}"))
             traceback.print_exc()
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)

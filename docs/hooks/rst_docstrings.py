@@ -39,7 +39,7 @@ def _columns(border: str) -> list[tuple[int, int]]:
 def _cells(line: str, columns: list[tuple[int, int]]) -> list[str]:
     """The text of each column; the last column takes the rest of the line."""
     cells = []
-    for i, (start, end) in enumerate(columns):
+    for i, (start, _end) in enumerate(columns):
         stop = columns[i + 1][0] if i + 1 < len(columns) else len(line)
         cells.append(line[start:stop].strip())
     return cells

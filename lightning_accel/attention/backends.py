@@ -54,7 +54,7 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return torch.device(device)
 
 
-class sdpa_backends(contextlib.ContextDecorator):  # noqa: N801 - used like a function: ``with sdpa_backends(...)``
+class sdpa_backends(contextlib.ContextDecorator):
     """Allow only some SDPA backends (in order of preference), or forbid some, inside a ``with`` block.
 
     ``with sdpa_backends("flash", "efficient"):`` runs attention only on those kernels (in that priority order),

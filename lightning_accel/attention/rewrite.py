@@ -15,8 +15,22 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_accel.attention._lazy import (
-    _ADD, _DIV, _DROPOUT, _MATMUL, _METADATA, _MUL, _SOFTMAX, _STAGE_NAMES, _autocast_dtype, _cast_target,
-    _is_number, _Lazy, _materialize_all, _plain, _softmax_out_dtype)
+    _ADD,
+    _DIV,
+    _DROPOUT,
+    _MATMUL,
+    _METADATA,
+    _MUL,
+    _SOFTMAX,
+    _STAGE_NAMES,
+    _autocast_dtype,
+    _cast_target,
+    _is_number,
+    _Lazy,
+    _materialize_all,
+    _plain,
+    _softmax_out_dtype,
+)
 from lightning_accel.attention._tree import _flatten
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel import _compat
+from lightning_accel._checks import check_int
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_accel._checks import check_int, is_int
 from lightning_accel import _compat
+from lightning_accel._checks import check_int, is_int
 from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._probe_step import (
     StepRunner,

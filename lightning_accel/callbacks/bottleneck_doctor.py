@@ -58,7 +58,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             return None
         try:
             return fn(self, *args, **kwargs)
-        except Exception as err:  # measuring must never stop training
+        except Exception as err:  # noqa: BLE001 - measuring must never stop training
             self._break(f"{fn.__name__}: {err!r}")
             return None
 
@@ -424,7 +424,7 @@ class BottleneckDoctor(Callback):
         for restore in reversed(self._restore):
             try:
                 restore()
-            except Exception:  # noqa: BLE001,S110 - best effort: the objects may be gone already
+            except Exception:  # noqa: BLE001 - best effort: the objects may be gone already
                 pass
         self._restore = []
         if self._comm_unwrap is not None:

@@ -23,7 +23,7 @@ from lightning_accel.callbacks._probe_step import (
     missing_attribute_error,
 )
 from lightning_accel.callbacks._trainer import agree_across_ranks, rank_zero_print
-from lightning_accel.core.utilisation import usable_cores_per_rank  # noqa: F401 - also imported from here
+from lightning_accel.core.utilisation import usable_cores_per_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
+from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
 from lightning_accel.core.peak import PeakFlops, format_flops, resolve_peak_flops
@@ -211,7 +211,7 @@ class MFUMonitor(Callback):
         self._counting_done = True
         try:
             flops = self._counter.stop()
-        except Exception as err:  # measuring must never stop training
+        except Exception as err:  # noqa: BLE001 - measuring must never stop training
             rank_zero_warn(f"MFUMonitor: FLOP counting failed ({err!r}); reporting throughput without MFU. "
                            "Pass MFUMonitor(flops_per_batch=...) to get MFU.")
             return

@@ -10,8 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel import _compat
+from lightning_accel._checks import check_int
 from lightning_accel.core.checkpointing import clean_module_name
 
 _compat.require_versions("NonFiniteGuard")

@@ -34,8 +34,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel._atomic import atomic_path, atomic_write_text
+from lightning_accel._checks import check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

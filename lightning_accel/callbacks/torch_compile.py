@@ -14,8 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel import _compat
+from lightning_accel._checks import check_int
 from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
 
 _compat.require_versions("TorchCompile")
@@ -147,7 +147,7 @@ class TorchCompile(Callback):
         for name, module in self._targets:
             try:
                 compiled = torch.compile(_user_frame(module), **self.compile_kwargs)
-            except Exception as err:  # e.g. "Dynamo is not supported on Python 3.x", Windows without triton
+            except Exception as err:  # noqa: BLE001 - e.g. "Dynamo is not supported on Python 3.x", Windows without triton
                 self._fall_back(f"torch.compile is unavailable here: {err!r}")
                 return
             _compat.set_compiled_call(module, self._guarded(name, module, compiled))

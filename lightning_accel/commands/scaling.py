@@ -307,8 +307,9 @@ def _run(args: argparse.Namespace) -> int:
         link = Interconnect("custom", args.bandwidth_gbs * 1e9, (args.latency_us or 0.0) * 1e-6)
     else:
         link = get_interconnect(args.interconnect)
-    import lightning_accel  # noqa: F401
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_accel  # noqa: F401
 
     if args.strategy not in StrategyRegistry:
         raise ValueError(f"scaling: --strategy {args.strategy!r} is not a registered strategy; use e.g. ddp, "

@@ -9,10 +9,13 @@ from lightning_accel.core.checkpointing import (
 )
 from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 from lightning_accel.core.flops import FlopCounter, count_flops, transformer_flops_per_token
-from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
 from lightning_accel.core.memory import ZeroMemoryEstimate, estimate_zero_memory
+from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity, peak_rss_bytes, reset_peak_rss
 from lightning_accel.core.peak import PeakFlops, get_peak_flops, measure_peak_flops, resolve_peak_flops
+from lightning_accel.core.phases import FitBreakdown, FitClock, diagnose_fit
 from lightning_accel.core.precision import Fp32Islands, choose_autocast_dtype, supported_autocast_dtypes
+from lightning_accel.core.prefetch import PrefetchingLoader
+from lightning_accel.core.ranks import find_stragglers
 from lightning_accel.core.report import DoctorReport, compare, plot_timeline
 from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, diagnose
 from lightning_accel.core.search import (
@@ -23,13 +26,10 @@ from lightning_accel.core.search import (
     find_batch_size,
     find_throughput_batch_size,
 )
-from lightning_accel.core.prefetch import PrefetchingLoader
-from lightning_accel.core.throughput import Rates, WindowedThroughput
-from lightning_accel.core.timing import StageTimer
-from lightning_accel.core.phases import FitBreakdown, FitClock, diagnose_fit
-from lightning_accel.core.ranks import find_stragglers
 from lightning_accel.core.smells import SMELLS, find_smells
 from lightning_accel.core.stages import StageMachine, StageWindow, Window
+from lightning_accel.core.throughput import Rates, WindowedThroughput
+from lightning_accel.core.timing import StageTimer
 from lightning_accel.core.variability import variability_finding
 from lightning_accel.core.verdict import build_report
 

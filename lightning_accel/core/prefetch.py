@@ -152,7 +152,7 @@ class PrefetchIterator(Iterator[Any]):
         except StopIteration:
             self._first = (_END, None)
             return
-        except Exception as err:  # delivered by the first next(), like an un-wrapped loader would
+        except Exception as err:  # noqa: BLE001 - delivered by the first next(), like an un-wrapped loader would
             self._first = (_ERROR, err)
             return
         self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop, transfer),
@@ -287,7 +287,7 @@ class PrefetchingLoader:
         """Stop every running pass over this loader and wait for its thread to end."""
         for iterator in list(self._prefetch_iterators):
             iterator.close()
-        for stop, thread in self._prefetch_threads:
+        for stop, _thread in self._prefetch_threads:
             stop.set()
         for _, thread in self._prefetch_threads:
             thread.join(timeout=5.0)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from lightning_accel._compat import dtensor_local, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_accel._compat import dtensor_local, tree_map
 
 __all__ = ["ShardedFlopCounterMode"]
 

@@ -161,7 +161,7 @@ def _impl_in_use(opt: Any, device_type: str | None) -> str:
 
 
 def _candidate(cls: type, device_type: str) -> dict[str, bool] | None:
-    params = inspect.signature(getattr(cls, "__init__")).parameters
+    params = inspect.signature(cls.__init__).parameters
     from lightning_accel._compat import fused_optimizer_devices
 
     if "fused" in params and device_type in fused_optimizer_devices():

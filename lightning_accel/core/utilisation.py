@@ -145,7 +145,7 @@ class GpuUtilisation:
             return []
         try:
             _, samples = nvml.nvmlDeviceGetSamples(self._handle, kind, self._last_ts)
-        except Exception:  # NVML_ERROR_NOT_FOUND when no sample is new, NOT_SUPPORTED on some boards
+        except Exception:  # noqa: BLE001 - NVML_ERROR_NOT_FOUND when no sample is new, NOT_SUPPORTED on some boards
             return []
         return list(samples)
 
@@ -166,7 +166,7 @@ class GpuUtilisation:
         out = {"gpu_util_pct": float(util), "gpu_mem_used_frac": float(mem.used) / float(mem.total)}
         try:
             out["gpu_sm_clock_mhz"] = float(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM))
-        except Exception:  # clocks are not exposed on every board / vGPU
+        except Exception:  # noqa: BLE001 - clocks are not exposed on every board / vGPU
             pass
         return out
 

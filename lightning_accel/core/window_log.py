@@ -39,7 +39,7 @@ class WindowLogWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # a new fit starts a new log: a reader must not mix two fits' windows
-        self._fh: IO[str] | None = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._fh: IO[str] | None = open(self.path, "w", encoding="utf-8")
 
     def write(self, event: str, **fields: Any) -> None:
         if self._fh is None:

@@ -106,6 +106,6 @@ class _BatchSource:
                 try:
                     with Image.open(io.BytesIO(self.index.read(sample))) as img:
                         img.load()
-                except Exception as err:  # any decoder error means the file is the culprit
+                except Exception as err:  # noqa: BLE001 - any decoder error means the file is the culprit
                     found[sample] = f"{type(err).__name__}: {err}"
         return found

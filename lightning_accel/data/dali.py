@@ -213,7 +213,7 @@ class _DALILoader:
                 next(self._iter)
         except StopIteration:
             self._open = False
-        except Exception:  # a corrupt image among the abandoned batches: start the next epoch on a new pipeline
+        except Exception:  # noqa: BLE001 - a corrupt image among the abandoned batches: start the next epoch on a new pipeline
             self._discard()
 
     def _recover(self, err: RuntimeError) -> None:

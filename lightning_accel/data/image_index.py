@@ -14,7 +14,6 @@ import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -29,7 +28,7 @@ LABEL_EXTENSION = "cls"
 #: the class-index file written by :func:`lightning_accel.data.webdataset.pack_webdataset` next to the shards
 CLASSES_FILE = "classes.json"
 
-ImageSource = Union[str, os.PathLike, Sequence]
+ImageSource = str | os.PathLike | Sequence
 
 
 class CorruptImageError(ValueError):
@@ -104,7 +103,7 @@ class ImageIndex:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 

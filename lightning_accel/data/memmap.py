@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel._checks import check_int
 from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data._progress import progress
 

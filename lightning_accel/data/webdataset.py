@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_accel._checks import check_int
 from lightning_accel._atomic import atomic_path, atomic_write_json
+from lightning_accel._checks import check_int
 from lightning_accel.data._progress import progress
 from lightning_accel.data.image_index import CLASSES_FILE, index_image_folder, sniff_image_format
 

@@ -59,8 +59,9 @@ class DemoConfig:
         if self.tune_batch_size not in (None, "max_fit", "throughput"):
             raise ValueError(f"demo: --tune-batch-size must be max_fit or throughput, got {self.tune_batch_size!r}")
         if self.strategy is not None:
-            import lightning_accel  # noqa: F401  (registers the strategy strings)
             from lightning.pytorch.strategies import StrategyRegistry
+
+            import lightning_accel  # noqa: F401  (registers the strategy strings)
 
             if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
                 raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "

@@ -16,8 +16,8 @@ from torch import nn
 from torch.optim import LBFGS
 from typing_extensions import override
 
-from lightning_accel._checks import check_int
 from lightning_accel import _compat
+from lightning_accel._checks import check_int
 from lightning_accel.core.precision import DtypeChoice, Fp32Islands, choose_autocast_dtype
 
 _compat.require_versions("AutoMixedPrecision")

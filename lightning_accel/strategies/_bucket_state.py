@@ -72,7 +72,7 @@ class BucketStateMover:
                 segments = self.segments(name, layout)
                 if sum(length for _, length in segments) != tensor.numel():
                     continue  # not the layout this mover predicts (should not happen): dropped, restarts at zero
-                for (param, length), piece in zip(segments, tensor.split([s for _, s in segments])):
+                for (param, _length), piece in zip(segments, tensor.split([s for _, s in segments])):
                     self.pieces[name][param] = piece
         self.layouts = {}
 
@@ -106,6 +106,6 @@ class BucketStateMover:
                 segments = self.segments(name, layout)
                 if sum(length for _, length in segments) != tensor.numel():
                     continue
-                for (param, length), piece in zip(segments, tensor.detach().split([s for _, s in segments])):
+                for (param, _length), piece in zip(segments, tensor.detach().split([s for _, s in segments])):
                     out[name][param] = piece.cpu().clone()
         return out

@@ -53,8 +53,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import is_int
-from lightning_accel.strategies.parallel_plan import ParallelPlan, apply_plan, derive_plan
 from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
+from lightning_accel.strategies.parallel_plan import ParallelPlan, apply_plan, derive_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import sys
+
 from typing_extensions import override
 
 __all__ = ["FinishesOutstandingWork", "finish_outstanding_work"]

@@ -183,7 +183,7 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
     entries: list[PlanEntry] = []
     dropped: list[str] = []
     for name, sub in modules.items():
-        for regex, key, style in patterns:
+        for regex, _key, style in patterns:
             if not regex.match(name):
                 continue
             if tied and (isinstance(sub, nn.Embedding) or name.split(".")[-1] == "lm_head"):

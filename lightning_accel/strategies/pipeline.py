@@ -106,6 +106,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_accel.core.pipeline_plan import SCHEDULES, StagePlan, bubble_fraction, check_schedule, plan_stages
+from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 from lightning_accel.strategies.pipeline_network import (
     PipelineLayout,
     _Layout,
@@ -118,7 +119,6 @@ from lightning_accel.strategies.pipeline_network import (
     measure_stage_costs,
     token_cross_entropy,
 )
-from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -412,7 +412,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 for block in layout.block_list():
                     h = layout.call_block(block, h, ctx)
                 got = layout.head(h)
-        except Exception as err:  # noqa: BLE001 - any failure means the structure is not the one assumed
+        except Exception as err:
             raise ValueError(f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
                              "it with pipeline_layout()") from err
         finally:
@@ -452,6 +452,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
+
         from lightning_accel._compat import optimizers_to_device
 
         assert self.accelerator is not None and self.model is not None

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_accel.callbacks.interventions import Intervention
 from lightning_accel.callbacks.autopilot import Autopilot
+from lightning_accel.callbacks.interventions import Intervention
 
 FAST = {"warmup_steps": 2, "measure_steps": 8, "budget_seconds": 120.0, "freeze": ["compile"]}
 

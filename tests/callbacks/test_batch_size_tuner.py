@@ -7,8 +7,8 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
 from lightning.pytorch.loggers import Logger
+from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner

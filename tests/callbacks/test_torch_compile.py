@@ -133,7 +133,6 @@ def test_invalid_arguments() -> None:
 
 def test_mfu_monitor_leaves_out_the_compile_warmup() -> None:
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
-
     from lightning_accel.core.flops import count_flops
 
     monitor = MFUMonitor(window=2, warmup_batches=1, peak_flops=1e12, print_summary=False)

@@ -8,8 +8,7 @@ import pytest
 
 from lightning_accel.cli import main
 from lightning_accel.commands.scaling import scaling_report
-from lightning_accel.core.scaling import INTERCONNECTS, Interconnect, ScalingWorkload, fit_interconnect, \
-    project_scaling
+from lightning_accel.core.scaling import INTERCONNECTS, Interconnect, ScalingWorkload, fit_interconnect, project_scaling
 
 SHAPES = [[1024, 1024], [1024], [4096, 1024], [1024, 4096]]  # 9.4 M parameters
 

@@ -114,7 +114,7 @@ def test_dataloader_attributes_and_len_are_the_inner_loaders():
             return {"consumed": 99}
 
     with pytest.raises(AttributeError, match="skip them on resume"):
-        PrefetchingLoader(Stateful([1])).state_dict  # noqa: B018
+        PrefetchingLoader(Stateful([1])).state_dict
 
     class CountsTrainedBatches(Stateful):
         state_counts_trained_batches = True  # its state ignores batches fetched ahead: safe to forward

@@ -9,7 +9,7 @@ from torch.utils.data import default_collate
 
 from lightning_accel import SDPABackendRecorder, use_fused_attention
 from lightning_accel._compat import hf_attn_implementation
-from tests.models.zoo import FAMILIES, LAYERS, NO_TRANSFORMERS, HAVE_TRANSFORMERS, bert, gpt2, llama, vit, NanoGPT
+from tests.models.zoo import FAMILIES, HAVE_TRANSFORMERS, LAYERS, NO_TRANSFORMERS, NanoGPT, bert, gpt2, llama, vit
 
 needs_hf = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=NO_TRANSFORMERS)
 HF = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}

@@ -4,15 +4,22 @@ process (no process group)."""
 from __future__ import annotations
 
 import re
-import pytest
+
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 
 from lightning_accel.core.pipeline_plan import bubble_fraction, check_schedule, plan_stages
 from lightning_accel.demo.model import GPT, GPTConfig
-from lightning_accel.strategies.pipeline import (PipelineLayout, PipelineStrategy, _Stage, _UserLayout,
-                                                 default_pipeline_batch, find_layout)
+from lightning_accel.strategies.pipeline import (
+    PipelineLayout,
+    PipelineStrategy,
+    _Stage,
+    _UserLayout,
+    default_pipeline_batch,
+    find_layout,
+)
 
 
 def test_blocks_are_balanced_with_the_embedding_on_the_first_stage_and_the_head_on_the_last():
@@ -185,8 +192,9 @@ def test_argument_errors():
 
 
 def test_strings_are_registered():
-    import lightning_accel  # noqa: F401
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_accel  # noqa: F401
 
     assert "pp" in StrategyRegistry and "pp_ddp" in StrategyRegistry
     assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"

@@ -65,7 +65,7 @@ class SwitchableCompression:
         hooks = {"allreduce": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook,
                  "fp16": default_hooks.fp16_compress_hook, "topk": ch.topk_hook, "qsgd": ch.qsgd_hook}
 
-        def switchable(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects other annotations
+        def switchable(state, bucket):
             own = self.state(self.mode)
             return hooks[self.mode](own if own is not None else state, bucket)
 
