@@ -37,8 +37,13 @@ class MLPTask(pl.LightningModule):
 
     def __init__(self, width: int = 1024, batch_size: int = 64, batches: int = 64) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, 2 * width),
-                                 nn.ReLU(), nn.Linear(2 * width, width))
+        self.net = nn.Sequential(
+            nn.Linear(width, 2 * width),
+            nn.ReLU(),
+            nn.Linear(2 * width, 2 * width),
+            nn.ReLU(),
+            nn.Linear(2 * width, width),
+        )
         self.width, self.batch_size, self.batches = width, batch_size, batches
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -49,15 +54,31 @@ class MLPTask(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(self.batch_size * self.batches, self.width, generator=g)),
-                          batch_size=self.batch_size)
+        return DataLoader(
+            TensorDataset(torch.randn(self.batch_size * self.batches, self.width, generator=g)),
+            batch_size=self.batch_size,
+        )
 
 
-def fit_step_times(callbacks: list[Any], steps: int, make_model: Callable[[], pl.LightningModule], *,
-                   clock: str = "wall", **trainer_kwargs: Any) -> list[float]:
+def fit_step_times(
+    callbacks: list[Any],
+    steps: int,
+    make_model: Callable[[], pl.LightningModule],
+    *,
+    clock: str = "wall",
+    **trainer_kwargs: Any,
+) -> list[float]:
     recorder = StepTimes(clock=clock)
-    kwargs = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(callbacks=[*callbacks, recorder], **kwargs)
     torch.manual_seed(0)
@@ -65,8 +86,7 @@ def fit_step_times(callbacks: list[Any], steps: int, make_model: Callable[[], pl
     return recorder.times
 
 
-def alternate(variants: dict[str, Callable[[], list[float]]], rounds: int, *, verbose: bool = True
-              ) -> dict[str, float]:
+def alternate(variants: dict[str, Callable[[], list[float]]], rounds: int, *, verbose: bool = True) -> dict[str, float]:
     """Run the variants A B A B ... ``rounds`` times; median step time per variant over all rounds.
 
     The order inside a round flips every round (A B, B A, ...) so neither variant always runs first.
@@ -78,6 +98,8 @@ def alternate(variants: dict[str, Callable[[], list[float]]], rounds: int, *, ve
             times = variants[name]()
             samples[name].extend(times)
             if verbose:
-                print(f"  round {r}: {name:24s} median {1e3 * statistics.median(times):8.2f} ms over {len(times)} steps",
-                      flush=True)
+                print(
+                    f"  round {r}: {name:24s} median {1e3 * statistics.median(times):8.2f} ms over {len(times)} steps",
+                    flush=True,
+                )
     return {name: statistics.median(times) for name, times in samples.items()}

@@ -34,8 +34,13 @@ VOCAB, SEQ = 512, 64
 GLOBAL_BATCH = 32
 
 #: the knobs as the naive script sets them
-VANILLA: dict[str, Any] = {"attention": "eager", "precision": "32-true", "optimizer": "single", "micro": (4, 8),
-                           "num_workers": 0}
+VANILLA: dict[str, Any] = {
+    "attention": "eager",
+    "precision": "32-true",
+    "optimizer": "single",
+    "micro": (4, 8),
+    "num_workers": 0,
+}
 #: what a person tuning by hand sets (precision is tried both ways, the better counts)
 HAND_TUNED: dict[str, Any] = {"attention": "sdpa", "optimizer": "foreach", "micro": (32, 1), "num_workers": 1}
 
@@ -99,25 +104,59 @@ class TokenizingDataset(Dataset):
 def hf_gpt2(attention: str) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ + 1, n_embd=128, n_layer=2, n_head=4,
-                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      attn_implementation=attention))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ + 1,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation=attention,
+        )
+    )
 
 
 def hf_llama(attention: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ + 1,
-                                        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attention))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ + 1,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            attn_implementation=attention,
+        )
+    )
 
 
 def litgpt_gpt(attention: str) -> nn.Module:
     from litgpt.config import Config
     from litgpt.model import GPT
 
-    return GPT(Config.from_name("pythia-14m", n_layer=2, n_embd=128, n_head=4, block_size=SEQ, vocab_size=VOCAB,
-                                padded_vocab_size=VOCAB, intermediate_size=512))
+    return GPT(
+        Config.from_name(
+            "pythia-14m",
+            n_layer=2,
+            n_embd=128,
+            n_head=4,
+            block_size=SEQ,
+            vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+            intermediate_size=512,
+        )
+    )
 
 
 def demo_gpt(attention: str) -> nn.Module:
@@ -141,14 +180,26 @@ class Script:
 
 
 SCRIPTS: dict[str, Script] = {
-    "gpt2": Script("gpt2", "HF GPT-2 (2 layers, d 128, seq 64, vocab 512), eager attention", hf_gpt2, True,
-                   "transformers"),
-    "llama": Script("llama", "HF Llama (2 layers, d 128, GQA 4/2 heads, seq 64, vocab 512), eager attention",
-                    hf_llama, True, "transformers"),
-    "litgpt": Script("litgpt", "litgpt GPT from Config (pythia-14m shrunk: 2 layers, d 128, seq 64), SDPA already",
-                     litgpt_gpt, False, "litgpt"),
-    "demo": Script("demo", "the demo GPT (lightning_accel.demo, 2 layers, d 128, seq 64), SDPA already", demo_gpt,
-                   False),
+    "gpt2": Script(
+        "gpt2", "HF GPT-2 (2 layers, d 128, seq 64, vocab 512), eager attention", hf_gpt2, True, "transformers"
+    ),
+    "llama": Script(
+        "llama",
+        "HF Llama (2 layers, d 128, GQA 4/2 heads, seq 64, vocab 512), eager attention",
+        hf_llama,
+        True,
+        "transformers",
+    ),
+    "litgpt": Script(
+        "litgpt",
+        "litgpt GPT from Config (pythia-14m shrunk: 2 layers, d 128, seq 64), SDPA already",
+        litgpt_gpt,
+        False,
+        "litgpt",
+    ),
+    "demo": Script(
+        "demo", "the demo GPT (lightning_accel.demo, 2 layers, d 128, seq 64), SDPA already", demo_gpt, False
+    ),
 }
 
 
@@ -156,8 +207,9 @@ class NaiveLM(pl.LightningModule):
     """The LightningModule a user writes around the model: ``batch_size`` attribute, its own ``train_dataloader``
     over the tokenising dataset, ``AdamW`` with the for-loop step (``optimizer="single"``)."""
 
-    def __init__(self, script: Script, *, attention: str, micro: int, num_workers: int, optimizer: str,
-                 samples: int) -> None:
+    def __init__(
+        self, script: Script, *, attention: str, micro: int, num_workers: int, optimizer: str, samples: int
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.script = script
@@ -174,9 +226,14 @@ class NaiveLM(pl.LightningModule):
         return self.loss(batch)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenizingDataset(self.samples, seed=1), batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(2), num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            TokenizingDataset(self.samples, seed=1),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(2),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         flags = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -188,8 +245,14 @@ def build(script: Script, config: dict[str, Any], *, samples: int) -> tuple[Naiv
     micro, accumulate = config["micro"]
     if micro * accumulate != GLOBAL_BATCH:
         raise ValueError(f"micro={config['micro']!r}: the global batch must stay {GLOBAL_BATCH}")
-    module = NaiveLM(script, attention=config["attention"], micro=micro, num_workers=config["num_workers"],
-                     optimizer=config["optimizer"], samples=samples)
+    module = NaiveLM(
+        script,
+        attention=config["attention"],
+        micro=micro,
+        num_workers=config["num_workers"],
+        optimizer=config["optimizer"],
+        samples=samples,
+    )
     kwargs: dict[str, Any] = {"accumulate_grad_batches": accumulate}
     if config["precision"] != "32-true":  # the naive script passes nothing: Lightning's default
         kwargs["precision"] = config["precision"]

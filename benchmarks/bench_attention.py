@@ -60,10 +60,19 @@ class HFLlamaLayer(nn.Module):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
-        self.model = LlamaModel(LlamaConfig(hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=1,
-                                            num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32,
-                                            max_position_embeddings=seq, attn_implementation="eager",
-                                            use_cache=False))
+        self.model = LlamaModel(
+            LlamaConfig(
+                hidden_size=dim,
+                intermediate_size=2 * dim,
+                num_hidden_layers=1,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                vocab_size=32,
+                max_position_embeddings=seq,
+                attn_implementation="eager",
+                use_cache=False,
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(inputs_embeds=x).last_hidden_state
@@ -122,8 +131,10 @@ def main() -> None:
         pairs["HF Llama eager: sdpa"] = (llama, switched)
 
     where = torch.cuda.get_device_name() if x.is_cuda else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{where}, torch {torch.__version__}, {args.dtype}; batch {args.batch}, seq {args.seq}, "
-          f"dim {args.dim}, heads {args.heads}; forward + backward; {args.rounds} rounds x {args.iters} iters")
+    print(
+        f"{where}, torch {torch.__version__}, {args.dtype}; batch {args.batch}, seq {args.seq}, "
+        f"dim {args.dim}, heads {args.heads}; forward + backward; {args.rounds} rounds x {args.iters} iters"
+    )
     print(f"{'module':26s} {'original':>10s} {'fused':>10s} {'ratio':>7s}  backends (original | fused)")
     for name, (original, fused) in pairs.items():
         for model in (original, fused):  # warm-up
@@ -133,8 +144,9 @@ def main() -> None:
             samples["original"] += time_iters(original, x, args.iters)
             samples["fused"] += time_iters(fused, x, args.iters)
         a, b = statistics.median(samples["original"]), statistics.median(samples["fused"])
-        print(f"{name:26s} {1e3 * a:8.1f}ms {1e3 * b:8.1f}ms {b / a:7.3f}  {backend(original, x)} | "
-              f"{backend(fused, x)}")
+        print(
+            f"{name:26s} {1e3 * a:8.1f}ms {1e3 * b:8.1f}ms {b / a:7.3f}  {backend(original, x)} | {backend(fused, x)}"
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ class Rate(pl.Callback):
         s = self.skip
         if len(self.stamps) <= s + 1:
             return float("nan")
-        return sum(self.samples[s + 1:]) / (self.stamps[-1] - self.stamps[s])
+        return sum(self.samples[s + 1 :]) / (self.stamps[-1] - self.stamps[s])
 
 
 def _samples(batch: Any) -> int:
@@ -105,8 +105,15 @@ class Sleepy(Dataset):
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, dim: int = 256, depth: int = 3, lr: float = 1e-3, optimizer: str = "sgd",
-                 impl: str = "default", extra_tensors: int = 0) -> None:
+    def __init__(
+        self,
+        dim: int = 256,
+        depth: int = 3,
+        lr: float = 1e-3,
+        optimizer: str = "sgd",
+        impl: str = "default",
+        extra_tensors: int = 0,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         layers: list[nn.Module] = []
@@ -153,9 +160,15 @@ def _callbacks(config: dict[str, Any]) -> list[Any]:
 
 def build_data(config: dict[str, Any]):
     workers = config.get("num_workers", 0)
-    loader = DataLoader(Sleepy(4096, 256, 0.0015), batch_size=16, shuffle=True,
-                        generator=torch.Generator().manual_seed(1), num_workers=workers,
-                        persistent_workers=workers > 0, prefetch_factor=config.get("prefetch_factor") if workers else None)
+    loader = DataLoader(
+        Sleepy(4096, 256, 0.0015),
+        batch_size=16,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=config.get("prefetch_factor") if workers else None,
+    )
     return MLP(dim=256, depth=3), loader, {"callbacks": _callbacks(config)}
 
 
@@ -172,7 +185,9 @@ def build_micro_batch(config: dict[str, Any]):
             self.batch_size = micro
 
         def train_dataloader(self):
-            return DataLoader(data, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(2))
+            return DataLoader(
+                data, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(2)
+            )
 
     return PerCall(), None, {"accumulate_grad_batches": accum}
 
@@ -221,8 +236,12 @@ def build_attention(config: dict[str, Any]):
     if config.get("fused_attention"):
         use_fused_attention(model, blocks=[f"blocks.{i}" for i in range(len(model.blocks))])
     g = torch.Generator().manual_seed(1)
-    loader = DataLoader(TensorDataset(torch.randn(512, 256, 128, generator=g)), batch_size=8, shuffle=True,
-                        generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(
+        TensorDataset(torch.randn(512, 256, 128, generator=g)),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(2),
+    )
     return model, loader, {"callbacks": _callbacks(config)}
 
 
@@ -235,8 +254,12 @@ def _heldout_attention(model: pl.LightningModule) -> float:
 def build_optimizer(config: dict[str, Any]):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4096, 64, generator=g)
-    loader = DataLoader(TensorDataset(x, x[:, :8].sum(1, keepdim=True)), batch_size=32, shuffle=True,
-                        generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(
+        TensorDataset(x, x[:, :8].sum(1, keepdim=True)),
+        batch_size=32,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(2),
+    )
     return MLP(dim=64, depth=2, optimizer="adam", impl=config.get("impl", "default"), extra_tensors=600), loader, {}
 
 
@@ -260,34 +283,75 @@ def _heldout_compute(model: pl.LightningModule) -> float:
 
 
 SCENARIOS = {
-    "data": Scenario("data", "1.5 ms sleep per sample (network-storage-like), num_workers=0, loader passed to fit",
-                     build_data, {"num_workers": [0, 1, 2], "prefetch": [False, True]},
-                     {"num_workers": 0, "prefetch": False}, steps=160, heldout=_heldout_mlp(256)),
-    "compute": Scenario("compute", "demo GPT (0.8 M params) on memory-mapped tokens, AutoMixedPrecision(dtype='fp32')",
-                        build_compute, {"dtype": ["fp32", "bf16"], "prefetch": [False, True]},
-                        {"dtype": "fp32", "prefetch": False}, steps=150, heldout=_heldout_compute),
-    "micro_batch": Scenario("micro_batch", "6-layer MLP of width 64 (per-call cost), batch 4 × accumulate 8",
-                            build_micro_batch, {"micro": [(4, 8), (8, 4), (16, 2), (32, 1)]},
-                            {"micro": (4, 8)}, steps=400, heldout=_heldout_mlp(64)),
-    "attention": Scenario("attention", "2 blocks of hand-written causal attention, seq 256, d 128",
-                          build_attention, {"fused_attention": [False, True], "prefetch": [False, True]},
-                          {"fused_attention": False, "prefetch": False}, steps=40, heldout=_heldout_attention),
-    "optimizer": Scenario("optimizer", "Adam(foreach=False) over 600 small tensors + a small MLP",
-                          build_optimizer, {"impl": ["default", "foreach", "fused"]}, {"impl": "default"}, steps=150,
-                          heldout=_heldout_mlp(64)),
+    "data": Scenario(
+        "data",
+        "1.5 ms sleep per sample (network-storage-like), num_workers=0, loader passed to fit",
+        build_data,
+        {"num_workers": [0, 1, 2], "prefetch": [False, True]},
+        {"num_workers": 0, "prefetch": False},
+        steps=160,
+        heldout=_heldout_mlp(256),
+    ),
+    "compute": Scenario(
+        "compute",
+        "demo GPT (0.8 M params) on memory-mapped tokens, AutoMixedPrecision(dtype='fp32')",
+        build_compute,
+        {"dtype": ["fp32", "bf16"], "prefetch": [False, True]},
+        {"dtype": "fp32", "prefetch": False},
+        steps=150,
+        heldout=_heldout_compute,
+    ),
+    "micro_batch": Scenario(
+        "micro_batch",
+        "6-layer MLP of width 64 (per-call cost), batch 4 × accumulate 8",
+        build_micro_batch,
+        {"micro": [(4, 8), (8, 4), (16, 2), (32, 1)]},
+        {"micro": (4, 8)},
+        steps=400,
+        heldout=_heldout_mlp(64),
+    ),
+    "attention": Scenario(
+        "attention",
+        "2 blocks of hand-written causal attention, seq 256, d 128",
+        build_attention,
+        {"fused_attention": [False, True], "prefetch": [False, True]},
+        {"fused_attention": False, "prefetch": False},
+        steps=40,
+        heldout=_heldout_attention,
+    ),
+    "optimizer": Scenario(
+        "optimizer",
+        "Adam(foreach=False) over 600 small tensors + a small MLP",
+        build_optimizer,
+        {"impl": ["default", "foreach", "fused"]},
+        {"impl": "default"},
+        steps=150,
+        heldout=_heldout_mlp(64),
+    ),
 }
 
 
 # ------------------------------------------------------------------------------------------------ running
-def fit(scenario: Scenario, config: dict[str, Any], skip: int, autopilot: Autopilot | None = None
-        ) -> tuple[float, pl.LightningModule, pl.Trainer]:
+def fit(
+    scenario: Scenario, config: dict[str, Any], skip: int, autopilot: Autopilot | None = None
+) -> tuple[float, pl.LightningModule, pl.Trainer]:
     pl.seed_everything(0, verbose=False)
     model, data, kwargs = scenario.build(config)
     rate = Rate(skip)
     callbacks = ([autopilot] if autopilot is not None else []) + kwargs.pop("callbacks", []) + [rate]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=scenario.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=scenario.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
     if data is None:
         trainer.fit(model)
     elif isinstance(data, pl.LightningDataModule):
@@ -306,8 +370,7 @@ def label(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.items())
 
 
-def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verbose: bool = False
-                 ) -> dict[str, Any]:
+def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verbose: bool = False) -> dict[str, Any]:
     configs = grid(scenario)
     rates: dict[str, list[float]] = {label(c): [] for c in configs}
     auto_rates: list[float] = []
@@ -316,7 +379,7 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
     losses: dict[str, float | None] = {"vanilla": None, "autopilot": None}
     runs: list[dict[str, Any] | None] = [None, *configs]  # None: the vanilla run under the Autopilot
     for r in range(rounds):
-        for config in (runs if r % 2 == 0 else list(reversed(runs))):
+        for config in runs if r % 2 == 0 else list(reversed(runs)):
             if config is None:
                 autopilot = Autopilot(budget_seconds=budget, print_summary=False, save_plan=False)
                 rate, model, _ = fit(scenario, scenario.vanilla, skip, autopilot)
@@ -326,8 +389,10 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
                 if verbose:  # the Autopilot's own table of this round: every trial with its reason
                     for rec in autopilot.records:
                         rate_s = f"{rec.samples_per_sec:9.1f}" if rec.samples_per_sec else " " * 9
-                        print(f"    round {r}: {rec.index:2d} {rec.name:22s} {rate_s} {'kept' if rec.kept else '    '}"
-                              f"  {rec.reason}")
+                        print(
+                            f"    round {r}: {rec.index:2d} {rec.name:22s} {rate_s} {'kept' if rec.kept else '    '}"
+                            f"  {rec.reason}"
+                        )
                 if losses["autopilot"] is None:
                     losses["autopilot"] = scenario.heldout(model)
                 continue
@@ -337,10 +402,19 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
                 losses["vanilla"] = scenario.heldout(model)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     best = max(medians, key=lambda k: medians[k])
-    return {"scenario": scenario.name, "what": scenario.what, "vanilla": medians[label(scenario.vanilla)],
-            "autopilot": statistics.median(auto_rates), "grid_best": medians[best], "grid_best_config": best,
-            "grid": medians, "kept": kept, "search_seconds": statistics.median(searches),
-            "loss_vanilla": losses["vanilla"], "loss_autopilot": losses["autopilot"]}
+    return {
+        "scenario": scenario.name,
+        "what": scenario.what,
+        "vanilla": medians[label(scenario.vanilla)],
+        "autopilot": statistics.median(auto_rates),
+        "grid_best": medians[best],
+        "grid_best_config": best,
+        "grid": medians,
+        "kept": kept,
+        "search_seconds": statistics.median(searches),
+        "loss_vanilla": losses["vanilla"],
+        "loss_autopilot": losses["autopilot"],
+    }
 
 
 def main() -> None:
@@ -357,8 +431,9 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print the Autopilot's trials of every round")
     parser.add_argument("--rounds", type=int, default=2, help="runs per configuration, alternating (default 2)")
     parser.add_argument("--skip", type=int, default=10, help="warm-up batches not timed (default 10)")
-    parser.add_argument("--budget", type=float, default=30.0,
-                        help="Autopilot budget in seconds (default 30: 5 %% of a 10-minute fit)")
+    parser.add_argument(
+        "--budget", type=float, default=30.0, help="Autopilot budget in seconds (default 30: 5 %% of a 10-minute fit)"
+    )
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -372,14 +447,18 @@ def main() -> None:
         for config, rate in row["grid"].items():
             print(f"  grid  {config:<45} {rate:10.1f} samples/s")
         print(f"  autopilot kept: {'; '.join(row['kept']) or 'nothing'}")
-    print("\n| scenario | vanilla samples/s | autopilot samples/s | ÷ vanilla | grid best | ÷ grid best | search s | "
-          "search ÷ 10-min fit | held-out loss vanilla → autopilot |")
+    print(
+        "\n| scenario | vanilla samples/s | autopilot samples/s | ÷ vanilla | grid best | ÷ grid best | search s | "
+        "search ÷ 10-min fit | held-out loss vanilla → autopilot |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['scenario']} | {r['vanilla']:.1f} | {r['autopilot']:.1f} | {r['autopilot'] / r['vanilla']:.2f} | "
-              f"{r['grid_best']:.1f} ({r['grid_best_config']}) | {r['autopilot'] / r['grid_best']:.2f} | "
-              f"{r['search_seconds']:.1f} | {r['search_seconds'] / 600:.1%} | "
-              f"{r['loss_vanilla']:.6f} → {r['loss_autopilot']:.6f} |")
+        print(
+            f"| {r['scenario']} | {r['vanilla']:.1f} | {r['autopilot']:.1f} | {r['autopilot'] / r['vanilla']:.2f} | "
+            f"{r['grid_best']:.1f} ({r['grid_best_config']}) | {r['autopilot'] / r['grid_best']:.2f} | "
+            f"{r['search_seconds']:.1f} | {r['search_seconds'] / 600:.1%} | "
+            f"{r['loss_vanilla']:.6f} → {r['loss_autopilot']:.6f} |"
+        )
 
 
 if __name__ == "__main__":

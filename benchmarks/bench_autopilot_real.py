@@ -90,7 +90,7 @@ def _callbacks(steps: int, skip: int) -> tuple[Any, Any]:
             start = next((i for i, r in enumerate(self.rows) if r[1] >= skip), None)
             if start is None or start + 1 >= len(self.rows):
                 return float("nan")
-            return sum(r[2] for r in self.rows[start + 1:]) / (self.rows[-1][0] - self.rows[start][0])
+            return sum(r[2] for r in self.rows[start + 1 :]) / (self.rows[-1][0] - self.rows[start][0])
 
     rate = Rate()
     return rate, rate
@@ -98,12 +98,29 @@ def _callbacks(steps: int, skip: int) -> tuple[Any, Any]:
 
 def _autopilot_row(autopilot: Any) -> dict[str, Any]:
     plan = autopilot.plan
-    return {"search_seconds": plan.search_seconds or 0.0, "kept": [k.get("change") or k.get("name") for k in plan.kept],
-            "stopped": plan.stopped, "noise": plan.noise, "baseline_autopilot": plan.baseline_samples_per_sec,
-            "final_autopilot": plan.final_samples_per_sec,
-            "trials": [{"index": r.index, "name": r.name, "change": r.change, "samples_per_sec": r.samples_per_sec,
-                        "vs_baseline": r.vs_baseline, "kept": r.kept, "reason": r.reason, "seconds": r.seconds,
-                        "shares": r.shares, "ratio": getattr(r, "ratio", None)} for r in autopilot.records]}
+    return {
+        "search_seconds": plan.search_seconds or 0.0,
+        "kept": [k.get("change") or k.get("name") for k in plan.kept],
+        "stopped": plan.stopped,
+        "noise": plan.noise,
+        "baseline_autopilot": plan.baseline_samples_per_sec,
+        "final_autopilot": plan.final_samples_per_sec,
+        "trials": [
+            {
+                "index": r.index,
+                "name": r.name,
+                "change": r.change,
+                "samples_per_sec": r.samples_per_sec,
+                "vs_baseline": r.vs_baseline,
+                "kept": r.kept,
+                "reason": r.reason,
+                "seconds": r.seconds,
+                "shares": r.shares,
+                "ratio": getattr(r, "ratio", None),
+            }
+            for r in autopilot.records
+        ],
+    }
 
 
 def run_real(spec: dict[str, Any]) -> dict[str, Any]:
@@ -139,15 +156,31 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
         autopilot = Autopilot(print_summary=False, save_plan=False)
         callbacks.insert(0, autopilot)
         max_steps = spec["planned_steps"]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
     t0 = time.perf_counter()
     trainer.fit(module)
     wall = time.perf_counter() - t0
-    row = {**spec, "samples_per_sec": rate.rate(), "wall_seconds": wall, "global_step": trainer.global_step,
-           "loss": heldout_loss(module, heldout_batches()), "torch_threads": torch.get_num_threads(),
-           "seconds_per_step": None}
+    row = {
+        **spec,
+        "samples_per_sec": rate.rate(),
+        "wall_seconds": wall,
+        "global_step": trainer.global_step,
+        "loss": heldout_loss(module, heldout_batches()),
+        "torch_threads": torch.get_num_threads(),
+        "seconds_per_step": None,
+    }
     rows = rate.rows
     start = next((i for i, r in enumerate(rows) if r[1] >= skip), None)
     if start is not None and rows[-1][1] > rows[start][1]:
@@ -194,17 +227,30 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
 
         autopilot = Autopilot(print_summary=False, save_plan=False)
         callbacks.insert(0, autopilot)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                         enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-                         **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=checkpoints is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
     t0 = time.perf_counter()
     if isinstance(data, pl.LightningDataModule):
         trainer.fit(model, datamodule=data)
     else:
         trainer.fit(model, data)
-    row = {**spec, "wall_seconds": time.perf_counter() - t0, "samples_per_sec": rate.rate(),
-           "global_step": trainer.global_step}
+    row = {
+        **spec,
+        "wall_seconds": time.perf_counter() - t0,
+        "samples_per_sec": rate.rate(),
+        "global_step": trainer.global_step,
+    }
     if checkpoints is not None:
         row["checkpoints_left"] = sorted(os.listdir(checkpoints.name))
         checkpoints.cleanup()
@@ -216,12 +262,19 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ driver (parent)
 def _child(spec: dict[str, Any], out: Path | None, timeout: float) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), "--one", json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=str(HERE.parent), check=False)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), "--one", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(HERE.parent),
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    row = json.loads(lines[-1][len(RESULT):])
+    row = json.loads(lines[-1][len(RESULT) :])
     row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     row["commit"] = _commit()
     if out is not None:
@@ -232,8 +285,9 @@ def _child(spec: dict[str, Any], out: Path | None, timeout: float) -> dict[str, 
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -243,12 +297,22 @@ def _say(row: dict[str, Any]) -> None:
     extra = ""
     if row["variant"] == "autopilot":
         extra = f"  search {row['search_seconds']:.1f} s, kept: {'; '.join(row['kept']) or 'nothing'}"
-    print(f"  {what:14s} {row['variant']:10s} {row['samples_per_sec']:9.1f} samples/s  "
-          f"wall {row['wall_seconds']:6.1f} s  loss {row.get('loss', float('nan')):.5f}{extra}", flush=True)
+    print(
+        f"  {what:14s} {row['variant']:10s} {row['samples_per_sec']:9.1f} samples/s  "
+        f"wall {row['wall_seconds']:6.1f} s  loss {row.get('loss', float('nan')):.5f}{extra}",
+        flush=True,
+    )
 
 
-def drive_real(scripts: list[str], rounds: int, steps: int, skip: int, out: Path | None, planned: dict[str, int],
-               variants: list[str]) -> list[dict[str, Any]]:
+def drive_real(
+    scripts: list[str],
+    rounds: int,
+    steps: int,
+    skip: int,
+    out: Path | None,
+    planned: dict[str, int],
+    variants: list[str],
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in scripts:
         for r in range(rounds):
@@ -256,8 +320,14 @@ def drive_real(scripts: list[str], rounds: int, steps: int, skip: int, out: Path
             if name not in planned and "vanilla" in order:  # the vanilla run measures the planned length first
                 order = ["vanilla"] + [v for v in order if v != "vanilla"]
             for variant in order:
-                spec = {"kind": "real", "script": name, "variant": variant, "steps": steps, "skip": skip,
-                        "planned_steps": planned.get(name, steps)}
+                spec = {
+                    "kind": "real",
+                    "script": name,
+                    "variant": variant,
+                    "steps": steps,
+                    "skip": skip,
+                    "planned_steps": planned.get(name, steps),
+                }
                 row = _child(spec, out, timeout=900)
                 rows.append(row)
                 _say(row)
@@ -271,7 +341,7 @@ def drive_short(scenarios: list[str], rounds: int, steps: int, out: Path | None)
     for name in scenarios:
         for r in range(rounds):
             variants = ["vanilla", "autopilot"] + (["hand_async"] if name == "short_checkpoint" else [])
-            for variant in (variants if r % 2 == 0 else list(reversed(variants))):
+            for variant in variants if r % 2 == 0 else list(reversed(variants)):
                 row = _child({"kind": "short", "scenario": name, "variant": variant, "steps": steps}, out, timeout=900)
                 rows.append(row)
                 _say(row)
@@ -307,14 +377,22 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
     lines: list[str] = []
     real = [r for r in rows if r.get("kind") == "real"]
     if real:
-        lines += [("| script | vanilla samples/s | hand fp32 | hand bf16 | autopilot samples/s (each search) | "
-                   "÷ vanilla | ÷ hand-tuned best | held-out loss vanilla → autopilot | search s | "
-                   "search ÷ 10-min fit | kept (how many searches) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            (
+                "| script | vanilla samples/s | hand fp32 | hand bf16 | autopilot samples/s (each search) | "
+                "÷ vanilla | ÷ hand-tuned best | held-out loss vanilla → autopilot | search s | "
+                "search ÷ 10-min fit | kept (how many searches) |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name in dict.fromkeys(r["script"] for r in real):
-            by = {v: [r for r in real if r["script"] == name and r["variant"] == v]
-                  for v in ("vanilla", "hand_fp32", "hand_bf16", "autopilot")}
-            med = {v: statistics.median([r["samples_per_sec"] for r in rs]) if rs else float("nan")
-                   for v, rs in by.items()}
+            by = {
+                v: [r for r in real if r["script"] == name and r["variant"] == v]
+                for v in ("vanilla", "hand_fp32", "hand_bf16", "autopilot")
+            }
+            med = {
+                v: statistics.median([r["samples_per_sec"] for r in rs]) if rs else float("nan") for v, rs in by.items()
+            }
             if commit and not by["autopilot"]:
                 continue
             best = max(med["hand_fp32"], med["hand_bf16"])
@@ -339,11 +417,18 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                 f"({min(losses_v, default=float('nan')):.5f}–{max(losses_v, default=float('nan')):.5f}) → "
                 f"{', '.join(f'{x:.5f}' for x in losses_a)} | {', '.join(f'{s:.1f}' for s in search)} | "
                 f"{_spread([100 * s / PLANNED_SECONDS for s in search])} % | "
-                f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |")
+                f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |"
+            )
     short = [r for r in rows if r.get("kind") == "short"]
     if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
-        lines += ["", ("| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
-                       "wall (each pair) | kept / stopped |"), "|---|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                "| short fit (300 steps) | vanilla wall s | autopilot wall s (search s) | vanilla ÷ autopilot "
+                "wall (each pair) | kept / stopped |"
+            ),
+            "|---|---|---|---|---|",
+        ]
         for name in dict.fromkeys(r["scenario"] for r in short):
             v = [r for r in short if r["scenario"] == name and r["variant"] == "vanilla"]
             a = [r for r in short if r["scenario"] == name and r["variant"] == "autopilot"]
@@ -357,21 +442,26 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
             hand = [r for r in short if r["scenario"] == name and r["variant"] == "hand_async"]
             if hand:  # the fix set by hand, for the same fit
                 outcome += "<br>by hand (OrderedAsyncCheckpointIO): " + ", ".join(
-                    f"{r['wall_seconds']:.1f} s ({vm / r['wall_seconds']:.2f}×)" for r in hand)
+                    f"{r['wall_seconds']:.1f} s ({vm / r['wall_seconds']:.2f}×)" for r in hand
+                )
             lines.append(f"| {name} | {vm:.1f} ({walls_v}) | {walls_a} | {_spread(ratios)} | {outcome} |")
     if verbose:
         for r in rows:
             if r["variant"] != "autopilot":
                 continue
-            lines.append(f"\n{r.get('script') or r.get('scenario')} @ {r.get('commit')} {r.get('measured_at')}: "
-                         f"search {r['search_seconds']:.1f} s, noise {r.get('noise')}, stopped: {r.get('stopped')}")
+            lines.append(
+                f"\n{r.get('script') or r.get('scenario')} @ {r.get('commit')} {r.get('measured_at')}: "
+                f"search {r['search_seconds']:.1f} s, noise {r.get('noise')}, stopped: {r.get('stopped')}"
+            )
             for t in r["trials"]:
                 sps = f"{t['samples_per_sec']:9.1f}" if t["samples_per_sec"] else " " * 9
                 vs = f"{t['vs_baseline']:.3f}" if t["vs_baseline"] else "     "
                 if t.get("ratio"):
                     vs += f" (paired {t['ratio']:.3f})"
-                lines.append(f"    {t['index']:2d} {t['name']:22s} {sps} {vs} {'kept' if t['kept'] else '    '}  "
-                             f"{t['change']} — {t['reason']}")
+                lines.append(
+                    f"    {t['index']:2d} {t['name']:22s} {sps} {vs} {'kept' if t['kept'] else '    '}  "
+                    f"{t['change']} — {t['reason']}"
+                )
     return "\n".join(lines)
 
 
@@ -381,11 +471,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=None)
-    parser.add_argument("--variants", nargs="+", default=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
-                        choices=["vanilla", "hand_fp32", "hand_bf16", "autopilot"])
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
+        choices=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
+    )
     parser.add_argument("--short", action="store_true", help="the 300-step whole-fit wall-time comparison")
-    parser.add_argument("--short-scenarios", nargs="+", default=["short_data", "short_balanced"],
-                        choices=["short_data", "short_balanced", "short_checkpoint"])
+    parser.add_argument(
+        "--short-scenarios",
+        nargs="+",
+        default=["short_data", "short_balanced"],
+        choices=["short_data", "short_balanced", "short_checkpoint"],
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps trained per real-script run")
     parser.add_argument("--skip", type=int, default=5, help="optimizer steps not timed (warm-up)")
@@ -414,8 +512,9 @@ def main(argv: list[str] | None = None) -> None:
         missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
         if missing:
             parser.error("; ".join(missing))
-        rows += drive_real(args.scripts, args.rounds, args.steps, args.skip, args.out, _planned_from(args.out),
-                           args.variants)
+        rows += drive_real(
+            args.scripts, args.rounds, args.steps, args.skip, args.out, _planned_from(args.out), args.variants
+        )
     if args.short:
         rows += drive_short(args.short_scenarios, args.rounds, args.short_steps, args.out)
     if not rows:

@@ -60,8 +60,9 @@ class FakeOOM(pl.LightningModule):
         (x,) = batch
         peak = self.fixed + self.per_sample * len(x)
         if peak > self.capacity:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {peak / GiB:.2f} GiB > "
-                                         f"{self.capacity / GiB:.2f} GiB)")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated: {peak / GiB:.2f} GiB > {self.capacity / GiB:.2f} GiB)"
+            )
         self.meter.peak = max(self.meter.peak, peak)
         return self.layer(x).square().mean()
 
@@ -79,9 +80,18 @@ class FakeOOM(pl.LightningModule):
 
 
 def _trainer(callback, tmp: str) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=[callback], default_root_dir=tmp)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        default_root_dir=tmp,
+    )
 
 
 def run_ours(case: dict, tmp: str) -> tuple[int, int, float]:
@@ -117,8 +127,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import tempfile
 
-    print("| case | true max | ours: probes | ours: batch (÷ max) | Lightning binsearch: probes | "
-          "Lightning: batch (÷ max) | probes ours ÷ Lightning | search time ours / Lightning (s) |")
+    print(
+        "| case | true max | ours: probes | ours: batch (÷ max) | Lightning binsearch: probes | "
+        "Lightning: batch (÷ max) | probes ours ÷ Lightning | search time ours / Lightning (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in CASES.items():
@@ -131,8 +143,10 @@ def main() -> None:
             assert all(o[:2] == (op, ob) for o in ours) and all(t[:2] == (lp, lb) for t in theirs)
             ot = statistics.median(o[2] for o in ours)
             lt = statistics.median(t[2] for t in theirs)
-            print(f"| {name} | {true_max} | {op} | {ob} ({ob / true_max:.3f}) | {lp} | {lb} ({lb / true_max:.3f}) "
-                  f"| {op / lp:.2f} | {ot:.2f} / {lt:.2f} |")
+            print(
+                f"| {name} | {true_max} | {op} | {ob} ({ob / true_max:.3f}) | {lp} | {lb} ({lb / true_max:.3f}) "
+                f"| {op / lp:.2f} | {ot:.2f} / {lt:.2f} |"
+            )
 
 
 if __name__ == "__main__":

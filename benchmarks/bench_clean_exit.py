@@ -41,7 +41,7 @@ ENDINGS: dict[str, int] = {
     "keyboard_interrupt": -signal.SIGINT,  # Python re-raises SIGINT on itself: a shell shows 130
 }
 
-_IMPORTS = r'''
+_IMPORTS = r"""
 import atexit
 import gzip
 import os
@@ -57,10 +57,10 @@ import lightning_accel  # registers the strategy strings
 strategy, out = sys.argv[1], sys.argv[3]
 rank = int(os.environ.get("LOCAL_RANK", 0))
 ending = sys.argv[2].split(",")[rank]  # one ending per rank: after the fit the ranks no longer talk
-'''
+"""
 
 #: after the fit: what a script leaves for Python's own end, then the ending
-_FIT_AND_END = r'''
+_FIT_AND_END = r"""
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(Task(), torch.utils.data.DataLoader(data, batch_size=8))
@@ -100,10 +100,12 @@ elif ending == "exception":
     raise RuntimeError("the user's script fails after its fit")
 elif ending == "keyboard_interrupt":
     raise KeyboardInterrupt
-'''
+"""
 
 #: a user's script: nothing of lightning_accel but the import that registers the strings
-USER_SCRIPT = _IMPORTS + r'''
+USER_SCRIPT = (
+    _IMPORTS
+    + r"""
 class Task(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -114,10 +116,14 @@ class Task(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 data = torch.utils.data.TensorDataset(torch.randn(64, 16))
-''' + _FIT_AND_END
+"""
+    + _FIT_AND_END
+)
 
 #: the same script for the pipeline strings: a network they can split (token embedding, blocks, head)
-USER_SCRIPT_PP = _IMPORTS + r'''
+USER_SCRIPT_PP = (
+    _IMPORTS
+    + r"""
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -149,16 +155,43 @@ class Task(pl.LightningModule):
 
 tokens = torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(0))
 data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-''' + _FIT_AND_END
+"""
+    + _FIT_AND_END
+)
 
 #: every strategy string of the collection that runs several processes
-STRATEGIES = ("ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "ddp_topk", "ddp_qsgd", "deepspeed_zero1",
-              "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload",
-              "deepspeed_auto", "fsdp2", "tp", "fsdp2_tp", "pp", "pp_ddp")
+STRATEGIES = (
+    "ddp_fp16_compress",
+    "ddp_bf16_compress",
+    "ddp_powersgd",
+    "ddp_topk",
+    "ddp_qsgd",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero2_offload",
+    "deepspeed_zero3",
+    "deepspeed_zero3_offload",
+    "deepspeed_auto",
+    "fsdp2",
+    "tp",
+    "fsdp2_tp",
+    "pp",
+    "pp_ddp",
+)
 
 #: variables of an outer launcher that must not reach the ranks started here
-_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                     "MASTER_PORT", "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID")
+_LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 @dataclass
@@ -200,8 +233,9 @@ def _read_gzip(path: Path) -> bool:
         return False
 
 
-def run_user_script(strategy: str, endings: str | tuple[str, str], directory: Path, *,
-                    timeout: float = 300) -> list[RankEnd]:
+def run_user_script(
+    strategy: str, endings: str | tuple[str, str], directory: Path, *, timeout: float = 300
+) -> list[RankEnd]:
     """Run the user script (the pipeline one for ``pp*``) with ``strategy`` on 2 CPU processes started as a cluster
     launcher starts them; rank ``r`` ends with ``endings[r]`` (a key of :data:`ENDINGS`; one string: both ranks).
     Returns how each rank ended."""
@@ -215,15 +249,27 @@ def run_user_script(strategy: str, endings: str | tuple[str, str], directory: Pa
     script = directory / "user_script.py"
     script.write_text(USER_SCRIPT_PP if strategy.startswith("pp") else USER_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
-               DS_ACCELERATOR="cpu")
+    env.update(
+        PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
+        DS_ACCELERATOR="cpu",
+    )
     procs = []
     for rank in range(2):
         with open(directory / f"stderr_rank{rank}", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, str(script), strategy, ",".join(endings), str(directory)],
-                                          cwd=directory, env={**env, "LOCAL_RANK": str(rank)},
-                                          stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), strategy, ",".join(endings), str(directory)],
+                    cwd=directory,
+                    env={**env, "LOCAL_RANK": str(rank)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
     deadline = time.monotonic() + timeout
     try:
         statuses = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
@@ -236,12 +282,16 @@ def run_user_script(strategy: str, endings: str | tuple[str, str], directory: Pa
     for rank, status in enumerate(statuses):
         atexit_file = directory / f"atexit_rank{rank}"
         thread_file = directory / f"thread_rank{rank}"
-        ends.append(RankEnd(
-            rank=rank, status=status,
-            atexit_runs=atexit_file.read_text().count("ran") if atexit_file.exists() else 0,
-            thread_file_complete=thread_file.exists() and thread_file.read_text() == "complete",
-            gzip_file_complete=_read_gzip(directory / f"archive_rank{rank}.gz"),
-            stderr_tail=(directory / f"stderr_rank{rank}").read_text()[-3000:]))
+        ends.append(
+            RankEnd(
+                rank=rank,
+                status=status,
+                atexit_runs=atexit_file.read_text().count("ran") if atexit_file.exists() else 0,
+                thread_file_complete=thread_file.exists() and thread_file.read_text() == "complete",
+                gzip_file_complete=_read_gzip(directory / f"archive_rank{rank}.gz"),
+                stderr_tail=(directory / f"stderr_rank{rank}").read_text()[-3000:],
+            )
+        )
     return ends
 
 
@@ -273,8 +323,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], collections.Cou
                         print(f"  {strategy} {ending}: {'; '.join(problems)}: {tails}", file=sys.stderr)
                 results[(strategy, ending)] = outcomes
                 other = {k: v for k, v in outcomes.items() if k != "ok"}
-                print(f"| {strategy} | {ending} | {args.runs} | {outcomes['ok']} | {other or '-'} | "
-                      f"{(time.perf_counter() - start) / args.runs:.1f} |", flush=True)
+                print(
+                    f"| {strategy} | {ending} | {args.runs} | {outcomes['ok']} | {other or '-'} | "
+                    f"{(time.perf_counter() - start) / args.runs:.1f} |",
+                    flush=True,
+                )
     return results
 
 

@@ -75,10 +75,18 @@ def _fits(args: argparse.Namespace) -> dict[str, Any]:
             record = Record()
             task = GPTTask()
             data = DemoDataModule(batch_size=args.batch_size, train_tokens=200_000, val_tokens=10_000)
-            trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=_make(name, args.warmup),
-                                 max_steps=args.steps, logger=False, enable_checkpointing=False,
-                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                                 callbacks=[record])
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=_make(name, args.warmup),
+                max_steps=args.steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+                callbacks=[record],
+            )
             trainer.fit(task, datamodule=data)
             rank = trainer.global_rank
             params = sum(p.numel() for p in task.parameters())
@@ -109,16 +117,20 @@ def _report(data: dict[str, Any], args: argparse.Namespace) -> None:
     from lightning_accel.core.scaling import INTERCONNECTS, ScalingWorkload, powersgd_compression_ratio, project_scaling
 
     res, params = data["results"], data["params"]
-    print(f"demo GPT ({params / 1e6:.2f} M parameters), 2 CPU processes (gloo, 1 thread each), {args.steps} steps, "
-          f"batch {args.batch_size}, compression from step {args.warmup}; medians of {args.repeats} rounds "
-          "[min-max]")
+    print(
+        f"demo GPT ({params / 1e6:.2f} M parameters), 2 CPU processes (gloo, 1 thread each), {args.steps} steps, "
+        f"batch {args.batch_size}, compression from step {args.warmup}; medians of {args.repeats} rounds "
+        "[min-max]"
+    )
     print(f"{'strategy':<18} {'bytes/step':>31} {'ratio':>7} {'step ms':>22} {'vs ddp':>18} {'final loss':>24}")
     for name in STRATEGIES:
         r = res[name]
         rate = params * 4 / statistics.median(r["bytes"])
-        print(f"{name:<18} {_spread(r['bytes'], ',.0f'):>31} {rate:>6.1f}x "
-              f"{_spread([t * 1e3 for t in r['time']], '.1f'):>22} {_spread(r['ratio'], '.2f'):>18} "
-              f"{_spread(r['loss'], '.4f'):>24}")
+        print(
+            f"{name:<18} {_spread(r['bytes'], ',.0f'):>31} {rate:>6.1f}x "
+            f"{_spread([t * 1e3 for t in r['time']], '.1f'):>22} {_spread(r['ratio'], '.2f'):>18} "
+            f"{_spread(r['loss'], '.4f'):>24}"
+        )
     ratio = powersgd_compression_ratio(data["shapes"], rank=4)
     gpt2 = ScalingWorkload(compute_s=0.1, params=124_000_000, powersgd_ratio=50.0)
     demo = ScalingWorkload(compute_s=statistics.median(res["ddp"]["time"]), params=params, powersgd_ratio=ratio)
@@ -127,8 +139,9 @@ def _report(data: dict[str, Any], args: argparse.Namespace) -> None:
         for link in INTERCONNECTS:
             pts = project_scaling(w, link, n=(8, 64), strategies=STRATEGIES)
             eff = {(p.strategy, p.n): p.efficiency for p in pts}
-            cells = "  ".join(f"{s.replace('ddp_', '').replace('_compress', '')} {eff[s, 8]:.2f}/{eff[s, 64]:.2f}"
-                              for s in STRATEGIES)
+            cells = "  ".join(
+                f"{s.replace('ddp_', '').replace('_compress', '')} {eff[s, 8]:.2f}/{eff[s, 64]:.2f}" for s in STRATEGIES
+            )
             best = [max(STRATEGIES, key=lambda s, n=n: (eff[s, n], -STRATEGIES.index(s))) for n in (8, 64)]
             print(f"  {label:<24} {link:<15} {cells}   best: {best[0]} (8), {best[1]} (64)")
 

@@ -121,8 +121,7 @@ def dali_train_graph(encoded: Any, module: Any) -> Any:
     return module._decode_and_augment(encoded, train=True, decode_device="cpu", dali=dali)
 
 
-def reader_loader(files: list[Path], module: Any, *, batch_size: int, threads: int,
-                  device_id: int | None) -> Any:
+def reader_loader(files: list[Path], module: Any, *, batch_size: int, threads: int, device_id: int | None) -> Any:
     """DALI's own file reader feeding the same operators (no DDP plan): the ceiling of DALI's CPU operators."""
     from nvidia.dali import fn
     from nvidia.dali.pipeline import Pipeline
@@ -130,15 +129,21 @@ def reader_loader(files: list[Path], module: Any, *, batch_size: int, threads: i
 
     pipe = Pipeline(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=1, prefetch_queue_depth=2)
     with pipe:
-        encoded, labels = fn.readers.file(files=[str(f) for f in files], labels=list(range(len(files))),
-                                          random_shuffle=True, name="reader")
+        encoded, labels = fn.readers.file(
+            files=[str(f) for f in files], labels=list(range(len(files))), random_shuffle=True, name="reader"
+        )
         images = dali_train_graph(encoded, module)
         pipe.set_outputs(images.gpu() if device_id is not None else images, labels)
 
     class Epochs:  # DALIGenericIterator with auto_reset re-iterates; one pass per `iter`
         def __init__(self) -> None:
-            self.it = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=True,
-                                          last_batch_policy=LastBatchPolicy.DROP)
+            self.it = DALIGenericIterator(
+                pipe,
+                ["images", "labels"],
+                reader_name="reader",
+                auto_reset=True,
+                last_batch_policy=LastBatchPolicy.DROP,
+            )
 
         def __iter__(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
             return ((out[0]["images"], out[0]["labels"]) for out in self.it)
@@ -164,8 +169,9 @@ def epoch_rate(loader: Iterable, device: torch.device) -> tuple[float, float]:
     return n / (end - start), (n - n_first) / (end - first_done)
 
 
-def build_loaders(root: Path, files: list[Path], *, batch_size: int, workers: int, device: torch.device,
-                  reader: bool) -> dict[str, Any]:
+def build_loaders(
+    root: Path, files: list[Path], *, batch_size: int, workers: int, device: torch.device, reader: bool
+) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_accel.data.dali import DALIImageDataModule
@@ -173,12 +179,27 @@ def build_loaders(root: Path, files: list[Path], *, batch_size: int, workers: in
     cuda = device.type == "cuda"
     labels = [int(f.parent.name.rsplit("_", 1)[-1]) for f in files]
     loaders: dict[str, Any] = {
-        BASELINE: DataLoader(PILTrainSet(files, labels), batch_size=batch_size, shuffle=True, drop_last=True,
-                             num_workers=workers, persistent_workers=True, prefetch_factor=2, pin_memory=cuda)}
+        BASELINE: DataLoader(
+            PILTrainSet(files, labels),
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            persistent_workers=True,
+            prefetch_factor=2,
+            pin_memory=cuda,
+        )
+    }
     modules = {}
     for decode in ("cpu", "mixed") if cuda else ("cpu",):
-        dm = DALIImageDataModule(train=root, image_size=SIZE, batch_size=batch_size, num_threads=workers,
-                                 decode_device=decode, last_batch="drop")
+        dm = DALIImageDataModule(
+            train=root,
+            image_size=SIZE,
+            batch_size=batch_size,
+            num_threads=workers,
+            decode_device=decode,
+            last_batch="drop",
+        )
         if cuda:  # a Trainer on the GPU: the data module delivers its batches there, as in training
             dm.trainer = pl.Trainer(accelerator="cuda", devices=1, logger=False, enable_progress_bar=False)
         dm.setup("fit")
@@ -187,12 +208,14 @@ def build_loaders(root: Path, files: list[Path], *, batch_size: int, workers: in
         loaders[name] = dm.train_dataloader()
     if reader:
         loaders["DALI readers.file, same operators (no DDP plan)"] = reader_loader(
-            files, modules["cpu"], batch_size=batch_size, threads=workers, device_id=device.index if cuda else None)
+            files, modules["cpu"], batch_size=batch_size, threads=workers, device_id=device.index if cuda else None
+        )
     return loaders
 
 
-def compare(root: Path, *, batch_size: int, workers: int, rounds: int, device: torch.device,
-            reader: bool) -> dict[str, list[tuple[float, float]]]:
+def compare(
+    root: Path, *, batch_size: int, workers: int, rounds: int, device: torch.device, reader: bool
+) -> dict[str, list[tuple[float, float]]]:
     """Alternating epochs of every loader over the JPEGs under ``root``; (whole epoch, steady) images/s per round."""
     files = sorted(root.glob("*/*.jpg"))
     loaders = build_loaders(root, files, batch_size=batch_size, workers=workers, device=device, reader=reader)
@@ -207,11 +230,14 @@ def compare(root: Path, *, batch_size: int, workers: int, rounds: int, device: t
 
 def summarise(rates: dict[str, list[tuple[float, float]]]) -> list[tuple[str, float, float, float, float]]:
     """(pipeline, whole-epoch median, its ratio to PIL, steady median, its ratio to PIL) per row."""
-    medians = {name: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
-               for name, values in rates.items()}
+    medians = {
+        name: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
+        for name, values in rates.items()
+    }
     epoch_base, steady_base = medians[BASELINE]
-    return [(name, epoch, epoch / epoch_base, steady, steady / steady_base)
-            for name, (epoch, steady) in medians.items()]
+    return [
+        (name, epoch, epoch / epoch_base, steady, steady / steady_base) for name, (epoch, steady) in medians.items()
+    ]
 
 
 def _ms_per_image(run: Callable[[], int], repeats: int = 3) -> float:
@@ -232,8 +258,9 @@ def stage_costs(files: list[Path], module: Any, batch_size: int) -> list[tuple[s
     pil = [
         _ms_per_image(lambda: sum(1 for f in files if pil_decode(f) is not None)),
         _ms_per_image(lambda: sum(1 for f in files if pil_crop_resize(pil_decode(f), rng) is not None)),
-        _ms_per_image(lambda: sum(1 for f in files
-                                  if pil_flip_normalise(pil_crop_resize(pil_decode(f), rng), rng) is not None)),
+        _ms_per_image(
+            lambda: sum(1 for f in files if pil_flip_normalise(pil_crop_resize(pil_decode(f), rng), rng) is not None)
+        ),
     ]
 
     def dali_pipe(stage: int, roi: bool = True) -> Any:
@@ -243,8 +270,9 @@ def stage_costs(files: list[Path], module: Any, batch_size: int) -> list[tuple[s
             if stage == 3:
                 images = dali_train_graph(encoded, module)
             elif roi:
-                images = fn.decoders.image_random_crop(encoded, device="cpu", random_area=[0.08, 1.0],
-                                                       random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+                images = fn.decoders.image_random_crop(
+                    encoded, device="cpu", random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10
+                )
                 images = fn.resize(images, resize_x=SIZE, resize_y=SIZE) if stage == 2 else images
             else:
                 images = fn.decoders.image(encoded, device="cpu")
@@ -260,11 +288,13 @@ def stage_costs(files: list[Path], module: Any, batch_size: int) -> list[tuple[s
         return _ms_per_image(lambda: sum(len(pipe.run()[0]) for _ in range(iterations)))
 
     full, roi_decode, resized, done = dali_cost(1, roi=False), dali_cost(1), dali_cost(2), dali_cost(3)
-    return [("decode (PIL: full; DALI: ROI of the crop)", pil[0], roi_decode),
-            ("  DALI full decode, for reference", math.nan, full),
-            ("crop + resize to 224x224 (antialiased bilinear)", pil[1] - pil[0], resized - roi_decode),
-            ("flip + normalise to float32 CHW", pil[2] - pil[1], done - resized),
-            ("total", pil[2], done)]
+    return [
+        ("decode (PIL: full; DALI: ROI of the crop)", pil[0], roi_decode),
+        ("  DALI full decode, for reference", math.nan, full),
+        ("crop + resize to 224x224 (antialiased bilinear)", pil[1] - pil[0], resized - roi_decode),
+        ("flip + normalise to float32 CHW", pil[2] - pil[1], done - resized),
+        ("total", pil[2], done),
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
@@ -289,18 +319,36 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
         make_jpegs(root, args.images, (args.width, args.height))
         files = sorted(root.glob("*/*.jpg"))
         kb = sum(f.stat().st_size for f in files) / len(files) / 1024
-        rates = compare(root, batch_size=args.batch_size, workers=args.workers, rounds=args.rounds, device=device,
-                        reader=args.reader)
-        stages = stage_costs(files, DALIImageDataModule(train=root, image_size=SIZE, decode_device="cpu"),
-                             args.batch_size) if args.stages else []  # the module's operators, its defaults
-    print(f"{args.images} JPEGs {args.width}x{args.height} (mean {kb:.0f} KB) -> {SIZE}x{SIZE} float32 NCHW on "
-          f"{device}, batch {args.batch_size}, {args.workers} DALI threads vs {args.workers} DataLoader workers, "
-          f"{os.cpu_count()} cores, median of {args.rounds} alternating epochs")
-    print("| pipeline | images/s, whole epoch | ratio | images/s after the first batch | ratio |\n|---|---|---|---|---|")
+        rates = compare(
+            root,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            rounds=args.rounds,
+            device=device,
+            reader=args.reader,
+        )
+        stages = (
+            stage_costs(files, DALIImageDataModule(train=root, image_size=SIZE, decode_device="cpu"), args.batch_size)
+            if args.stages
+            else []
+        )  # the module's operators, its defaults
+    print(
+        f"{args.images} JPEGs {args.width}x{args.height} (mean {kb:.0f} KB) -> {SIZE}x{SIZE} float32 NCHW on "
+        f"{device}, batch {args.batch_size}, {args.workers} DALI threads vs {args.workers} DataLoader workers, "
+        f"{os.cpu_count()} cores, median of {args.rounds} alternating epochs"
+    )
+    print(
+        "| pipeline | images/s, whole epoch | ratio | images/s after the first batch | ratio |\n|---|---|---|---|---|"
+    )
     for name, epoch, epoch_ratio, steady, steady_ratio in summarise(rates):
         print(f"| {name} | {epoch:.1f} | {epoch_ratio:.2f}x | {steady:.1f} | {steady_ratio:.2f}x |")
-    print("all rounds (whole epoch / after the first batch): " + "; ".join(
-        f"{name}: {[round(e) for e, _ in values]} / {[round(s) for _, s in values]}" for name, values in rates.items()))
+    print(
+        "all rounds (whole epoch / after the first batch): "
+        + "; ".join(
+            f"{name}: {[round(e) for e, _ in values]} / {[round(s) for _, s in values]}"
+            for name, values in rates.items()
+        )
+    )
     if stages:
         print("\none image on one core (ms):\n| stage | PIL | DALI CPU | PIL / DALI |\n|---|---|---|---|")
         for stage, pil_ms, dali_ms in stages:

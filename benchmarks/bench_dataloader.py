@@ -74,8 +74,9 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.blobs, self.batch_size = blobs, batch_size
         self.num_workers, self.prefetch_factor, self.persistent_workers = 0, None, False
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 7, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                 nn.Linear(8, 10))
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 7, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)
+        )
         self.stamps: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -91,15 +92,29 @@ class Classifier(pl.LightningModule):
 
     def train_dataloader(self):
         w = self.num_workers
-        return DataLoader(JpegDataset(self.blobs), batch_size=self.batch_size, shuffle=True, num_workers=w,
-                          prefetch_factor=self.prefetch_factor if w else None,
-                          persistent_workers=self.persistent_workers and w > 0, drop_last=True)
+        return DataLoader(
+            JpegDataset(self.blobs),
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=w,
+            prefetch_factor=self.prefetch_factor if w else None,
+            persistent_workers=self.persistent_workers and w > 0,
+            drop_last=True,
+        )
 
 
 def _trainer(callbacks, steps: int) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=callbacks)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
 
 
 def loader_rate(model: Classifier, batches: int, skip: int) -> float:
@@ -133,8 +148,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     blobs = make_jpegs(args.images)
-    print(f"{len(blobs)} JPEGs, {sum(map(len, blobs)) / len(blobs) / 1024:.1f} KiB each; batch 32; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"{len(blobs)} JPEGs, {sum(map(len, blobs)) / len(blobs) / 1024:.1f} KiB each; batch 32; "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     tuned_model = Classifier(blobs)
     tuner = DataLoaderTuner(print_summary=True, batches_per_trial=10)
@@ -162,11 +179,14 @@ def main() -> None:
     print("| measure | default num_workers=0 (samples/s) | tuned (samples/s) | tuned ÷ default |")
     print("|---|---|---|---|")
     for k in ("loader", "train"):
-        print(f"| {k} | {med[k]['default']:,.1f} | {med[k]['tuned']:,.1f} | "
-              f"{med[k]['tuned'] / med[k]['default']:.2f} |")
+        print(
+            f"| {k} | {med[k]['default']:,.1f} | {med[k]['tuned']:,.1f} | {med[k]['tuned'] / med[k]['default']:.2f} |"
+        )
     one = med["loader"]["default_1thread"]
-    print(f"| loader, control: num_workers=0 with torch.set_num_threads(1) | {one:,.1f} | "
-          f"{med['loader']['tuned']:,.1f} | {med['loader']['tuned'] / one:.2f} |")
+    print(
+        f"| loader, control: num_workers=0 with torch.set_num_threads(1) | {one:,.1f} | "
+        f"{med['loader']['tuned']:,.1f} | {med['loader']['tuned'] / one:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-SINGLE = r'''
+SINGLE = r"""
 import json, os, sys, time
 import torch
 import lightning.pytorch as pl
@@ -118,9 +118,9 @@ wall = time.perf_counter() - start
 with open(os.environ["OUT"], "w") as fh:
     json.dump({"wall": wall, "after_startup": after_startup(doctor.report),
                    "findings": findings(doctor.report)}, fh)
-'''
+"""
 
-DDP = r'''
+DDP = r"""
 import json, os, time
 import torch
 import lightning.pytorch as pl
@@ -186,12 +186,15 @@ if trainer.global_rank == 0:
 if __name__ == "__main__":
     from lightning_accel.strategies.shutdown import exit_distributed
     exit_distributed()
-'''
+"""
 
 #: scenario → (script, the causes removed one at a time, the finding each cause's fix is)
 SCENARIOS = {
-    "single": (SINGLE, ("validation", "loader", "checkpoint"),
-               {"validation": "validation_heavy", "loader": "data_wait", "checkpoint": "checkpoint_heavy"}),
+    "single": (
+        SINGLE,
+        ("validation", "loader", "checkpoint"),
+        {"validation": "validation_heavy", "loader": "data_wait", "checkpoint": "checkpoint_heavy"},
+    ),
     "ddp": (DDP, ("straggler", "loader"), {"straggler": "straggler", "loader": "data_wait"}),
 }
 
@@ -201,12 +204,17 @@ def run(script: str, remove: str, workdir: Path, code: Path) -> dict:
     out.unlink(missing_ok=True)
     path = workdir / "script.py"
     path.write_text(script)
-    env = {**os.environ, "PYTHONPATH": f"{code}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "REMOVE": remove,
-           "OUT": str(out)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{code}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "REMOVE": remove,
+        "OUT": str(out),
+    }
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(path)], cwd=workdir, env=env, capture_output=True, text=True,
-                          check=False, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(path)], cwd=workdir, env=env, capture_output=True, text=True, check=False, timeout=600
+    )
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the {remove or 'full'} fit failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -216,8 +224,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="single")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--code", type=Path, default=REPO,
-                        help="the checkout whose lightning_accel runs the fits (another version of the doctor)")
+    parser.add_argument(
+        "--code",
+        type=Path,
+        default=REPO,
+        help="the checkout whose lightning_accel runs the fits (another version of the doctor)",
+    )
     args = parser.parse_args()
     if not (args.code / "lightning_accel" / "__init__.py").is_file():
         parser.error(f"--code {args.code}: no lightning_accel package there; give a checkout of this repository")
@@ -230,7 +242,7 @@ def main() -> None:
     orders: list[list[tuple[str, float | None]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            rotation = configs[r % len(configs):] + configs[:r % len(configs)]
+            rotation = configs[r % len(configs) :] + configs[: r % len(configs)]
             for remove in rotation:
                 t0 = time.perf_counter()
                 result = run(script, remove, Path(tmp), args.code.resolve())
@@ -238,9 +250,12 @@ def main() -> None:
                 after[remove].append(result["after_startup"])
                 if not remove:
                     orders.append([(rule, saving) for rule, saving, _ in result["findings"]])
-                print(f"round {r + 1}: {'without ' + remove if remove else 'all causes':<20} fit "
-                      f"{result['wall']:.2f} s, {result['after_startup']:.2f} s after start-up "
-                      f"({time.perf_counter() - t0:.0f} s with the interpreter's)", flush=True)
+                print(
+                    f"round {r + 1}: {'without ' + remove if remove else 'all causes':<20} fit "
+                    f"{result['wall']:.2f} s, {result['after_startup']:.2f} s after start-up "
+                    f"({time.perf_counter() - t0:.0f} s with the interpreter's)",
+                    flush=True,
+                )
 
     def gain(times: dict[str, list[float]], cause: str) -> list[float]:
         return [1 - w / f for w, f in zip(times[cause], times[""])]
@@ -250,20 +265,27 @@ def main() -> None:
         return f"{k * statistics.median(values):.{1 if pct else 2}f} ({k * min(values):.1f}-{k * max(values):.1f})"
 
     by_gain = sorted(causes, key=lambda c: -statistics.median(gain(after, c)))
-    print(f"\nscenario {args.scenario}: {args.rounds} round(s); with all causes the fit after start-up takes "
-          f"{cell(after[''])} s, the whole fit {cell(walls[''])} s (median, range)")
-    print("| cause removed alone | fit after start-up, s | gain after start-up | whole fit, s | gain of the whole fit "
-          "| finding |")
+    print(
+        f"\nscenario {args.scenario}: {args.rounds} round(s); with all causes the fit after start-up takes "
+        f"{cell(after[''])} s, the whole fit {cell(walls[''])} s (median, range)"
+    )
+    print(
+        "| cause removed alone | fit after start-up, s | gain after start-up | whole fit, s | gain of the whole fit "
+        "| finding |"
+    )
     print("|---|---|---|---|---|---|")
     for c in by_gain:
-        print(f"| {c} | {cell(after[c])} | {cell(gain(after, c), pct=True)} % | {cell(walls[c])} | "
-              f"{cell(gain(walls, c), pct=True)} % | `{finding_of[c]}` |")
+        print(
+            f"| {c} | {cell(after[c])} | {cell(gain(after, c), pct=True)} % | {cell(walls[c])} | "
+            f"{cell(gain(walls, c), pct=True)} % | `{finding_of[c]}` |"
+        )
     expected = [finding_of[c] for c in by_gain]
     for r, order in enumerate(orders, 1):
-        shown = ", ".join(f"{rule} {100 * saving:.1f} %" if saving is not None else f"{rule} n/a"
-                          for rule, saving in order)
+        shown = ", ".join(
+            f"{rule} {100 * saving:.1f} %" if saving is not None else f"{rule} n/a" for rule, saving in order
+        )
         planted = [rule for rule, _ in order if rule in expected]
-        first = [rule for rule, _ in order[:len(expected)]]
+        first = [rule for rule, _ in order[: len(expected)]]
         verdict = "matches" if planted == expected and first == expected else "DOES NOT MATCH"
         print(f"round {r}: the doctor's findings (saving, share of the fit): {shown} -> order {verdict}")
 

@@ -32,12 +32,28 @@ from _common import MLPTask, StepTimes, fit_step_times
 from lightning_accel import BottleneckDoctor, MFUMonitor
 
 ONCE = ("setup", "on_fit_start", "on_train_start", "on_train_end", "on_fit_end", "teardown")
-HOOKS = (*ONCE, "on_train_epoch_start", "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end",
-         "on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-         "on_validation_start", "on_validation_end")
+HOOKS = (
+    *ONCE,
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_validation_start",
+    "on_validation_end",
+)
 # the doctor's own wrappers, bound when it installs them in on_fit_start (so patch before fit)
-WRAPPERS = ("_transfer_begin", "_transfer_end", "_before_optimizer_step_hook", "_after_optimizer_step",
-            "_checkpoint_begin", "_checkpoint_end")
+WRAPPERS = (
+    "_transfer_begin",
+    "_transfer_end",
+    "_before_optimizer_step_hook",
+    "_after_optimizer_step",
+    "_checkpoint_begin",
+    "_checkpoint_end",
+)
 
 
 class BatchCounter(pl.Callback):
@@ -48,8 +64,9 @@ class BatchCounter(pl.Callback):
         self.batches += 1
 
 
-def instrument(callback: Any, name: str, counter: BatchCounter, skip: int, steady: dict[str, float],
-               once: dict[str, float]) -> None:
+def instrument(
+    callback: Any, name: str, counter: BatchCounter, skip: int, steady: dict[str, float], once: dict[str, float]
+) -> None:
     """Wrap ``callback``'s hooks (instance attributes, which Lightning looks up) to add their time to ``steady``
     (after the warm-up, per-step hooks) or ``once``."""
     names = HOOKS + (WRAPPERS if isinstance(callback, BottleneckDoctor) else ())
@@ -77,8 +94,9 @@ def instrument(callback: Any, name: str, counter: BatchCounter, skip: int, stead
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="A/B pairs (default 6)")
-    parser.add_argument("--steps", type=int, default=110,
-                        help="steps per fit (default 110: two of the doctor's 50-batch windows close)")
+    parser.add_argument(
+        "--steps", type=int, default=110, help="steps per fit (default 110: two of the doctor's 50-batch windows close)"
+    )
     parser.add_argument("--width", type=int, default=512, help="MLPTask width (default 512: ~13 ms steps)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: steadier)")
     args = parser.parse_args()
@@ -104,9 +122,17 @@ def main() -> None:
         instrument(monitor, "MFUMonitor", counter, skip, steady, once)
         instrument(doctor, "BottleneckDoctor", counter, skip, steady, once)
         recorder = StepTimes(skip=skip)
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, callbacks=[monitor, doctor, counter, recorder])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[monitor, doctor, counter, recorder],
+        )
         torch.manual_seed(0)
         trainer.fit(make_model())
         measured = sum(recorder.times)
@@ -118,12 +144,14 @@ def main() -> None:
             once_all[k].append(v)
         return recorder.times
 
-    arms = {"bare Trainer": lambda: fit_step_times([], args.steps, make_model),
-            "BottleneckDoctor + MFUMonitor": instrumented}
+    arms = {
+        "bare Trainer": lambda: fit_step_times([], args.steps, make_model),
+        "BottleneckDoctor + MFUMonitor": instrumented,
+    }
     medians: dict[str, list[float]] = {name: [] for name in arms}
     means: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds):
-        for name in (arms if r % 2 == 0 else reversed(list(arms))):
+        for name in arms if r % 2 == 0 else reversed(list(arms)):
             times = arms[name]()
             medians[name].append(statistics.median(times))
             means[name].append(statistics.fmean(times))
@@ -131,15 +159,20 @@ def main() -> None:
     paired_median = statistics.median(d / b for d, b in zip(medians[other], medians[base]))
     paired_mean = statistics.median(d / b for d, b in zip(means[other], means[base]))
     w = args.width
-    print(f"workload: _common.MLPTask ({w}-{2 * w}-{2 * w}-{w}, batch 64, SGD), {args.threads} thread(s); "
-          f"{args.rounds} rounds x {args.steps} steps per arm, alternating")
+    print(
+        f"workload: _common.MLPTask ({w}-{2 * w}-{2 * w}-{w}, batch 64, SGD), {args.threads} thread(s); "
+        f"{args.rounds} rounds x {args.steps} steps per arm, alternating"
+    )
     print(f"{'arm':32s} {'median step':>12s} {'mean step':>10s}")
     for name in arms:
-        print(f"{name:32s} {1e3 * statistics.median(medians[name]):10.2f}ms "
-              f"{1e3 * statistics.median(means[name]):8.2f}ms")
-    print(f"in-hook overhead (steady state, window flushes included): {100 * statistics.median(ratios):.3f} % of the "
-          f"step time, {statistics.median(per_step_us):.1f} µs per step (median over rounds; max "
-          f"{100 * max(ratios):.3f} %; target <= 0.3 %, bar 1 %)")
+        print(
+            f"{name:32s} {1e3 * statistics.median(medians[name]):10.2f}ms {1e3 * statistics.median(means[name]):8.2f}ms"
+        )
+    print(
+        f"in-hook overhead (steady state, window flushes included): {100 * statistics.median(ratios):.3f} % of the "
+        f"step time, {statistics.median(per_step_us):.1f} µs per step (median over rounds; max "
+        f"{100 * max(ratios):.3f} %; target <= 0.3 %, bar 1 %)"
+    )
     print("  per hook, µs per step (median over rounds):")
     for key, values in sorted(steady_all.items(), key=lambda kv: -statistics.median(kv[1])):
         if statistics.median(values) * 1e6 >= 0.5:

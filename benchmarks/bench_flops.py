@@ -17,9 +17,13 @@ CONFIGS = {
     "demo (4L, d128, T64)": (GPTConfig(), "cpu"),
     "tiny (2L, d64, T256)": (GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=256), "cpu"),
     "gpt2-small (12L, d768, T1024, V50257)": (
-        GPTConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768), "meta"),
+        GPTConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+        "meta",
+    ),
     "gpt2-medium (24L, d1024, T1024, V50257)": (
-        GPTConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024), "meta"),
+        GPTConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+        "meta",
+    ),
 }
 
 

@@ -65,16 +65,19 @@ def main() -> None:
         loaders = {}
         for name, dataset in (("npy", NpyFiles(files)), ("memmap", MemmapDataset(Path(tmp) / "packed"))):
             kwargs = {"persistent_workers": True, "prefetch_factor": 4} if args.workers else {}
-            loaders[name] = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                                       **kwargs)
+            loaders[name] = DataLoader(
+                dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, **kwargs
+            )
             epoch_rate(loaders[name])  # warm-up: worker start-up, page cache
         rates: dict[str, list[float]] = {name: [] for name in loaders}
         for _ in range(args.rounds):
             for name, loader in loaders.items():
                 rates[name].append(epoch_rate(loader))
         npy, mm = statistics.median(rates["npy"]), statistics.median(rates["memmap"])
-        print(f"{args.samples} samples {tuple(args.shape)} uint8, batch {args.batch_size}, shuffled, "
-              f"{args.workers} DataLoader workers, median of {args.rounds} alternating epochs")
+        print(
+            f"{args.samples} samples {tuple(args.shape)} uint8, batch {args.batch_size}, shuffled, "
+            f"{args.workers} DataLoader workers, median of {args.rounds} alternating epochs"
+        )
         print("| dataset | samples/s | ratio |\n|---|---|---|")
         print(f"| one .npy file per sample (np.load) | {npy:,.0f} | 1.00x |")
         print(f"| MemmapDataset (pack_memmap shards) | {mm:,.0f} | {mm / npy:.1f}x |")

@@ -23,8 +23,14 @@ from _common import MLPTask, alternate, fit_step_times
 
 from lightning_accel import MFUMonitor
 
-HOOKS = ("on_fit_start", "on_train_batch_start", "on_train_batch_end", "on_validation_start", "on_validation_end",
-         "on_train_end")
+HOOKS = (
+    "on_fit_start",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_train_end",
+)
 
 
 def timed(callback: MFUMonitor, spent: dict[str, float]) -> MFUMonitor:
@@ -63,16 +69,22 @@ def main() -> None:
         times = fit_step_times([timed(MFUMonitor(print_summary=False), spent)], args.steps, MLPTask)
         per_step_hooks = (spent.get("on_train_batch_start", 0.0) + spent.get("on_train_batch_end", 0.0)) / args.steps
         attributed.append(per_step_hooks / statistics.median(times))
-        print(f"    MFUMonitor hooks: {1e6 * per_step_hooks:.1f} µs per step "
-              f"(on_fit_start once: {1e3 * spent.get('on_fit_start', 0.0):.0f} ms, incl. the peak probe)")
+        print(
+            f"    MFUMonitor hooks: {1e6 * per_step_hooks:.1f} µs per step "
+            f"(on_fit_start once: {1e3 * spent.get('on_fit_start', 0.0):.0f} ms, incl. the peak probe)"
+        )
         return times
 
-    medians = alternate({"bare Trainer": lambda: fit_step_times([], args.steps, MLPTask),
-                         "MFUMonitor()": with_monitor}, rounds=args.rounds)
+    medians = alternate(
+        {"bare Trainer": lambda: fit_step_times([], args.steps, MLPTask), "MFUMonitor()": with_monitor},
+        rounds=args.rounds,
+    )
     base = medians["bare Trainer"]
     print(f"torch threads: {torch.get_num_threads()}; {args.rounds} rounds x {args.steps} steps")
-    print(f"attributed overhead: hook time ÷ step time = {1 + statistics.median(attributed):.4f} "
-          f"(median over rounds; max {1 + max(attributed):.4f})")
+    print(
+        f"attributed overhead: hook time ÷ step time = {1 + statistics.median(attributed):.4f} "
+        f"(median over rounds; max {1 + max(attributed):.4f})"
+    )
     print(f"{'variant':16s} {'median step':>12s} {'ratio':>7s}   (A/B, whole runs alternated)")
     for name, value in medians.items():
         print(f"{name:16s} {1e3 * value:10.2f}ms {value / base:7.3f}")

@@ -25,8 +25,10 @@ from pathlib import Path
 
 
 def spread(values: list[float]) -> str:
-    return (f"min {min(values) / 1e9:.1f} / median {statistics.median(values) / 1e9:.1f} / "
-            f"max {max(values) / 1e9:.1f} GFLOP/s")
+    return (
+        f"min {min(values) / 1e9:.1f} / median {statistics.median(values) / 1e9:.1f} / "
+        f"max {max(values) / 1e9:.1f} GFLOP/s"
+    )
 
 
 def part_peak(probes: int, long_budget: float) -> None:
@@ -44,10 +46,17 @@ def part_peak(probes: int, long_budget: float) -> None:
             runs[budget].append(peak.measure_peak_flops("cpu", "fp32", budget_s=budget))
     hw = hardware["fp32"].flops if hardware["fp32"] else None
     for budget, values in runs.items():
-        share = "" if hw is None else (f"; ÷ hardware: {min(values) / hw:.3f} / {statistics.median(values) / hw:.3f}"
-                                       f" / {max(values) / hw:.3f}")
-        print(f"fp32 probe, budget {budget:g} s, {len(values)} runs, {torch.get_num_threads()} threads: "
-              f"{spread(values)}{share}")
+        share = (
+            ""
+            if hw is None
+            else (
+                f"; ÷ hardware: {min(values) / hw:.3f} / {statistics.median(values) / hw:.3f} / {max(values) / hw:.3f}"
+            )
+        )
+        print(
+            f"fp32 probe, budget {budget:g} s, {len(values)} runs, {torch.get_num_threads()} threads: "
+            f"{spread(values)}{share}"
+        )
     peak._MEASURED.clear()
     resolved = peak.resolve_peak_flops("cpu", "fp32")
     print(f"resolve_peak_flops('cpu', 'fp32') now: {resolved.flops / 1e9:.1f} GFLOP/s, {resolved.detail}")
@@ -62,10 +71,13 @@ def part_demo(runs: int, steps: int) -> None:
             with open(Path(tmp) / "demo" / "version_0" / "metrics.csv") as f:
                 logged = [float(r["perf/mfu"]) for r in csv.DictReader(f) if r.get("perf/mfu")]
         s = result["mfu_monitor"]
-        print(f"run {i + 1}: MFU {100 * s['mfu']:.1f} % (summary), max logged perf/mfu {max(logged):.3f} over "
-              f"{len(logged)} windows, peak {s['peak_flops'] / 1e9:.1f} GFLOP/s raised by {s['peak_raises']} "
-              f"window(s), initial {s['peak_flops_initial'] / 1e9:.1f} GFLOP/s: {s['peak_source_initial']}; "
-              f"achieved {s['flops_per_sec_per_device'] / 1e9:.1f} GFLOP/s", flush=True)
+        print(
+            f"run {i + 1}: MFU {100 * s['mfu']:.1f} % (summary), max logged perf/mfu {max(logged):.3f} over "
+            f"{len(logged)} windows, peak {s['peak_flops'] / 1e9:.1f} GFLOP/s raised by {s['peak_raises']} "
+            f"window(s), initial {s['peak_flops_initial'] / 1e9:.1f} GFLOP/s: {s['peak_source_initial']}; "
+            f"achieved {s['flops_per_sec_per_device'] / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
 
 
 def main() -> None:

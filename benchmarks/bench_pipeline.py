@@ -68,16 +68,28 @@ def projection() -> None:
     params, tokens = 70 * 10**9, 8 * 4096  # 8 sequences of 4096 tokens per model replica per step
     # one device's step at 40 % MFU of the H100's 989 TFLOP/s dense bf16 (6 FLOPs per parameter and token)
     compute = 6 * params * tokens / (989e12 * 0.4)
-    w = ScalingWorkload(compute_s=compute, params=params, grad_bytes=2, param_bytes=2, n_layers=80,
-                        hidden_size=8192, tokens_per_step=tokens, activation_bytes=2)
-    print(f"70B-class projection (80 layers, hidden 8192, bf16, {tokens} tokens per replica step, "
-          f"InfiniBand NDR between nodes, NVLink inside): efficiency = ideal / projected step")
+    w = ScalingWorkload(
+        compute_s=compute,
+        params=params,
+        grad_bytes=2,
+        param_bytes=2,
+        n_layers=80,
+        hidden_size=8192,
+        tokens_per_step=tokens,
+        activation_bytes=2,
+    )
+    print(
+        f"70B-class projection (80 layers, hidden 8192, bf16, {tokens} tokens per replica step, "
+        f"InfiniBand NDR between nodes, NVLink inside): efficiency = ideal / projected step"
+    )
     print(f"{'strategy':<34} {'N=64':>7} {'N=512':>7}")
-    rows = [("TP 8 x DP (no PP)", dict(strategies=["tp"], tp_size=8)),
-            ("ZeRO-3 (no PP)", dict(strategies=["zero3"])),
-            ("PP 4 x TP 8 x DP, m=16", dict(strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)),
-            ("PP 8 x TP 8 x DP, m=32", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=32)),
-            ("PP 8 x TP 8 x DP, m=8", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=8))]
+    rows = [
+        ("TP 8 x DP (no PP)", dict(strategies=["tp"], tp_size=8)),
+        ("ZeRO-3 (no PP)", dict(strategies=["zero3"])),
+        ("PP 4 x TP 8 x DP, m=16", dict(strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)),
+        ("PP 8 x TP 8 x DP, m=32", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=32)),
+        ("PP 8 x TP 8 x DP, m=8", dict(strategies=["pp"], tp_size=8, pp_size=8, microbatches=8)),
+    ]
     for name, kw in rows:
         points = project_scaling(w, "infiniband_ndr", n=[64, 512], **kw)
         print(f"{name:<34} " + " ".join(f"{p.efficiency:>7.2f}" for p in points))
@@ -90,20 +102,36 @@ def balance(cfg: GPTConfig, data: torch.Tensor, steps: int) -> None:
     for how in ("parameters", "time"):
         times = Times()
         strategy = PipelineStrategy(microbatches=4, balance=how, balance_shape=(BATCH // 4, SEQ), print_plan=False)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, strategy=strategy,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[times])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            max_steps=steps,
+            logger=False,
+            strategy=strategy,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[times],
+        )
         trainer.fit(Task(cfg, data))
         mine = {"bubble": strategy.stats.bubble(skip=2), "step": statistics.median(times.times[2:])}
         gathered = [None, None]
         torch.distributed.all_gather_object(gathered, mine)
-        out.append({"balance": how, "plan": [[r.start, r.stop - 1] for r in strategy.plan.blocks],
-                    "costs": list(strategy.plan.costs), "bubbles": [g["bubble"] for g in gathered],
-                    "step_ms": 1e3 * max(g["step"] for g in gathered)})
+        out.append(
+            {
+                "balance": how,
+                "plan": [[r.start, r.stop - 1] for r in strategy.plan.blocks],
+                "costs": list(strategy.plan.costs),
+                "bubbles": [g["bubble"] for g in gathered],
+                "step_ms": 1e3 * max(g["step"] for g in gathered),
+            }
+        )
     if trainer.global_rank == 0:
         for row in out:
-            print(f"balance={row['balance']:<10} blocks per stage {row['plan']}  bubble rank0/1 "
-                  f"{row['bubbles'][0]:.3f}/{row['bubbles'][1]:.3f}  median step {row['step_ms']:.1f} ms")
+            print(
+                f"balance={row['balance']:<10} blocks per stage {row['plan']}  bubble rank0/1 "
+                f"{row['bubbles'][0]:.3f}/{row['bubbles'][1]:.3f}  median step {row['step_ms']:.1f} ms"
+            )
         print(json.dumps(out))
 
 
@@ -128,10 +156,17 @@ def main() -> None:
     rank = 0
     for m in (1, 2, 4, 8):
         times = Times()
-        trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
-                             strategy=PipelineStrategy(schedule="gpipe", microbatches=m, print_plan=False),
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[times])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            max_steps=args.steps,
+            logger=False,
+            strategy=PipelineStrategy(schedule="gpipe", microbatches=m, print_plan=False),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[times],
+        )
         trainer.fit(Task(cfg, data))
         stats = trainer.strategy.stats
         mine = {"bubble": stats.bubble(skip=2), "step": statistics.median(times.times[2:])}
@@ -148,18 +183,22 @@ def main() -> None:
     one = []
     for i in range(args.steps):
         start = time.perf_counter()
-        rows_i = data[i * BATCH:(i + 1) * BATCH]
+        rows_i = data[i * BATCH : (i + 1) * BATCH]
         F.cross_entropy(model(rows_i[:, :-1]).flatten(0, 1), rows_i[:, 1:].flatten()).backward()
         opt.step()
         opt.zero_grad()
         one.append(time.perf_counter() - start)
     one_step = statistics.median(one[2:])
-    print(f"demo GPT {args.layers} x {args.width}, batch {BATCH} x {SEQ}, GPipe on 2 stages (2 processes, 1 thread "
-          f"each) vs 1 process (1 thread): median step {one_step * 1e3:.1f} ms in one process")
+    print(
+        f"demo GPT {args.layers} x {args.width}, batch {BATCH} x {SEQ}, GPipe on 2 stages (2 processes, 1 thread "
+        f"each) vs 1 process (1 thread): median step {one_step * 1e3:.1f} ms in one process"
+    )
     print(f"{'m':>3} {'bubble rank0':>13} {'bubble rank1':>13} {'(P-1)/(m+P-1)':>14} {'step ms':>9} {'vs 1 proc':>10}")
     for m, bubbles, step in rows:
-        print(f"{m:>3} {bubbles[0]:>13.3f} {bubbles[1]:>13.3f} {bubble_fraction(2, m):>14.3f} {step * 1e3:>9.1f} "
-              f"{one_step / step:>9.2f}x")
+        print(
+            f"{m:>3} {bubbles[0]:>13.3f} {bubbles[1]:>13.3f} {bubble_fraction(2, m):>14.3f} {step * 1e3:>9.1f} "
+            f"{one_step / step:>9.2f}x"
+        )
     print(json.dumps({"one_step_s": one_step, "rows": rows}))
 
 

@@ -109,7 +109,7 @@ def part_speed(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             step = variants[name]
             step(b)  # untimed: the first step after switching pays for the other variant's memory churn
             for _ in range(args.steps):
@@ -117,12 +117,13 @@ def part_speed(args: argparse.Namespace) -> None:
                 step(b)
                 times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["fp32 eager"])
-    print(f"\nPart 1: step time, demo GPT ({args.n_layer} layers, d{args.d_model}, seq {args.seq_len}, batch "
-          f"{args.batch_size}), {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps "
-          "alternating (order rotated each round, one untimed step after each switch), median")
+    print(
+        f"\nPart 1: step time, demo GPT ({args.n_layer} layers, d{args.d_model}, seq {args.seq_len}, batch "
+        f"{args.batch_size}), {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps "
+        "alternating (order rotated each round, one untimed step after each switch), median"
+    )
     print(f"AutoMixedPrecision(auto) chose {auto.compute_dtype}: {auto.reason}")
-    print(f"TorchCompile first step (compilation + 1 step): {compile_s:.1f} s; "
-          f"fallback: {compiler.fallback_reason}")
+    print(f"TorchCompile first step (compilation + 1 step): {compile_s:.1f} s; fallback: {compiler.fallback_reason}")
     print("\n| variant | median step (ms) | speed vs fp32 |\n|---|---|---|")
     for name, values in times.items():
         med = statistics.median(values)
@@ -141,18 +142,24 @@ def part_memory(args: argparse.Namespace) -> None:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     mb = 1e6
-    print(f"\nPart 2: activation memory of one forward + backward, demo GPT ({args.n_layer} layers, "
-          f"d{args.d_model}, seq {args.seq_len}, batch {args.mem_batch_size}), fp32, peak RSS above the "
-          f"pre-step RSS (VmHWM after a reset), {args.rounds} alternating rounds, median")
-    print("(peak memory is exact; step times here come from few steps and are only indicative — part 1 times "
-          "steps properly)")
+    print(
+        f"\nPart 2: activation memory of one forward + backward, demo GPT ({args.n_layer} layers, "
+        f"d{args.d_model}, seq {args.seq_len}, batch {args.mem_batch_size}), fp32, peak RSS above the "
+        f"pre-step RSS (VmHWM after a reset), {args.rounds} alternating rounds, median"
+    )
+    print(
+        "(peak memory is exact; step times here come from few steps and are only indicative — part 1 times "
+        "steps properly)"
+    )
     print("\n| variant | peak activation memory (MB) | step time (ms) |\n|---|---|---|")
     print(f"| plain | {r['plain_mb']:.1f} | {r['plain_ms']:.1f} |")
     print(f"| ActivationCheckpointing(modules=[Block]) | {r['ckpt_mb']:.1f} | {r['ckpt_ms']:.1f} |")
     saved = r["plain_mb"] - r["ckpt_mb"]
-    print(f"\nmeasured saving {saved:.1f} MB ({saved / r['plain_mb']:.0%}); callback's estimate "
-          f"{r['estimate_bytes'] / mb:.1f} MB. Compute added: {r['flops_added']:.1%} in FLOPs (FlopCounterMode), "
-          f"{r['ckpt_ms'] / r['plain_ms'] - 1:.1%} in measured step time.")
+    print(
+        f"\nmeasured saving {saved:.1f} MB ({saved / r['plain_mb']:.0%}); callback's estimate "
+        f"{r['estimate_bytes'] / mb:.1f} MB. Compute added: {r['flops_added']:.1%} in FLOPs (FlopCounterMode), "
+        f"{r['ckpt_ms'] / r['plain_ms'] - 1:.1%} in measured step time."
+    )
 
 
 def memory_child(args: argparse.Namespace) -> None:
@@ -187,7 +194,7 @@ def memory_child(args: argparse.Namespace) -> None:
         step(task)
     res: dict[str, list[Any]] = {"plain": [], "ckpt": []}
     for r in range(args.rounds):
-        for name, task in ((("plain", plain), ("ckpt", ckpt)) if r % 2 == 0 else (("ckpt", ckpt), ("plain", plain))):
+        for name, task in (("plain", plain), ("ckpt", ckpt)) if r % 2 == 0 else (("ckpt", ckpt), ("plain", plain)):
             step(task)  # untimed warm-in after switching
             res[name].append(step(task))
     out = {f"{k}_mb": statistics.median(m for m, _ in v) / 1e6 for k, v in res.items()}

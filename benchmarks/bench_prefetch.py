@@ -53,8 +53,9 @@ class SlowCollateTask(MLPTask):
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(self.batch_size * self.batches, self.width, generator=g))
-        return DataLoader(data, batch_size=self.batch_size, num_workers=0,
-                          collate_fn=make_collate(self.collate, self.collate_ms))
+        return DataLoader(
+            data, batch_size=self.batch_size, num_workers=0, collate_fn=make_collate(self.collate, self.collate_ms)
+        )
 
 
 def main() -> None:
@@ -78,8 +79,10 @@ def main() -> None:
     # one round at a time, so the per-round ratios show how steady the machine was
     per_round = [alternate(variants, rounds=1) for _ in range(args.rounds)]
     base_name = "no prefetcher"
-    print(f"collate: {args.collate}, {args.collate_ms:g} ms per batch, num_workers=0; "
-          f"{args.rounds} rounds x {args.steps} steps; torch threads {torch.get_num_threads()}")
+    print(
+        f"collate: {args.collate}, {args.collate_ms:g} ms per batch, num_workers=0; "
+        f"{args.rounds} rounds x {args.steps} steps; torch threads {torch.get_num_threads()}"
+    )
     print(f"{'variant':22s} {'median step':>12s} {'ratio':>7s}  per-round ratios")
     for name in variants:
         median = statistics.median(r[name] for r in per_round)

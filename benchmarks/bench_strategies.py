@@ -61,8 +61,13 @@ def _mlp_task(width: int, batches: int, batch_size: int, build_in_configure_mode
 
         def configure_model(self) -> None:
             if self.net is None:
-                self.net = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, 2 * width),
-                                         nn.ReLU(), nn.Linear(2 * width, width))
+                self.net = nn.Sequential(
+                    nn.Linear(width, 2 * width),
+                    nn.ReLU(),
+                    nn.Linear(2 * width, 2 * width),
+                    nn.ReLU(),
+                    nn.Linear(2 * width, width),
+                )
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return self.net(batch[0]).pow(2).mean()
@@ -107,9 +112,17 @@ def _child_comm(args: argparse.Namespace) -> None:
         for name in COMM_STRATEGIES:
             torch.manual_seed(0)
             timer = StepTimes()
-            trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=make(name), max_steps=args.steps,
-                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False, callbacks=[timer])
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=make(name),
+                max_steps=args.steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[timer],
+            )
             model = _mlp_task(args.width, args.steps, args.batch_size, build_in_configure_model=False)
             trainer.fit(model)
             rank = trainer.global_rank
@@ -136,8 +149,16 @@ def _child_memory(args: argparse.Namespace) -> None:
     import lightning_accel  # noqa: F401
 
     # fresh processes per configuration: the baseline excludes the model, the peak includes everything after
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=args.config, max_steps=4, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=args.config,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     # the strategy is set up inside fit; reset the peak right before the model exists
     model = _mlp_task(args.width, 4, args.batch_size, build_in_configure_model=True)
     _reset_peak_rss()
@@ -146,7 +167,8 @@ def _child_memory(args: argparse.Namespace) -> None:
     peak = _status_kb("VmHWM")
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(
-        json.dumps({"peak_above_baseline": (peak - baseline) * 1024, "params": params}))
+        json.dumps({"peak_above_baseline": (peak - baseline) * 1024, "params": params})
+    )
 
 
 def _run_child(extra: list[str]) -> None:
@@ -162,8 +184,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="A B C rounds for the comm part (default 3)")
     parser.add_argument("--steps", type=int, default=25, help="steps per comm fit (default 25; first 5 not timed)")
     parser.add_argument("--width", type=int, default=512, help="MLP width for the comm part (default 512)")
-    parser.add_argument("--memory-widths", type=int, nargs=2, default=(1024, 2048),
-                        help="two MLP widths for the memory part (default 1024 2048)")
+    parser.add_argument(
+        "--memory-widths",
+        type=int,
+        nargs=2,
+        default=(1024, 2048),
+        help="two MLP widths for the memory part (default 1024 2048)",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--child", choices=("comm", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -178,15 +205,30 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_strategies_"))
     if args.part in ("all", "comm"):
         out = tmp / "comm.json"
-        _run_child(["--child", "comm", "--out", str(out), "--repeats", str(args.repeats), "--steps", str(args.steps),
-                    "--width", str(args.width), "--batch-size", str(args.batch_size)])
+        _run_child(
+            [
+                "--child",
+                "comm",
+                "--out",
+                str(out),
+                "--repeats",
+                str(args.repeats),
+                "--steps",
+                str(args.steps),
+                "--width",
+                str(args.width),
+                "--batch-size",
+                str(args.batch_size),
+            ]
+        )
         res = json.loads(out.read_text())
         base_t = statistics.median(res["ddp"]["time"])
         base_b = statistics.median(res["ddp"]["bytes"])
-        print(f"\n## DDP gradient compression, 2 CPU processes (gloo), MLP width {args.width} "
-              f"(batch {args.batch_size}/rank), median of {args.repeats} alternating rounds\n")
-        print("| strategy | bytes all-reduced / step / rank | vs ddp | compression rate | step time (ms) "
-              "| vs ddp |")
+        print(
+            f"\n## DDP gradient compression, 2 CPU processes (gloo), MLP width {args.width} "
+            f"(batch {args.batch_size}/rank), median of {args.repeats} alternating rounds\n"
+        )
+        print("| strategy | bytes all-reduced / step / rank | vs ddp | compression rate | step time (ms) | vs ddp |")
         print("|---|---:|---:|---:|---:|---:|")
         for name in COMM_STRATEGIES:
             t = statistics.median(res[name]["time"])
@@ -197,28 +239,55 @@ def main() -> None:
         from lightning_accel.core.memory import estimate_zero_memory
 
         widths = args.memory_widths
-        print(f"\n## ZeRO model-state memory on CPU: estimate vs measured peak, 2 processes, fp32, AdamW, MLP widths "
-              f"{widths[0]} and {widths[1]}\n")
-        print("Measured: peak RSS above the pre-model baseline, max over the 2 ranks. The per-parameter columns are "
-              "the slope between the two widths, which cancels fixed overheads (imports, gloo, DataLoader).\n")
-        print("| configuration | params (small / large) | estimate / rank, MB (small / large) | measured / rank, MB "
-              "(small / large) | estimate B/param | measured B/param (slope) |")
+        print(
+            f"\n## ZeRO model-state memory on CPU: estimate vs measured peak, 2 processes, fp32, AdamW, MLP widths "
+            f"{widths[0]} and {widths[1]}\n"
+        )
+        print(
+            "Measured: peak RSS above the pre-model baseline, max over the 2 ranks. The per-parameter columns are "
+            "the slope between the two widths, which cancels fixed overheads (imports, gloo, DataLoader).\n"
+        )
+        print(
+            "| configuration | params (small / large) | estimate / rank, MB (small / large) | measured / rank, MB "
+            "(small / large) | estimate B/param | measured B/param (slope) |"
+        )
         print("|---|---:|---:|---:|---:|---:|")
         for config in MEMORY_CONFIGS:
             rows = []
             for width in widths:
                 out = tmp / f"mem_{config}_{width}"
-                _run_child(["--child", "memory", "--config", config, "--out", str(out),
-                            "--width", str(width), "--batch-size", str(args.batch_size)])
+                _run_child(
+                    [
+                        "--child",
+                        "memory",
+                        "--config",
+                        config,
+                        "--out",
+                        str(out),
+                        "--width",
+                        str(width),
+                        "--batch-size",
+                        str(args.batch_size),
+                    ]
+                )
                 ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
                 params = ranks[0]["params"]
                 stage = 0 if config == "ddp" else int(config[-1])
-                est = estimate_zero_memory(params, 2, stage, param_bytes=4, grad_bytes=4,
-                                           optimizer_bytes_per_param=8 if config == "ddp" else 12).device_total
+                est = estimate_zero_memory(
+                    params,
+                    2,
+                    stage,
+                    param_bytes=4,
+                    grad_bytes=4,
+                    optimizer_bytes_per_param=8 if config == "ddp" else 12,
+                ).device_total
                 rows.append((params, est, max(r["peak_above_baseline"] for r in ranks)))
             (p0, e0, m0), (p1, e1, m1) = rows
-            print(f"| `{config}` | {p0:,} / {p1:,} | {e0 / 1e6:.0f} / {e1 / 1e6:.0f} | {m0 / 1e6:.0f} / {m1 / 1e6:.0f} "
-                  f"| {(e1 - e0) / (p1 - p0):.1f} | {(m1 - m0) / (p1 - p0):.1f} |")
+            print(
+                f"| `{config}` | {p0:,} / {p1:,} | {e0 / 1e6:.0f} / {e1 / 1e6:.0f} | {m0 / 1e6:.0f} / {m1 / 1e6:.0f} "
+                f"| {(e1 - e0) / (p1 - p0):.1f} | {(m1 - m0) / (p1 - p0):.1f} |"
+            )
+
 
 if __name__ == "__main__":
     main()

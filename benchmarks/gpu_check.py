@@ -53,23 +53,44 @@ def check_gpt_mfu(args: argparse.Namespace) -> list[Row]:
     from lightning_accel.demo.task import DemoDataModule, GPTTask
 
     gpu = not args.smoke
-    cfg = (GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768) if gpu
-           else GPTConfig(seq_len=64, n_layer=2, d_model=64, n_head=2))
+    cfg = (
+        GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+        if gpu
+        else GPTConfig(seq_len=64, n_layer=2, d_model=64, n_head=2)
+    )
     batch, steps = (16, 80) if gpu else (4, 12)
     task = GPTTask(cfg)
-    data = DemoDataModule(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, batch_size=batch,
-                          train_tokens=(steps + 2) * batch * (cfg.seq_len + 1), val_tokens=4 * (cfg.seq_len + 1),
-                          data_dir=Path(tempfile.mkdtemp()) / "tokens")
+    data = DemoDataModule(
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        batch_size=batch,
+        train_tokens=(steps + 2) * batch * (cfg.seq_len + 1),
+        val_tokens=4 * (cfg.seq_len + 1),
+        data_dir=Path(tempfile.mkdtemp()) / "tokens",
+    )
     monitor = la.MFUMonitor(window=10, print_summary=False)
-    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, plugins=[la.AutoMixedPrecision(dtype="bf16" if gpu else "fp32")],
-                         callbacks=[la.TorchCompile(backend="inductor" if gpu else "aot_eager"), monitor])
+    trainer = pl.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        plugins=[la.AutoMixedPrecision(dtype="bf16" if gpu else "fp32")],
+        callbacks=[la.TorchCompile(backend="inductor" if gpu else "aot_eager"), monitor],
+    )
     trainer.fit(task, datamodule=data)
     s = monitor.summary
-    rows: list[Row] = [("GPT MFU", "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f} %",
-                        f"{task.model.num_params() / 1e6:.0f} M params, seq {cfg.seq_len}, batch {batch}, "
-                        f"{s.get('dtype')}; {s.get('samples_per_sec', 0):,.1f} samples/s; peak: {s.get('peak_source')}")]
+    rows: list[Row] = [
+        (
+            "GPT MFU",
+            "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f} %",
+            f"{task.model.num_params() / 1e6:.0f} M params, seq {cfg.seq_len}, batch {batch}, "
+            f"{s.get('dtype')}; {s.get('samples_per_sec', 0):,.1f} samples/s; peak: {s.get('peak_source')}",
+        )
+    ]
     if gpu:
         import torch
 
@@ -102,13 +123,24 @@ def check_dali(args: argparse.Namespace) -> list[Row]:
     bench_dali.make_jpegs(root, images, size)
     workers = min(8, os.cpu_count() or 1) if not args.smoke else 1
     device = torch.device("cuda", 0) if not args.smoke else torch.device("cpu")
-    rates = bench_dali.compare(root, batch_size=64 if not args.smoke else 16, workers=workers,
-                               rounds=3 if not args.smoke else 1, device=device, reader=not args.smoke)
+    rates = bench_dali.compare(
+        root,
+        batch_size=64 if not args.smoke else 16,
+        workers=workers,
+        rounds=3 if not args.smoke else 1,
+        device=device,
+        reader=not args.smoke,
+    )
     rows: list[Row] = []
     for name, epoch, epoch_ratio, steady, steady_ratio in bench_dali.summarise(rates):
-        rows.append((f"data: {name}", f"{steady_ratio:.2f}x",
-                     f"{steady:,.0f} images/s after the first batch ({epoch:,.0f} whole epoch, {epoch_ratio:.2f}x); "
-                     f"{workers} threads/workers, {images} JPEGs {size[0]}x{size[1]} on {device}"))
+        rows.append(
+            (
+                f"data: {name}",
+                f"{steady_ratio:.2f}x",
+                f"{steady:,.0f} images/s after the first batch ({epoch:,.0f} whole epoch, {epoch_ratio:.2f}x); "
+                f"{workers} threads/workers, {images} JPEGs {size[0]}x{size[1]} on {device}",
+            )
+        )
     return rows
 
 
@@ -141,8 +173,13 @@ def check_stage_timer(args: argparse.Namespace) -> list[Row]:
             ref.append(time.perf_counter() - t)
     per_step = events_total / 20
     ref_mean = statistics.fmean(ref)
-    return [("stage timer vs sync reference", f"{per_step / ref_mean:.3f}x",
-             f"events {1e3 * per_step:.3f} ms/step, synchronised {1e3 * ref_mean:.3f} ms/step ({device.type})")]
+    return [
+        (
+            "stage timer vs sync reference",
+            f"{per_step / ref_mean:.3f}x",
+            f"events {1e3 * per_step:.3f} ms/step, synchronised {1e3 * ref_mean:.3f} ms/step ({device.type})",
+        )
+    ]
 
 
 def check_autopilot(args: argparse.Namespace) -> list[Row]:
@@ -153,33 +190,67 @@ def check_autopilot(args: argparse.Namespace) -> list[Row]:
     from lightning_accel.demo.task import DemoDataModule, GPTTask
 
     gpu = not args.smoke
-    cfg = GPTConfig(seq_len=256, n_layer=4, d_model=256, n_head=4) if gpu else GPTConfig(seq_len=32, n_layer=1,
-                                                                                         d_model=32, n_head=2)
+    cfg = (
+        GPTConfig(seq_len=256, n_layer=4, d_model=256, n_head=4)
+        if gpu
+        else GPTConfig(seq_len=32, n_layer=1, d_model=32, n_head=2)
+    )
     steps = 400 if gpu else 20
-    data = DemoDataModule(seq_len=cfg.seq_len, batch_size=8, train_tokens=(steps * 4 + 8) * 8 * (cfg.seq_len + 1),
-                          val_tokens=4 * (cfg.seq_len + 1), data_dir=Path(tempfile.mkdtemp()) / "tokens")
-    autopilot = la.Autopilot(budget_seconds=90 if gpu else 15, warmup_steps=5 if gpu else 2,
-                             measure_steps=20 if gpu else 4, save_plan=False, print_summary=False)
+    data = DemoDataModule(
+        seq_len=cfg.seq_len,
+        batch_size=8,
+        train_tokens=(steps * 4 + 8) * 8 * (cfg.seq_len + 1),
+        val_tokens=4 * (cfg.seq_len + 1),
+        data_dir=Path(tempfile.mkdtemp()) / "tokens",
+    )
+    autopilot = la.Autopilot(
+        budget_seconds=90 if gpu else 15,
+        warmup_steps=5 if gpu else 2,
+        measure_steps=20 if gpu else 4,
+        save_plan=False,
+        print_summary=False,
+    )
     monitor = la.MFUMonitor(window=10, print_summary=False)
-    trainer = pl.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=4,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=[autopilot, monitor])
+    trainer = pl.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[autopilot, monitor],
+    )
     trainer.fit(GPTTask(cfg), datamodule=data)
     plan = autopilot.plan
     speedup = (plan.final_samples_per_sec or 0.0) / (plan.baseline_samples_per_sec or float("nan"))
     kept = "; ".join(k["change"] for k in plan.kept) or "nothing"
-    rejected = "; ".join(f"{r.name}: {r.reason[:60]}" for r in autopilot.records[1:]
-                         if not r.kept and r.samples_per_sec is not None)
+    rejected = "; ".join(
+        f"{r.name}: {r.reason[:60]}" for r in autopilot.records[1:] if not r.kept and r.samples_per_sec is not None
+    )
     plugin = trainer.precision_plugin
     precision = f"{type(plugin).__name__} {getattr(plugin, 'precision', '?')}"
     import torch
 
-    return [("autopilot", f"{speedup:.2f}x its baseline (trial windows)",
-             f"kept: {kept}; search {plan.search_seconds:.0f} s; stopped: {plan.stopped}"),
-            ("autopilot precision", precision, "from Lightning's default 32-true; float32 matmul precision "
-                                               f"{torch.get_float32_matmul_precision()!r}"),
-            ("autopilot training", f"{monitor.summary.get('samples_per_sec') or 0:,.0f} samples/s",
-             f"after the search; rejected: {rejected or 'none'}")]
+    return [
+        (
+            "autopilot",
+            f"{speedup:.2f}x its baseline (trial windows)",
+            f"kept: {kept}; search {plan.search_seconds:.0f} s; stopped: {plan.stopped}",
+        ),
+        (
+            "autopilot precision",
+            precision,
+            f"from Lightning's default 32-true; float32 matmul precision {torch.get_float32_matmul_precision()!r}",
+        ),
+        (
+            "autopilot training",
+            f"{monitor.summary.get('samples_per_sec') or 0:,.0f} samples/s",
+            f"after the search; rejected: {rejected or 'none'}",
+        ),
+    ]
 
 
 NVTX_CHILD = r"""
@@ -221,26 +292,62 @@ def check_nvtx(args: argparse.Namespace) -> list[Row]:
         if not (gpu and nsys):
             proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
             last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-            return [("nvtx stages in nsys", "ran without nsys" if proc.returncode == 0 else "ERROR",
-                     f"{last}; nsys {'not on PATH' if gpu else 'not used in --smoke'} (exit {proc.returncode})")]
+            return [
+                (
+                    "nvtx stages in nsys",
+                    "ran without nsys" if proc.returncode == 0 else "ERROR",
+                    f"{last}; nsys {'not on PATH' if gpu else 'not used in --smoke'} (exit {proc.returncode})",
+                )
+            ]
         out = Path(tmp) / "timeline"
-        proc = subprocess.run([nsys, "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
-                               "-t", "cuda,nvtx", "-o", str(out), "--force-overwrite=true", *env_cmd],
-                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        proc = subprocess.run(
+            [
+                nsys,
+                "profile",
+                "--capture-range=cudaProfilerApi",
+                "--capture-range-end=stop",
+                "-t",
+                "cuda,nvtx",
+                "-o",
+                str(out),
+                "--force-overwrite=true",
+                *env_cmd,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
         report = ""
         for name in ("nvtx_sum", "nvtxsum"):  # the report's name before nsys 2023.4
-            stats = subprocess.run([nsys, "stats", "--report", name, "--format", "csv", f"{out}.nsys-rep"],
-                                   capture_output=True, text=True, timeout=120)
+            stats = subprocess.run(
+                [nsys, "stats", "--report", name, "--format", "csv", f"{out}.nsys-rep"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             if stats.returncode == 0 and "forward" in stats.stdout:
                 report = stats.stdout
                 break
         found = [s for s in ("data", "transfer", "forward", "backward", "optimizer") if s in report]
-        return [("nvtx stages in nsys", f"{len(found)}/5 stages", f"{', '.join(found) or 'none'}; profile exit "
-                 f"{proc.returncode}; lightning_accel domain {'seen' if 'lightning_accel' in report else 'not seen'}")]
+        return [
+            (
+                "nvtx stages in nsys",
+                f"{len(found)}/5 stages",
+                f"{', '.join(found) or 'none'}; profile exit "
+                f"{proc.returncode}; lightning_accel domain {'seen' if 'lightning_accel' in report else 'not seen'}",
+            )
+        ]
 
 
-CHECKS = [("gpu tests", check_gpu_tests), ("gpt mfu", check_gpt_mfu), ("dali", check_dali),
-          ("stage timer", check_stage_timer), ("autopilot", check_autopilot), ("nvtx", check_nvtx)]
+CHECKS = [
+    ("gpu tests", check_gpu_tests),
+    ("gpt mfu", check_gpt_mfu),
+    ("dali", check_dali),
+    ("stage timer", check_stage_timer),
+    ("autopilot", check_autopilot),
+    ("nvtx", check_nvtx),
+]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

@@ -21,8 +21,17 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_int(owner: str, name: str, value: Any, *, minimum: int = 1, optional: bool = False,
-              example: int | None = None, flag: bool = False, unit: str = "") -> Any:
+def check_int(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    minimum: int = 1,
+    optional: bool = False,
+    example: int | None = None,
+    flag: bool = False,
+    unit: str = "",
+) -> Any:
     """``value`` unchanged when it is an integer ``>= minimum`` (or ``None`` with ``optional``); else ``ValueError``.
 
     Args:

@@ -21,8 +21,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode  # public class in a private module; torch 2.0-2.13
 
-__all__ = ["LIGHTNING_MIN", "PRIVATE_NAMES", "TORCH_MIN", "PrivateName", "TorchDispatchMode", "require_versions",
-           "supported_range"]
+__all__ = [
+    "LIGHTNING_MIN",
+    "PRIVATE_NAMES",
+    "TORCH_MIN",
+    "PrivateName",
+    "TorchDispatchMode",
+    "require_versions",
+    "supported_range",
+]
 
 #: The oldest versions the package supports, and why they are the floor:
 #: torch 2.6 — ``sdpa_kernel(..., set_priority=)`` (``sdpa_backends``); Lightning 2.6 —
@@ -40,8 +47,10 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def supported_range() -> str:
     """The supported range, as ``pyproject.toml`` states it."""
-    return (f"torch>={'.'.join(map(str, TORCH_MIN))} and lightning>={'.'.join(map(str, LIGHTNING_MIN))} "
-            f"(checked up to torch {TORCH_CHECKED}, lightning {LIGHTNING_CHECKED})")
+    return (
+        f"torch>={'.'.join(map(str, TORCH_MIN))} and lightning>={'.'.join(map(str, LIGHTNING_MIN))} "
+        f"(checked up to torch {TORCH_CHECKED}, lightning {LIGHTNING_CHECKED})"
+    )
 
 
 def require_versions(component: str, *, lightning: bool = True) -> None:
@@ -60,14 +69,17 @@ def require_versions(component: str, *, lightning: bool = True) -> None:
         found.append(("lightning", L.__version__, LIGHTNING_MIN))
     old = [f"{name} {version}" for name, version, floor in found if _version_tuple(version) < floor]
     if old:
-        raise ImportError(f"{component} needs {supported_range()}; found {', '.join(old)}. Upgrade: "
-                          f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}' "
-                          f"'lightning>={'.'.join(map(str, LIGHTNING_MIN))}'")
+        raise ImportError(
+            f"{component} needs {supported_range()}; found {', '.join(old)}. Upgrade: "
+            f"pip install 'torch>={'.'.join(map(str, TORCH_MIN))}' "
+            f"'lightning>={'.'.join(map(str, LIGHTNING_MIN))}'"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the registry
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class PrivateName:
@@ -95,8 +107,13 @@ class PrivateName:
 def _fit_loop() -> Any:
     import lightning.pytorch as pl
 
-    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False).fit_loop
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit_loop
 
 
 def _step_lr() -> Any:
@@ -139,119 +156,290 @@ _L = f"lightning 2.6.0-{LIGHTNING_CHECKED}"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # --- torch
-    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", _T,
-                ("attention/recorder.py:SDPABackendRecorder",),
-                why="a public class torch exports only from this private module (its docs import it from here)"),
-    PrivateName("torch.utils._python_dispatch", "_get_current_dispatch_mode", _T,
-                ("callbacks/torch_compile.py:_dispatch_mode_active",),
-                why="torch has no public query for the active dispatch mode"),
-    PrivateName("torch.utils._python_dispatch", "_disable_current_modes", _T,
-                ("strategies/pipeline.py:PipelineStrategy._check_first_batch",),
-                why="the first-batch check runs the whole model outside any active dispatch mode (a FLOP counter "
-                    "or a compile trace); torch has no public way to suspend the active modes"),
-    PrivateName("torch.Tensor", "_make_wrapper_subclass", _T, ("attention/_lazy.py:_Lazy",),
-                why="the only constructor of a storage-less tensor subclass (torch's subclass docs use it)"),
-    PrivateName("torch._C", "DisableTorchFunctionSubclass", _T,
-                ("attention/_lazy.py:_Lazy", "attention/mha.py:_WeightsProbe"),
-                why="what Tensor.__torch_function__ itself uses; no public way to turn subclass dispatch off"),
-    PrivateName("torch._ops.OpOverload", "_overloadpacket", _T, ("attention/recorder.py:_FusedOpCounter",),
-                instance=lambda: torch.ops.aten.add.Tensor,
-                why="an OpOverload's packet name has no public getter (str(op) adds the overload and namespace)"),
-    PrivateName("torch._C", "_current_graph_task_id", _T, ("callbacks/activation_checkpointing.py:_in_backward",),
-                why="no public API says whether autograd is running a backward pass in this thread"),
-    PrivateName("torch", "_foreach_norm", _T, ("callbacks/non_finite_guard.py:on_before_optimizer_step",),
-                why="per-tensor norms in a few kernels; the public norms are one kernel per tensor, or one total"),
-    PrivateName("torch._dynamo.exc", "TorchDynamoException", _T, ("callbacks/torch_compile.py:_guarded",),
-                why="dynamo's error base class is not exported publicly"),
-    PrivateName("torch.nn.Module", "_call_impl", _T, ("callbacks/torch_compile.py:_user_frame",),
-                why="the eager call with hooks, bypassing a compiled call: no public name"),
-    PrivateName("torch.nn.Module", "_compiled_call_impl", _T, ("callbacks/torch_compile.py:setup",
-                                                               "callbacks/interventions/compile.py:Compile"),
-                why="nn.Module.compile installs the compiled call here and has no public way to remove it"),
-    PrivateName("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices", _T,
-                ("callbacks/interventions/optimizer.py:OptimizerImplementation", "core/smells.py:_candidate"),
-                why="torch.optim has no public list of the devices with fused kernels"),
-    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper", _T,
-                ("core/checkpointing.py:apply_activation_checkpointing",),
-                why="FSDP's non-reentrant activation-checkpoint wrapper lives only in this private package"),
-    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl", _T,
-                ("core/checkpointing.py:apply_activation_checkpointing",),
-                why="the enum that selects checkpoint_wrapper's non-reentrant implementation"),
-    PrivateName("torch.utils._pytree", "tree_map", _T, ("core/precision.py:fp32_island",),
-                why="torch has no public pytree module (torch.utils._pytree is what torch itself uses)"),
-    PrivateName("torch.autocast", "_enabled", _T, ("core/precision.py:autocast_dtypes",),
-                instance=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-                why="torch.autocast disables itself (warning) for unsupported dtypes and says so only here"),
-    PrivateName("torch.amp.GradScaler", "_found_inf_per_device", _T,
-                ("precision/auto_mixed_precision.py:_count_skip",),
-                why="GradScaler has no public per-step found-inf flag (a skipped step is otherwise invisible)"),
-    PrivateName("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "_allreduce_fut", _T,
-                ("strategies/ddp_compression.py:_counting_hook",),
-                why="torch's plain all-reduce future, the base of its default DDP hook; not exported"),
-    PrivateName("torch.distributed.distributed_c10d", "_world", _T,
-                ("strategies/outstanding_work.py:finish_outstanding_work",),
-                why="torch keeps its registry of process groups private: no public call lists the groups of a rank"),
-    PrivateName("torch.optim.lr_scheduler.LRScheduler", "_last_lr", _T, ("callbacks/batch_size_tuner.py:_scale_lr",),
-                instance=_step_lr,
-                why="get_last_lr() reads it; there is no public setter after learning rates are rescaled by hand"),
+    PrivateName(
+        "torch.utils._python_dispatch",
+        "TorchDispatchMode",
+        _T,
+        ("attention/recorder.py:SDPABackendRecorder",),
+        why="a public class torch exports only from this private module (its docs import it from here)",
+    ),
+    PrivateName(
+        "torch.utils._python_dispatch",
+        "_get_current_dispatch_mode",
+        _T,
+        ("callbacks/torch_compile.py:_dispatch_mode_active",),
+        why="torch has no public query for the active dispatch mode",
+    ),
+    PrivateName(
+        "torch.utils._python_dispatch",
+        "_disable_current_modes",
+        _T,
+        ("strategies/pipeline.py:PipelineStrategy._check_first_batch",),
+        why="the first-batch check runs the whole model outside any active dispatch mode (a FLOP counter "
+        "or a compile trace); torch has no public way to suspend the active modes",
+    ),
+    PrivateName(
+        "torch.Tensor",
+        "_make_wrapper_subclass",
+        _T,
+        ("attention/_lazy.py:_Lazy",),
+        why="the only constructor of a storage-less tensor subclass (torch's subclass docs use it)",
+    ),
+    PrivateName(
+        "torch._C",
+        "DisableTorchFunctionSubclass",
+        _T,
+        ("attention/_lazy.py:_Lazy", "attention/mha.py:_WeightsProbe"),
+        why="what Tensor.__torch_function__ itself uses; no public way to turn subclass dispatch off",
+    ),
+    PrivateName(
+        "torch._ops.OpOverload",
+        "_overloadpacket",
+        _T,
+        ("attention/recorder.py:_FusedOpCounter",),
+        instance=lambda: torch.ops.aten.add.Tensor,
+        why="an OpOverload's packet name has no public getter (str(op) adds the overload and namespace)",
+    ),
+    PrivateName(
+        "torch._C",
+        "_current_graph_task_id",
+        _T,
+        ("callbacks/activation_checkpointing.py:_in_backward",),
+        why="no public API says whether autograd is running a backward pass in this thread",
+    ),
+    PrivateName(
+        "torch",
+        "_foreach_norm",
+        _T,
+        ("callbacks/non_finite_guard.py:on_before_optimizer_step",),
+        why="per-tensor norms in a few kernels; the public norms are one kernel per tensor, or one total",
+    ),
+    PrivateName(
+        "torch._dynamo.exc",
+        "TorchDynamoException",
+        _T,
+        ("callbacks/torch_compile.py:_guarded",),
+        why="dynamo's error base class is not exported publicly",
+    ),
+    PrivateName(
+        "torch.nn.Module",
+        "_call_impl",
+        _T,
+        ("callbacks/torch_compile.py:_user_frame",),
+        why="the eager call with hooks, bypassing a compiled call: no public name",
+    ),
+    PrivateName(
+        "torch.nn.Module",
+        "_compiled_call_impl",
+        _T,
+        ("callbacks/torch_compile.py:setup", "callbacks/interventions/compile.py:Compile"),
+        why="nn.Module.compile installs the compiled call here and has no public way to remove it",
+    ),
+    PrivateName(
+        "torch.utils._foreach_utils",
+        "_get_fused_kernels_supported_devices",
+        _T,
+        ("callbacks/interventions/optimizer.py:OptimizerImplementation", "core/smells.py:_candidate"),
+        why="torch.optim has no public list of the devices with fused kernels",
+    ),
+    PrivateName(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "checkpoint_wrapper",
+        _T,
+        ("core/checkpointing.py:apply_activation_checkpointing",),
+        why="FSDP's non-reentrant activation-checkpoint wrapper lives only in this private package",
+    ),
+    PrivateName(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "CheckpointImpl",
+        _T,
+        ("core/checkpointing.py:apply_activation_checkpointing",),
+        why="the enum that selects checkpoint_wrapper's non-reentrant implementation",
+    ),
+    PrivateName(
+        "torch.utils._pytree",
+        "tree_map",
+        _T,
+        ("core/precision.py:fp32_island",),
+        why="torch has no public pytree module (torch.utils._pytree is what torch itself uses)",
+    ),
+    PrivateName(
+        "torch.autocast",
+        "_enabled",
+        _T,
+        ("core/precision.py:autocast_dtypes",),
+        instance=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        why="torch.autocast disables itself (warning) for unsupported dtypes and says so only here",
+    ),
+    PrivateName(
+        "torch.amp.GradScaler",
+        "_found_inf_per_device",
+        _T,
+        ("precision/auto_mixed_precision.py:_count_skip",),
+        why="GradScaler has no public per-step found-inf flag (a skipped step is otherwise invisible)",
+    ),
+    PrivateName(
+        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+        "_allreduce_fut",
+        _T,
+        ("strategies/ddp_compression.py:_counting_hook",),
+        why="torch's plain all-reduce future, the base of its default DDP hook; not exported",
+    ),
+    PrivateName(
+        "torch.distributed.distributed_c10d",
+        "_world",
+        _T,
+        ("strategies/outstanding_work.py:finish_outstanding_work",),
+        why="torch keeps its registry of process groups private: no public call lists the groups of a rank",
+    ),
+    PrivateName(
+        "torch.optim.lr_scheduler.LRScheduler",
+        "_last_lr",
+        _T,
+        ("callbacks/batch_size_tuner.py:_scale_lr",),
+        instance=_step_lr,
+        why="get_last_lr() reads it; there is no public setter after learning rates are rescaled by hand",
+    ),
     # --- Lightning
-    PrivateName("lightning.fabric.plugins.precision.amp", "_optimizer_handles_unscaling", _L,
-                ("precision/auto_mixed_precision.py:optimizer_step",),
-                why="Lightning's own rule for fused optimizers that unscale themselves; not exported"),
-    PrivateName("lightning.pytorch.plugins.precision.MixedPrecision", "_after_closure", _L,
-                ("precision/auto_mixed_precision.py:optimizer_step",),
-                why="the plugin's post-closure step (on_before_optimizer_step, clipping); no public hook runs it"),
-    PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_data_source", _L,
-                ("callbacks/_loader_source.py:TrainLoaderSource", "callbacks/_loader_source.py:fit_data_holder"),
-                instance=_fit_loop,
-                why="where the fit's train data comes from (module, datamodule, fit() argument): no public accessor"),
-    PrivateName("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs", _L,
-                ("callbacks/_loader_source.py:rebuild_dataloader",),
-                why="Lightning's re-creation of a DataLoader from its constructor arguments; not exported"),
-    PrivateName("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls", _L,
-                ("callbacks/_loader_source.py:rebuild_dataloader",),
-                why="the other half of Lightning's DataLoader re-creation (attribute records replayed)"),
-    PrivateName("lightning.pytorch.loops.fit_loop._FitLoop", "_combined_loader", _L,
-                ("callbacks/_probe_step.py:reload_train_dataloader",), instance=_fit_loop,
-                why="the fit loop rebuilds its train loader only once this is cleared (no on-demand public reload)"),
-    PrivateName("lightning.pytorch.strategies.DDPStrategy", "_register_ddp_hooks", _L,
-                ("strategies/ddp_compression.py:DDPCompressionStrategy",), kind="override",
-                why="DDPStrategy's one method that registers comm hooks; overridden to register ours"),
-    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_setup_model_and_optimizer", _L,
-                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override",
-                why="DeepSpeedStrategy's engine construction; overridden to pass the preset's config"),
-    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_initialize_deepspeed_inference", _L,
-                ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",), kind="override",
-                why="DeepSpeedStrategy's inference engine construction; overridden like training"),
-    PrivateName("lightning.pytorch.strategies.DeepSpeedStrategy", "_init_deepspeed_distributed", _L,
-                ("strategies/deepspeed_presets.py:setup_distributed",),
-                why="DeepSpeedStrategy's process-group start with Lightning's settings; no public entry"),
-    PrivateName("lightning.fabric.utilities.init", "_materialize_distributed_module", _L,
-                ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
-                why="ModelParallelStrategy's materialisation of a meta-device module; not exported"),
-    PrivateName("lightning.fabric.utilities.optimizer", "_optimizers_to_device", _L,
-                ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
-                why="Lightning's move of optimizer state to a device; not exported"),
-    PrivateName("torch.distributed.tensor.DTensor", "_local_tensor", _T, ("core/sharded_flops.py:_local",),
-                instance=_dtensor_fields,
-                why="to_local() dispatches an op; the FLOP counter must read the shard without one"),
-    PrivateName("lightning.pytorch.Trainer", "_logger_connector", _L, ("callbacks/_window_log.py:log_window",),
-                instance=lambda: _fit_loop().trainer,
-                why=("its log_metrics logs to every logger at Lightning's step counter with epoch added, as self.log "
-                     "does; no public API does (Lightning's ThroughputMonitor calls the same method)")),
-    PrivateName("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps", _L,
-                ("callbacks/_doctor_facts.py:run_facts",), instance=_model_checkpoint,
-                why="ModelCheckpoint has no public getter for its configured interval"),
+    PrivateName(
+        "lightning.fabric.plugins.precision.amp",
+        "_optimizer_handles_unscaling",
+        _L,
+        ("precision/auto_mixed_precision.py:optimizer_step",),
+        why="Lightning's own rule for fused optimizers that unscale themselves; not exported",
+    ),
+    PrivateName(
+        "lightning.pytorch.plugins.precision.MixedPrecision",
+        "_after_closure",
+        _L,
+        ("precision/auto_mixed_precision.py:optimizer_step",),
+        why="the plugin's post-closure step (on_before_optimizer_step, clipping); no public hook runs it",
+    ),
+    PrivateName(
+        "lightning.pytorch.loops.fit_loop._FitLoop",
+        "_data_source",
+        _L,
+        ("callbacks/_loader_source.py:TrainLoaderSource", "callbacks/_loader_source.py:fit_data_holder"),
+        instance=_fit_loop,
+        why="where the fit's train data comes from (module, datamodule, fit() argument): no public accessor",
+    ),
+    PrivateName(
+        "lightning.pytorch.utilities.data",
+        "_get_dataloader_init_args_and_kwargs",
+        _L,
+        ("callbacks/_loader_source.py:rebuild_dataloader",),
+        why="Lightning's re-creation of a DataLoader from its constructor arguments; not exported",
+    ),
+    PrivateName(
+        "lightning.fabric.utilities.data",
+        "_reinstantiate_wrapped_cls",
+        _L,
+        ("callbacks/_loader_source.py:rebuild_dataloader",),
+        why="the other half of Lightning's DataLoader re-creation (attribute records replayed)",
+    ),
+    PrivateName(
+        "lightning.pytorch.loops.fit_loop._FitLoop",
+        "_combined_loader",
+        _L,
+        ("callbacks/_probe_step.py:reload_train_dataloader",),
+        instance=_fit_loop,
+        why="the fit loop rebuilds its train loader only once this is cleared (no on-demand public reload)",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.DDPStrategy",
+        "_register_ddp_hooks",
+        _L,
+        ("strategies/ddp_compression.py:DDPCompressionStrategy",),
+        kind="override",
+        why="DDPStrategy's one method that registers comm hooks; overridden to register ours",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.DeepSpeedStrategy",
+        "_setup_model_and_optimizer",
+        _L,
+        ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",),
+        kind="override",
+        why="DeepSpeedStrategy's engine construction; overridden to pass the preset's config",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.DeepSpeedStrategy",
+        "_initialize_deepspeed_inference",
+        _L,
+        ("strategies/deepspeed_presets.py:DeepSpeedZeroStrategy",),
+        kind="override",
+        why="DeepSpeedStrategy's inference engine construction; overridden like training",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.DeepSpeedStrategy",
+        "_init_deepspeed_distributed",
+        _L,
+        ("strategies/deepspeed_presets.py:setup_distributed",),
+        why="DeepSpeedStrategy's process-group start with Lightning's settings; no public entry",
+    ),
+    PrivateName(
+        "lightning.fabric.utilities.init",
+        "_materialize_distributed_module",
+        _L,
+        ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
+        why="ModelParallelStrategy's materialisation of a meta-device module; not exported",
+    ),
+    PrivateName(
+        "lightning.fabric.utilities.optimizer",
+        "_optimizers_to_device",
+        _L,
+        ("strategies/model_parallel.py:AutoParallelStrategy.setup",),
+        why="Lightning's move of optimizer state to a device; not exported",
+    ),
+    PrivateName(
+        "torch.distributed.tensor.DTensor",
+        "_local_tensor",
+        _T,
+        ("core/sharded_flops.py:_local",),
+        instance=_dtensor_fields,
+        why="to_local() dispatches an op; the FLOP counter must read the shard without one",
+    ),
+    PrivateName(
+        "lightning.pytorch.Trainer",
+        "_logger_connector",
+        _L,
+        ("callbacks/_window_log.py:log_window",),
+        instance=lambda: _fit_loop().trainer,
+        why=(
+            "its log_metrics logs to every logger at Lightning's step counter with epoch added, as self.log "
+            "does; no public API does (Lightning's ThroughputMonitor calls the same method)"
+        ),
+    ),
+    PrivateName(
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "_every_n_train_steps",
+        _L,
+        ("callbacks/_doctor_facts.py:run_facts",),
+        instance=_model_checkpoint,
+        why="ModelCheckpoint has no public getter for its configured interval",
+    ),
     # --- transformers (optional: checked only when installed)
-    PrivateName("transformers.PretrainedConfig", "_attn_implementation", "transformers 5.0-5.24",
-                ("attention/fused.py:use_fused_attention", "core/smells.py:_hf_eager"), instance=_hf_config,
-                why="what transformers' attention dispatch reads; the config has no public getter"),
-    PrivateName("transformers.PreTrainedModel", "_tp_plan", "transformers 5.0-5.24",
-                ("strategies/parallel_plan.py:_hf_plan",),
-                why="older transformers expose the tensor-parallel plan only as this class attribute"),
-    PrivateName("transformers.PreTrainedModel", "_supports_sdpa", "transformers 5.0-5.24",
-                ("attention/hf_switch.py:_hf_models", "core/checkpointing.py:disable_kv_cache"),
-                why="the class flag that tells a PreTrainedModel from its layers (same config)"),
+    PrivateName(
+        "transformers.PretrainedConfig",
+        "_attn_implementation",
+        "transformers 5.0-5.24",
+        ("attention/fused.py:use_fused_attention", "core/smells.py:_hf_eager"),
+        instance=_hf_config,
+        why="what transformers' attention dispatch reads; the config has no public getter",
+    ),
+    PrivateName(
+        "transformers.PreTrainedModel",
+        "_tp_plan",
+        "transformers 5.0-5.24",
+        ("strategies/parallel_plan.py:_hf_plan",),
+        why="older transformers expose the tensor-parallel plan only as this class attribute",
+    ),
+    PrivateName(
+        "transformers.PreTrainedModel",
+        "_supports_sdpa",
+        "transformers 5.0-5.24",
+        ("attention/hf_switch.py:_hf_models", "core/checkpointing.py:disable_kv_cache"),
+        why="the class flag that tells a PreTrainedModel from its layers (same config)",
+    ),
 )
 
 
@@ -276,6 +464,7 @@ def resolve(entry: PrivateName) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 # torch accessors
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def current_dispatch_mode() -> Any:
     """The innermost active ``TorchDispatchMode`` of this thread, or None."""
@@ -386,6 +575,7 @@ def set_scheduler_last_lr(scheduler: Any, lrs: Iterable[float]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Lightning accessors
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def optimizer_handles_unscaling(optimizer: Any) -> bool:
     """Whether the optimizer unscales gradients itself (fused Adam with a GradScaler), as Lightning decides."""
@@ -503,6 +693,7 @@ def init_deepspeed_distributed(strategy: Any) -> None:
 # transformers accessors
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def hf_attn_implementation(module: nn.Module) -> str | None:
     """A ``transformers`` model's attention implementation (``"eager"``, ``"sdpa"``, ...); None for other modules.
 
@@ -529,11 +720,18 @@ def hf_causal_mask(config: Any, hidden: torch.Tensor, position_ids: torch.Tensor
 
     params = inspect.signature(create_causal_mask).parameters
     if "inputs_embeds" in params:
-        return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        return create_causal_mask(
+            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
     cache_position = torch.arange(hidden.shape[1], device=hidden.device)
-    return create_causal_mask(config=config, input_embeds=hidden, attention_mask=None, cache_position=cache_position,
-                              past_key_values=None, position_ids=position_ids)
+    return create_causal_mask(
+        config=config,
+        input_embeds=hidden,
+        attention_mask=None,
+        cache_position=cache_position,
+        past_key_values=None,
+        position_ids=position_ids,
+    )
 
 
 def val_loop_data_source(trainer: Any) -> Any:

@@ -22,8 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure, find the slowest stage, fix it, measure again: PyTorch Lightning acceleration tools.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = [importlib.import_module(f"{commands.__name__}.{m.name}")
-               for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")]
+    modules = [
+        importlib.import_module(f"{commands.__name__}.{m.name}")
+        for m in pkgutil.iter_modules(commands.__path__)
+        if not m.name.startswith("_")
+    ]
     for module in sorted(modules, key=lambda m: (getattr(m, "ORDER", 100), m.__name__)):
         module.register(sub)
     return parser

@@ -16,8 +16,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 #: variables a distributed launcher sets; none may leak from this process into a script that launches its own ranks
-LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                    "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +59,19 @@ def _no_process_group_left():
 #: test files whose assertions follow from measured speed (what the Autopilot, the tuners, the doctor and the smells'
 #: previews keep or report on planted sleeps and real steps): marked ``timing``, so a parallel run (pytest-xdist) can
 #: keep them to themselves: a neighbouring test must not take the cores they measure on
-TIMING_SENSITIVE = ("tests/callbacks/test_autopilot", "tests/callbacks/test_dataloader_tuner.py",
-                    "tests/callbacks/test_batch_size_tuner.py", "tests/callbacks/test_device_prefetcher.py",
-                    "tests/callbacks/test_bottleneck_doctor", "tests/callbacks/test_mfu_monitor.py",
-                    "tests/core/test_smells.py", "tests/core/test_prefetch.py", "tests/demo/test_demo_autopilot.py",
-                    "tests/models/test_real_models.py", "tests/commands/test_bench_command.py")
+TIMING_SENSITIVE = (
+    "tests/callbacks/test_autopilot",
+    "tests/callbacks/test_dataloader_tuner.py",
+    "tests/callbacks/test_batch_size_tuner.py",
+    "tests/callbacks/test_device_prefetcher.py",
+    "tests/callbacks/test_bottleneck_doctor",
+    "tests/callbacks/test_mfu_monitor.py",
+    "tests/core/test_smells.py",
+    "tests/core/test_prefetch.py",
+    "tests/demo/test_demo_autopilot.py",
+    "tests/models/test_real_models.py",
+    "tests/commands/test_bench_command.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -77,9 +96,13 @@ def _share_the_cores_among_xdist_workers() -> None:
 
 #: the longest tests (tens of seconds to minutes each on 2 cores): under pytest-xdist they are handed out first, so
 #: the run does not end on one worker executing them alone while the other has nothing left
-LONGEST_FIRST = ("tests/test_notebooks.py", "tests/strategies/test_pipeline_ddp.py",
-                 "tests/models/test_real_models_ddp.py", "tests/test_process_contract.py",
-                 "tests/data/test_dali_ddp.py")
+LONGEST_FIRST = (
+    "tests/test_notebooks.py",
+    "tests/strategies/test_pipeline_ddp.py",
+    "tests/models/test_real_models_ddp.py",
+    "tests/test_process_contract.py",
+    "tests/data/test_dali_ddp.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -101,8 +124,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
-               args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_script(
+    code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str, str] | None = None, args: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as a script file in a fresh interpreter (Lightning's DDP launcher re-runs the script per rank).
 
     The script runs with the repository on ``PYTHONPATH`` and ``tmp_path`` as its working directory; it fails the
@@ -113,13 +137,26 @@ def run_script(code: str, tmp_path: Path, *, timeout: float = 300, env: dict[str
     # a Trainer that ran inside this pytest process leaves LOCAL_RANK, MASTER_PORT, ... in os.environ; a child
     # inheriting them believes it was launched externally and rank 0 waits forever for peers
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    full_env = {**inherited, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}  # an abort prints every thread
-    proc = subprocess.run([sys.executable, str(script), *(args or [])], cwd=tmp_path, env=full_env, text=True,
-                          capture_output=True, timeout=timeout)
+    full_env = {
+        **inherited,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
+    }  # an abort prints every thread
+    proc = subprocess.run(
+        [sys.executable, str(script), *(args or [])],
+        cwd=tmp_path,
+        env=full_env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
-        pytest.fail(f"script exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
-                    f"--- stderr ---\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"script exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

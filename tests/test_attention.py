@@ -22,6 +22,7 @@ def qkv(requires_grad=False):
 
 # --- sdpa_backends -------------------------------------------------------------------------------------------------
 
+
 def test_cpu_backends_and_choice_is_what_runs():
     assert available_sdpa_backends("cpu") == ("flash", "math")
     q, k, v = qkv()
@@ -55,11 +56,14 @@ def test_unavailable_unknown_or_empty_choice_errors():
         sdpa_backends("math", forbid=["math"], device="cpu")
 
 
-@pytest.mark.parametrize("capability, cudnn, expected", [
-    ((7, 5), 90100, ("efficient", "math")),  # T4: no flash, no cuDNN attention
-    ((8, 0), 90100, ("flash", "efficient", "cudnn", "math")),  # A100
-    ((9, 0), 8907, ("flash", "efficient", "math")),  # H100 with cuDNN 8: no cuDNN attention
-])
+@pytest.mark.parametrize(
+    "capability, cudnn, expected",
+    [
+        ((7, 5), 90100, ("efficient", "math")),  # T4: no flash, no cuDNN attention
+        ((8, 0), 90100, ("flash", "efficient", "cudnn", "math")),  # A100
+        ((9, 0), 8907, ("flash", "efficient", "math")),  # H100 with cuDNN 8: no cuDNN attention
+    ],
+)
 def test_cuda_backends_by_capability(monkeypatch, capability, cudnn, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
@@ -69,12 +73,16 @@ def test_cuda_backends_by_capability(monkeypatch, capability, cudnn, expected):
     monkeypatch.setattr(torch.version, "hip", None)
     assert available_sdpa_backends("cuda:0") == expected
     if "flash" not in expected:
-        with pytest.raises(ValueError, match=rf"flash not available on cuda:0 \(Fake GPU, sm{capability[0]}"
-                                             rf"{capability[1]}\); available there: {', '.join(expected)}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"flash not available on cuda:0 \(Fake GPU, sm{capability[0]}"
+            rf"{capability[1]}\); available there: {', '.join(expected)}",
+        ):
             sdpa_backends("flash", device="cuda:0")
 
 
 # --- recorder on modules -------------------------------------------------------------------------------------------
+
 
 def test_recorder_names_mha_need_weights_as_math_and_restores_functional():
     mha = nn.MultiheadAttention(D, H, batch_first=True)
@@ -88,6 +96,7 @@ def test_recorder_names_mha_need_weights_as_math_and_restores_functional():
 
 
 # --- nn.MultiheadAttention -----------------------------------------------------------------------------------------
+
 
 class MHAModel(nn.Module):
     def __init__(self):
@@ -162,6 +171,7 @@ def test_unknown_block_name():
 
 
 # --- hand-written attention ----------------------------------------------------------------------------------------
+
 
 class HandWritten(nn.Module):
     """nanoGPT-style attention; ``variant`` picks how the scores are scaled and masked."""
@@ -292,6 +302,7 @@ def test_hand_written_scores_read_inside_block_materialise():
 
 # --- real GPU ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_cuda_flash_and_fused_mha():
     q, k, v = (t.cuda().half() for t in qkv())
@@ -310,7 +321,6 @@ def test_cuda_flash_and_fused_mha():
         out = model(x)
     assert rec.counts["math"] == 0
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
-
 
 
 def test_recorder_backend_names_the_kernel_that_ran():
@@ -332,6 +342,7 @@ def test_recorder_backend_names_the_kernel_that_ran():
 
 
 # --- the hand-written patterns real libraries use -------------------------------------------------------------------
+
 
 class LibraryStyle(nn.Module):
     """Attention written as Hugging Face eager (Llama, GPT-2), timm and nanoGPT write it; returns (out, weights)."""
@@ -388,8 +399,7 @@ def padding_mask(dtype=torch.float32):
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("variant", ["hf_llama", "hf_gpt2", "hf_gpt2_5_0", "timm", "nanogpt",
-                                     "finfo_min_and_padding"])
+@pytest.mark.parametrize("variant", ["hf_llama", "hf_gpt2", "hf_gpt2_5_0", "timm", "nanogpt", "finfo_min_and_padding"])
 def test_library_patterns_fused_same_results(variant, mode):
     torch.manual_seed(0)
     block = LibraryStyle(variant).train(mode == "train")
@@ -461,9 +471,12 @@ def test_rewrite_that_never_fires_warns_once_naming_the_op():
     q, k, v = qkv()
     ref = model(q, k, v)
     result = use_fused_attention(model, blocks=["attn"])
-    with pytest.warns(UserWarning, match=r"rewrite of 'attn' \(Einsum\) did not fire in its forward: softmax ran on "
-                                         r"a tensor that is not matmul\(q, k\^T\).*fix: call "
-                                         r"F.scaled_dot_product_attention"):
+    with pytest.warns(
+        UserWarning,
+        match=r"rewrite of 'attn' \(Einsum\) did not fire in its forward: softmax ran on "
+        r"a tensor that is not matmul\(q, k\^T\).*fix: call "
+        r"F.scaled_dot_product_attention",
+    ):
         out = model(q, k, v)
     assert torch.equal(out, ref) and result.fused_calls == {"attn": 0}
     assert "einsum" in result.not_fired["attn"]

@@ -52,16 +52,18 @@ def test_the_hand_tuned_attention_is_the_same_model(name):
 
 
 def test_a_run_in_process_trains_the_asked_steps_and_reports_its_row():
-    row = real.run_real({"kind": "real", "script": "demo", "variant": "hand_fp32", "steps": 3, "skip": 1,
-                         "planned_steps": 3})
+    row = real.run_real(
+        {"kind": "real", "script": "demo", "variant": "hand_fp32", "steps": 3, "skip": 1, "planned_steps": 3}
+    )
     assert row["global_step"] == 3 and row["samples_per_sec"] > 0 and math.isfinite(row["loss"])
     assert row["seconds_per_step"] > 0
 
 
 @pytest.mark.slow
 def test_an_autopilot_run_in_process_carries_its_search():
-    row = real.run_real({"kind": "real", "script": "demo", "variant": "autopilot", "steps": 3, "skip": 1,
-                         "planned_steps": 3})
+    row = real.run_real(
+        {"kind": "real", "script": "demo", "variant": "autopilot", "steps": 3, "skip": 1, "planned_steps": 3}
+    )
     assert row["global_step"] == 3 and row["search_seconds"] >= 0 and isinstance(row["trials"], list)
     assert row["stopped"]  # a 3-step fit cannot repay a search: it says why
 
@@ -70,10 +72,14 @@ def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
     def r(variant, sps, **extra):
         return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
 
-    rows = [r("vanilla", 100.0), r("hand_fp32", 150.0), r("hand_bf16", 200.0),
-            r("autopilot", 180.0, search_seconds=6.0, kept=["a"], commit="abc"),
-            r("autopilot", 190.0, search_seconds=12.0, kept=["a"], commit="abc"),
-            r("autopilot", 50.0, search_seconds=1.0, kept=[], commit="old")]
+    rows = [
+        r("vanilla", 100.0),
+        r("hand_fp32", 150.0),
+        r("hand_bf16", 200.0),
+        r("autopilot", 180.0, search_seconds=6.0, kept=["a"], commit="abc"),
+        r("autopilot", 190.0, search_seconds=12.0, kept=["a"], commit="abc"),
+        r("autopilot", 50.0, search_seconds=1.0, kept=[], commit="old"),
+    ]
     table = real.report(rows, commit="abc")
     line = next(ln for ln in table.splitlines() if ln.startswith("| s |"))
     cells = [c.strip() for c in line.split("|")]

@@ -22,8 +22,10 @@ def test_every_private_name_exists_in_the_installed_versions(entry):
     if entry.owner.startswith("transformers") and not HAVE_TRANSFORMERS:
         pytest.skip("transformers not installed (the name is read only on transformers models)")
     obj = _compat.resolve(entry)
-    assert hasattr(obj, entry.name), (f"{entry.owner}.{entry.name} is gone (checked: {entry.checked}); update "
-                                      f"lightning_accel/_compat.py for {', '.join(entry.used_in)}")
+    assert hasattr(obj, entry.name), (
+        f"{entry.owner}.{entry.name} is gone (checked: {entry.checked}); update "
+        f"lightning_accel/_compat.py for {', '.join(entry.used_in)}"
+    )
     if entry.kind == "override":
         assert callable(getattr(obj, entry.name))  # an override of a renamed method would silently never run
 
@@ -56,9 +58,15 @@ def _private_accesses(path: Path) -> set[str]:
                 found.add(node.attr)  # super()._method(): a private method of the base class
                 continue
             found.add(node.attr)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                and str(node.args[1].value).startswith("_") and not str(node.args[1].value).startswith("__"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("_")
+            and not str(node.args[1].value).startswith("__")
+        ):
             found.add(str(node.args[1].value))
     return found
 
@@ -70,10 +78,18 @@ def test_no_private_torch_or_lightning_access_outside_compat():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel == "_compat.py":
             continue
-        own_names = {n.name for n in ast.walk(ast.parse(path.read_text()))
-                     if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
-        own_attrs = {t.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Assign)
-                     for t in n.targets if isinstance(t, ast.Attribute)}
+        own_names = {
+            n.name
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        }
+        own_attrs = {
+            t.attr
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Attribute)
+        }
         left = _private_accesses(path) - own_names - own_attrs - OWN - STDLIB
         # names of this package's private objects (``lazy._q``) are set on instances of its own classes
         left = {name for name in left if name in registered or not _defined_in_package(name)}
@@ -95,8 +111,11 @@ def test_floor_raises_import_error_naming_the_supported_range(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
-    with pytest.raises(ImportError, match=r"TorchCompile needs torch>=2\.6 and lightning>=2\.6 .*found torch 2\.5\.1"
-                                          r"\+cpu\. Upgrade: pip install 'torch>=2\.6' 'lightning>=2\.6'"):
+    with pytest.raises(
+        ImportError,
+        match=r"TorchCompile needs torch>=2\.6 and lightning>=2\.6 .*found torch 2\.5\.1"
+        r"\+cpu\. Upgrade: pip install 'torch>=2\.6' 'lightning>=2\.6'",
+    ):
         _compat.require_versions("TorchCompile")
     monkeypatch.setattr(torch, "__version__", "2.13.0")
     monkeypatch.setattr(lightning, "__version__", "2.5.6")
@@ -115,8 +134,10 @@ def test_importing_a_component_on_an_old_lightning_names_the_range(monkeypatch):
     with pytest.raises(ImportError, match=r"TorchCompile needs torch>=2\.6 and lightning>=2\.6.*found lightning 2\.4"):
         importlib.import_module("lightning_accel.callbacks.torch_compile")
     monkeypatch.undo()  # the original module object is back in sys.modules: classes stay identical
-    assert importlib.import_module("lightning_accel.callbacks.torch_compile").TorchCompile is \
-        lightning_accel.callbacks.TorchCompile
+    assert (
+        importlib.import_module("lightning_accel.callbacks.torch_compile").TorchCompile
+        is lightning_accel.callbacks.TorchCompile
+    )
 
 
 def test_pyproject_states_the_same_floor():

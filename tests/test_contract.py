@@ -45,36 +45,59 @@ class Component:
 
 
 COMPONENTS: dict[str, Component] = {
-    "MFUMonitor": Component(lambda tmp: la.MFUMonitor(window=2, warmup_batches=0, peak_flops=1e12,
-                                                      print_summary=False), measures_only=True, stateless=True),
-    "BottleneckDoctor": Component(lambda tmp: la.BottleneckDoctor(window=2, warmup_batches=0, report_path=False,
-                                                                  print_report=False, warn=False),
-                                  measures_only=True, stateless=True),
-    "NonFiniteGuard": Component(lambda tmp: la.NonFiniteGuard(), measures_only=True,
-                                checkpoint_model=lambda: TinyRegressor(nan_at_batch=0)),
+    "MFUMonitor": Component(
+        lambda tmp: la.MFUMonitor(window=2, warmup_batches=0, peak_flops=1e12, print_summary=False),
+        measures_only=True,
+        stateless=True,
+    ),
+    "BottleneckDoctor": Component(
+        lambda tmp: la.BottleneckDoctor(window=2, warmup_batches=0, report_path=False, print_report=False, warn=False),
+        measures_only=True,
+        stateless=True,
+    ),
+    "NonFiniteGuard": Component(
+        lambda tmp: la.NonFiniteGuard(), measures_only=True, checkpoint_model=lambda: TinyRegressor(nan_at_batch=0)
+    ),
     # a recording stand-in for torch.cuda.profiler (the callback only starts and stops it)
-    "NsysCapture": Component(lambda tmp: la.NsysCapture(start_step=0, stop_step=1, profiler=_NullProfiler()),
-                             measures_only=True, stateless=True),
+    "NsysCapture": Component(
+        lambda tmp: la.NsysCapture(start_step=0, stop_step=1, profiler=_NullProfiler()),
+        measures_only=True,
+        stateless=True,
+    ),
     "DevicePrefetcher": Component(lambda tmp: la.DevicePrefetcher(), measures_only=True, stateless=True),
-    "ProfileWindow": Component(lambda tmp: la.ProfileWindow(dirpath=tmp / "traces", at_step=0, wait=0, warmup=0,
-                                                            active=1), measures_only=True),
+    "ProfileWindow": Component(
+        lambda tmp: la.ProfileWindow(dirpath=tmp / "traces", at_step=0, wait=0, warmup=0, active=1), measures_only=True
+    ),
     # the tuner's trials restore parameters, optimizer and RNG; with one worker count it keeps the setting
-    "DataLoaderTuner": Component(lambda tmp: la.DataLoaderTuner(num_workers=(0,), prefetch_factors=(2,),
-                                                                batches_per_trial=2, trial_warmup_batches=0,
-                                                                consumption_steps=2, print_summary=False),
-                                 measures_only=True, stateless=True),
-    "BatchSizeTuner": Component(lambda tmp: la.BatchSizeTuner(memory_budget=64 * 2**30, max_batch_size=8,
-                                                              print_summary=False), measures_only=False),
-    "TorchCompile": Component(lambda tmp: la.TorchCompile(backend="eager", warmup_batches=0), measures_only=False,
-                              stateless=True),
-    "ActivationCheckpointing": Component(lambda tmp: la.ActivationCheckpointing(modules=["net.0"], measure=False),
-                                         measures_only=False, stateless=True),
-    "Autopilot": Component(lambda tmp: la.Autopilot(save_plan=tmp / "plan.json", print_summary=False),
-                           measures_only=False),
-    "AutoMixedPrecision": Component(lambda tmp: la.AutoMixedPrecision(dtype="bf16"), measures_only=False,
-                                    plugin=True),
-    "OrderedAsyncCheckpointIO": Component(lambda tmp: la.OrderedAsyncCheckpointIO(), measures_only=True,
-                                          plugin=True, stateless=True),
+    "DataLoaderTuner": Component(
+        lambda tmp: la.DataLoaderTuner(
+            num_workers=(0,),
+            prefetch_factors=(2,),
+            batches_per_trial=2,
+            trial_warmup_batches=0,
+            consumption_steps=2,
+            print_summary=False,
+        ),
+        measures_only=True,
+        stateless=True,
+    ),
+    "BatchSizeTuner": Component(
+        lambda tmp: la.BatchSizeTuner(memory_budget=64 * 2**30, max_batch_size=8, print_summary=False),
+        measures_only=False,
+    ),
+    "TorchCompile": Component(
+        lambda tmp: la.TorchCompile(backend="eager", warmup_batches=0), measures_only=False, stateless=True
+    ),
+    "ActivationCheckpointing": Component(
+        lambda tmp: la.ActivationCheckpointing(modules=["net.0"], measure=False), measures_only=False, stateless=True
+    ),
+    "Autopilot": Component(
+        lambda tmp: la.Autopilot(save_plan=tmp / "plan.json", print_summary=False), measures_only=False
+    ),
+    "AutoMixedPrecision": Component(lambda tmp: la.AutoMixedPrecision(dtype="bf16"), measures_only=False, plugin=True),
+    "OrderedAsyncCheckpointIO": Component(
+        lambda tmp: la.OrderedAsyncCheckpointIO(), measures_only=True, plugin=True, stateless=True
+    ),
 }
 
 
@@ -85,14 +108,18 @@ def test_the_suite_covers_every_exported_callback_and_plugin():
     assert exported == set(COMPONENTS)
 
 
-def _fit(name: str, tmp_path: Path, model: pl.LightningModule | None = None, **trainer_kwargs: Any
-         ) -> tuple[pl.Trainer, Any, TinyRegressor]:
+def _fit(
+    name: str, tmp_path: Path, model: pl.LightningModule | None = None, **trainer_kwargs: Any
+) -> tuple[pl.Trainer, Any, TinyRegressor]:
     component = COMPONENTS[name]
     built = component.build(tmp_path)
     extra = trainer_kwargs.pop("callbacks", [])
     ckpt_path = trainer_kwargs.pop("ckpt_path", None)
-    trainer = cpu_trainer([*extra] if component.plugin else [built, *extra],
-                          plugins=[built] if component.plugin else None, **trainer_kwargs)
+    trainer = cpu_trainer(
+        [*extra] if component.plugin else [built, *extra],
+        plugins=[built] if component.plugin else None,
+        **trainer_kwargs,
+    )
     model = model if model is not None else TinyRegressor()
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, built, model
@@ -121,8 +148,9 @@ def test_fits_with_fast_dev_run(name, tmp_path):
 def test_its_state_survives_a_checkpoint(name, tmp_path):
     component = COMPONENTS[name]
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
-    trainer, built, _ = _fit(name, tmp_path, component.checkpoint_model(), max_steps=2, enable_checkpointing=True,
-                             callbacks=[ckpt])
+    trainer, built, _ = _fit(
+        name, tmp_path, component.checkpoint_model(), max_steps=2, enable_checkpointing=True, callbacks=[ckpt]
+    )
     saved = _state(trainer, built, component.plugin)
     fresh = getattr(component.build(tmp_path), "state_dict", dict)()
     if component.stateless:
@@ -134,8 +162,14 @@ def test_its_state_survives_a_checkpoint(name, tmp_path):
         assert stored["callbacks"][built.state_key] == saved
     # a fresh instance resumed from the checkpoint (max_steps reached: no further step) holds what was saved
     resumed_ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt2", save_last=True)
-    trainer2, built2, model2 = _fit(name, tmp_path, max_steps=2, enable_checkpointing=True,
-                                    callbacks=[resumed_ckpt], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    trainer2, built2, model2 = _fit(
+        name,
+        tmp_path,
+        max_steps=2,
+        enable_checkpointing=True,
+        callbacks=[resumed_ckpt],
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+    )
     assert trainer2.global_step == 2 and model2.losses == []
     assert _state(trainer2, built2, component.plugin) == saved
 
@@ -155,7 +189,8 @@ def test_a_callback_that_only_measures_does_not_change_the_loss(name, tmp_path):
 
 @pytest.mark.distributed
 def test_every_component_fits_under_two_process_ddp(ddp_script, tmp_path):
-    ddp_script(f"""
+    ddp_script(
+        f"""
         import json, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from pathlib import Path
@@ -177,12 +212,17 @@ def test_every_component_fits_under_two_process_ddp(ddp_script, tmp_path):
                    "sampler": type(trainer.train_dataloader.sampler).__name__,
                    "batch_size": trainer.train_dataloader.batch_size, "chosen": tuner.summary["batch_size"],
                    "first": model.seen[:1]}}, open(f"contract_rank{{trainer.global_rank}}.json", "w"))
-    """, timeout=400)
+    """,
+        timeout=400,
+    )
     from tests.conftest import read_rank_json
 
     ranks = read_rank_json(tmp_path, "contract")
     for rank in ranks:
-        assert {k: rank[k] for k in ("steps", "losses", "sampler")} == {"steps": 3, "losses": 3,
-                                                                          "sampler": "DistributedSampler"}
+        assert {k: rank[k] for k in ("steps", "losses", "sampler")} == {
+            "steps": 3,
+            "losses": 3,
+            "sampler": "DistributedSampler",
+        }
         assert rank["batch_size"] == rank["chosen"] == ranks[0]["chosen"]  # the ranks adopted one size
     assert ranks[0]["first"] != ranks[1]["first"]  # each rank trains on its own shard

@@ -68,8 +68,12 @@ def test_the_command_line_page_lists_every_command_and_demo_flag():
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     missing = [f"`{name}`" for name in commands if f"| `{name}` |" not in page]
-    demo_flags = [opt for action in commands["demo"]._actions for opt in action.option_strings
-                  if opt.startswith("--") and opt != "--help"]
+    demo_flags = [
+        opt
+        for action in commands["demo"]._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt != "--help"
+    ]
     missing += [flag for flag in demo_flags if f"`{flag}`" not in page]
     assert missing == [], f"add these to docs/reference/cli.md: {missing}"
 
@@ -101,8 +105,18 @@ def test_a_simple_table_becomes_a_markdown_table_with_its_continuation_lines_joi
 
         After.""")
     assert _converter()(text).split("\n") == [
-        "Keys:", "", "", "| key | meaning |", "|---|---|", "| ``a`` | first line and its continuation |",
-        "| ``hook_`` | split code |", "| ``name`` | span |", "", "", "After."]
+        "Keys:",
+        "",
+        "",
+        "| key | meaning |",
+        "|---|---|",
+        "| ``a`` | first line and its continuation |",
+        "| ``hook_`` | split code |",
+        "| ``name`` | span |",
+        "",
+        "",
+        "After.",
+    ]
 
 
 @needs_griffe
@@ -121,8 +135,15 @@ def test_roles_become_code_spans_and_a_literal_block_becomes_fenced_code():
 
         Then :mod:`lightning_accel.core.rules`.""")
     assert _converter()(text).split("\n") == [
-        "See `StageMachine` and `topk_hook`:", "", "```python", "machine = StageMachine()",
-        "machine.batch_requested()", "```", "", "Then `lightning_accel.core.rules`."]
+        "See `StageMachine` and `topk_hook`:",
+        "",
+        "```python",
+        "machine = StageMachine()",
+        "machine.batch_requested()",
+        "```",
+        "",
+        "Then `lightning_accel.core.rules`.",
+    ]
 
 
 @needs_griffe
@@ -134,8 +155,14 @@ def test_an_entry_documenting_two_arguments_becomes_one_entry_each():
                 steps per window.
             patience: misses.""")
     assert _converter()(text).split("\n") == [
-        "Args:", "    budget: the share.", "    warmup_steps: untimed and timed", "        steps per window.",
-        "    measure_steps: untimed and timed", "        steps per window.", "    patience: misses."]
+        "Args:",
+        "    budget: the share.",
+        "    warmup_steps: untimed and timed",
+        "        steps per window.",
+        "    measure_steps: untimed and timed",
+        "        steps per window.",
+        "    patience: misses.",
+    ]
 
 
 # --------------------------------------------------------------------------------------------- the strict build
@@ -154,8 +181,14 @@ runpy.run_module("mkdocs", run_name="__main__")
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs missing: pip install -e '.[docs]'")
 def test_the_site_builds_strictly_without_importing_the_package(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-c", _BUILD, str(tmp_path / "site")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(tmp_path / "site")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stderr[-4000:]}"
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "building the docs imported these modules"
     page = (tmp_path / "site" / "reference" / "api" / "DDPCompressionStrategy" / "index.html").read_text()

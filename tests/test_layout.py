@@ -80,7 +80,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -109,10 +109,12 @@ def lightning_imports(path: Path, names: set[str] | None = None) -> list[str]:
         defines = isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
         if names is None or not defines or top.name in names:
             nodes.extend(ast.walk(top))
-    return [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}"
-            for node in nodes
-            for name in imported(node, module_name(path), path.name == "__init__.py")
-            if name.split(".")[0] in LIGHTNING]
+    return [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}"
+        for node in nodes
+        for name in imported(node, module_name(path), path.name == "__init__.py")
+        if name.split(".")[0] in LIGHTNING
+    ]
 
 
 def core_dependencies() -> dict[Path, set[str]]:
@@ -136,8 +138,11 @@ def core_dependencies() -> dict[Path, set[str]]:
 def test_the_core_never_imports_lightning():
     # directly, or through what it uses of the package's own helpers (_atomic, _checks, _imports, _compat)
     offenders = [hit for path in sorted((PACKAGE / "core").rglob("*.py")) for hit in lightning_imports(path)]
-    offenders += [f"{hit} (used by the core)" for path, names in core_dependencies().items()
-                  for hit in lightning_imports(path, names)]
+    offenders += [
+        f"{hit} (used by the core)"
+        for path, names in core_dependencies().items()
+        for hit in lightning_imports(path, names)
+    ]
     assert not offenders, "\n".join(offenders)
 
 

@@ -26,9 +26,15 @@ def test_notebook_executes_and_plots(path, tmp_path, monkeypatch):
     for cell in nb.cells:  # start from a clean notebook: the outputs checked below are this run's
         if cell.cell_type == "code":
             cell.outputs = []
-    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+    ]
     assert images, f"{path.name} showed no plot"

@@ -23,11 +23,18 @@ _spec.loader.exec_module(bench_clean_exit)
 ENDINGS = bench_clean_exit.ENDINGS
 
 #: every ending once per family, two per run (rank 0's, rank 1's)
-PAIRS = [("normal", "sys_exit"), ("raise_system_exit", "builtin_exit"), ("exception", "keyboard_interrupt"),
-         ("caught_sys_exit", "sys_exit_in_thread"), ("destroy_process_group", "normal")]
-FAMILIES = [pytest.param("ddp_powersgd", id="ddp"),
-            pytest.param("deepspeed_zero3", id="deepspeed", marks=pytest.mark.deepspeed),
-            pytest.param("pp", id="pipeline")]
+PAIRS = [
+    ("normal", "sys_exit"),
+    ("raise_system_exit", "builtin_exit"),
+    ("exception", "keyboard_interrupt"),
+    ("caught_sys_exit", "sys_exit_in_thread"),
+    ("destroy_process_group", "normal"),
+]
+FAMILIES = [
+    pytest.param("ddp_powersgd", id="ddp"),
+    pytest.param("deepspeed_zero3", id="deepspeed", marks=pytest.mark.deepspeed),
+    pytest.param("pp", id="pipeline"),
+]
 
 
 def test_the_pairs_cover_every_ending():

@@ -8,12 +8,26 @@ import yaml
 from tests.conftest import REPO
 
 RECIPES = sorted((REPO / "callbacks").glob("*.yaml"))
-SMALL = ["--trainer.max_steps=4", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false",
-         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-         "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=2", "--trainer.val_check_interval=2",
-         "--trainer.num_sanity_val_steps=0", "--model.config.n_layer=1", "--model.config.d_model=32",
-         "--model.config.n_head=2", "--model.config.seq_len=16", "--data.seq_len=16", "--data.batch_size=8",
-         "--data.train_tokens=20000", "--data.val_tokens=2000"]
+SMALL = [
+    "--trainer.max_steps=4",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=2",
+    "--trainer.val_check_interval=2",
+    "--trainer.num_sanity_val_steps=0",
+    "--model.config.n_layer=1",
+    "--model.config.d_model=32",
+    "--model.config.n_head=2",
+    "--model.config.seq_len=16",
+    "--data.seq_len=16",
+    "--data.batch_size=8",
+    "--data.train_tokens=20000",
+    "--data.val_tokens=2000",
+]
 
 
 def _class_paths(recipe: Path) -> list[str]:

@@ -71,9 +71,9 @@ def _table(lines: list[str], start: int) -> tuple[list[str], int] | None:
             return None
     if len(borders) < 2:
         return None
-    header = [_cells(line, columns) for line in lines[start + 1:borders[0]]]
+    header = [_cells(line, columns) for line in lines[start + 1 : borders[0]]]
     rows: list[list[str]] = []
-    for line in lines[borders[0] + 1:borders[1]]:
+    for line in lines[borders[0] + 1 : borders[1]]:
         if not line.strip():
             continue
         cells = _cells(line, columns)
@@ -102,8 +102,9 @@ def _literal_blocks(lines: list[str]) -> list[str]:
             while j < len(lines) and not lines[j].strip():
                 j += 1
             block_end = j
-            while block_end < len(lines) and (not lines[block_end].strip()
-                                              or len(lines[block_end]) - len(lines[block_end].lstrip()) > base):
+            while block_end < len(lines) and (
+                not lines[block_end].strip() or len(lines[block_end]) - len(lines[block_end].lstrip()) > base
+            ):
                 block_end += 1
             while block_end > j and not lines[block_end - 1].strip():
                 block_end -= 1
@@ -154,7 +155,7 @@ def _shared_entries(lines: list[str]) -> list[str]:
                 j -= 1
             for name in shared.group(2).split("/"):
                 out.append(shared.group(1) + name.strip() + shared.group(3))
-                out.extend(lines[i + 1:j])
+                out.extend(lines[i + 1 : j])
             i = j
             continue
         out.append(line)

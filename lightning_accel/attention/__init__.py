@@ -37,5 +37,13 @@ from lightning_accel.attention.rewrite import ATTENTION_FIX  # noqa: E402
 #: FusedAttention`` keeps working).
 FusedAttention = FusedAttentionChanges
 
-__all__ = ["ATTENTION_FIX", "BACKENDS", "FusedAttention", "FusedAttentionChanges", "SDPABackendRecorder",
-           "available_sdpa_backends", "sdpa_backends", "use_fused_attention"]
+__all__ = [
+    "ATTENTION_FIX",
+    "BACKENDS",
+    "FusedAttention",
+    "FusedAttentionChanges",
+    "SDPABackendRecorder",
+    "available_sdpa_backends",
+    "sdpa_backends",
+    "use_fused_attention",
+]

@@ -18,13 +18,25 @@ _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _SOFTMAX = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _DROPOUT = {F.dropout, torch.dropout}
-_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
-          torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64}
+_CASTS = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+    torch.Tensor.double: torch.float64,
+}
 _METADATA = {
-    torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,  # type: ignore
-    torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore
-    torch.Tensor.is_floating_point, torch.Tensor.__len__,
+    torch.Tensor.shape.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.is_cuda.__get__,  # type: ignore
+    torch.Tensor.layout.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,  # type: ignore
+    torch.Tensor.is_floating_point,
+    torch.Tensor.__len__,
 }
 _STAGE_NAMES = {"scores": "the scores q @ k^T", "masked": "the masked scores", "probs": "the probabilities"}
 
@@ -35,13 +47,16 @@ class _Lazy(torch.Tensor):
     _stage: str  # "scores" (q @ kt, maybe scaled), "masked", "probs"
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
-                ) -> _Lazy:
-        return _compat.make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device,
-                                             requires_grad=requires_grad)
+    def __new__(
+        cls, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
+    ) -> _Lazy:
+        return _compat.make_wrapper_subclass(
+            cls, shape, dtype=dtype or like.dtype, device=like.device, requires_grad=requires_grad
+        )
 
-    def __init__(self, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
-                 ) -> None:
+    def __init__(
+        self, shape: torch.Size, like: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None
+    ) -> None:
         self._parent: _Lazy | None = None
         self._op: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # replays this step; _SELF = parent
         self._value: torch.Tensor | None = None
@@ -52,12 +67,18 @@ class _Lazy(torch.Tensor):
         self._stage = "scores"
         self._fused = False  # consumed by a fused SDPA call: may leave the block lazy (e.g. returned attn weights)
 
-    def derive(self, stage: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               dtype: torch.dtype | None = None) -> _Lazy:
+    def derive(
+        self, stage: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype | None = None
+    ) -> _Lazy:
         child = _Lazy(self.shape, self, self.requires_grad, dtype or self.dtype)
         child._parent, child._op = self, (func, args, kwargs)
-        child._q, child._kt, child._scale, child._masks, child._stage = (self._q, self._kt, self._scale,
-                                                                         self._masks, stage)
+        child._q, child._kt, child._scale, child._masks, child._stage = (
+            self._q,
+            self._kt,
+            self._scale,
+            self._masks,
+            stage,
+        )
         return child
 
     def materialize(self) -> torch.Tensor:
@@ -77,8 +98,10 @@ class _Lazy(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise RuntimeError(f"use_fused_attention: a lazy attention intermediate reached {func} without being "
-                           "computed; remove this module from blocks=[...] and report the pattern")
+        raise RuntimeError(
+            f"use_fused_attention: a lazy attention intermediate reached {func} without being "
+            "computed; remove this module from blocks=[...] and report the pattern"
+        )
 
 
 def _materialize_all(obj: Any, keep_fused: bool = False) -> Any:

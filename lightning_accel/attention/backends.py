@@ -72,8 +72,7 @@ class sdpa_backends(contextlib.ContextDecorator):
             nothing left to run.
     """
 
-    def __init__(self, *allow: str, forbid: str | Iterable[str] = (), device: torch.device | str | None = None
-                 ) -> None:
+    def __init__(self, *allow: str, forbid: str | Iterable[str] = (), device: torch.device | str | None = None) -> None:
         forbid = (forbid,) if isinstance(forbid, str) else tuple(forbid)
         for name in (*allow, *forbid):
             if name not in BACKENDS:
@@ -82,12 +81,16 @@ class sdpa_backends(contextlib.ContextDecorator):
         available = available_sdpa_backends(dev)
         missing = [name for name in allow if name not in available]
         if missing:
-            raise ValueError(f"sdpa_backends: {', '.join(missing)} not available on {dev}"
-                             f" ({_describe(dev)}); available there: {', '.join(available)}")
+            raise ValueError(
+                f"sdpa_backends: {', '.join(missing)} not available on {dev}"
+                f" ({_describe(dev)}); available there: {', '.join(available)}"
+            )
         chosen = [name for name in (allow or available) if name not in forbid]
         if not chosen:
-            raise ValueError(f"sdpa_backends(allow={allow}, forbid={forbid}): no backend left to run attention on "
-                             f"{dev}; available there: {', '.join(available)}")
+            raise ValueError(
+                f"sdpa_backends(allow={allow}, forbid={forbid}): no backend left to run attention on "
+                f"{dev}; available there: {', '.join(available)}"
+            )
         self.backends: tuple[str, ...] = tuple(dict.fromkeys(chosen))
         self.device = dev
         self._priority = bool(allow)

@@ -51,8 +51,14 @@ class FusedAttentionChanges:
         self._handles.clear()
 
 
-def use_fused_attention(model: nn.Module, example_inputs: Any = None, blocks: Iterable[str] = (), *,
-                        library_switch: bool = True, warn: bool = True) -> FusedAttentionChanges:
+def use_fused_attention(
+    model: nn.Module,
+    example_inputs: Any = None,
+    blocks: Iterable[str] = (),
+    *,
+    library_switch: bool = True,
+    warn: bool = True,
+) -> FusedAttentionChanges:
     """Route attention in ``model`` to ``F.scaled_dot_product_attention`` where results stay the same.
 
     1. Hugging Face ``transformers`` models inside ``model`` (found by their config's attention implementation)
@@ -123,8 +129,10 @@ def _check_blocks(model: nn.Module, blocks: Iterable[str]) -> tuple[list[str], d
     modules = dict(model.named_modules())
     unknown = [name for name in blocks if name not in modules]
     if unknown:
-        raise ValueError(f"use_fused_attention(blocks={blocks!r}): {unknown} not found in the model; names are as in "
-                         f"model.named_modules(), e.g. {list(modules)[1:6]}")
+        raise ValueError(
+            f"use_fused_attention(blocks={blocks!r}): {unknown} not found in the model; names are as in "
+            f"model.named_modules(), e.g. {list(modules)[1:6]}"
+        )
     return blocks, modules
 
 
@@ -132,8 +140,9 @@ def _inside(name: str, outer: str) -> bool:
     return name == outer or name.startswith(outer + ".") or outer == ""
 
 
-def _switch_library_models(model: nn.Module, blocks: list[str], result: FusedAttentionChanges, *, warn: bool
-                           ) -> tuple[list[str], list[str]]:
+def _switch_library_models(
+    model: nn.Module, blocks: list[str], result: FusedAttentionChanges, *, warn: bool
+) -> tuple[list[str], list[str]]:
     """Step 1: Hugging Face models onto the library's SDPA attention.
 
     Returns:
@@ -152,8 +161,12 @@ def _switch_library_models(model: nn.Module, blocks: list[str], result: FusedAtt
             result.unswitchable[name] = reason
             auto = [] if any(_inside(b, name) for b in blocks) else _hf_attention_modules(hf, name)
             if warn:
-                warnings.warn(f"use_fused_attention: {reason}. Rewriting its hand-written attention instead"
-                              f"{f' ({len(auto)} modules)' if auto else ''}.", UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"use_fused_attention: {reason}. Rewriting its hand-written attention instead"
+                    f"{f' ({len(auto)} modules)' if auto else ''}.",
+                    UserWarning,
+                    stacklevel=3,
+                )
             blocks = blocks + [b for b in auto if b not in blocks]
         elif before not in _FUSED_HF:
             result.library[name] = str(before)
@@ -162,8 +175,13 @@ def _switch_library_models(model: nn.Module, blocks: list[str], result: FusedAtt
     return [b for b in blocks if not any(_inside(b, n) for n in switched)], already
 
 
-def _switch_mha_without_weights(model: nn.Module, mhas: dict[str, nn.MultiheadAttention], blocks: list[str],
-                                example_inputs: Any, result: FusedAttentionChanges) -> None:
+def _switch_mha_without_weights(
+    model: nn.Module,
+    mhas: dict[str, nn.MultiheadAttention],
+    blocks: list[str],
+    example_inputs: Any,
+    result: FusedAttentionChanges,
+) -> None:
     """Step 2: ``nn.MultiheadAttention`` modules named in ``blocks``, and (with ``example_inputs``) those whose
     returned weights the probe forward found unused, run with ``need_weights=False``."""
     switch = [name for name in blocks if name in mhas]
@@ -178,10 +196,16 @@ def _switch_mha_without_weights(model: nn.Module, mhas: dict[str, nn.MultiheadAt
 
 def _warn_nothing_changed(result: FusedAttentionChanges, example_inputs: Any) -> None:
     warnings.warn(
-        "use_fused_attention: nothing to change: " + (
-            f"the MultiheadAttention modules {result.kept} use their attention weights" if result.kept else
-            "no nn.MultiheadAttention module called with need_weights=True in the example forward"
-            if example_inputs is not None else
-            "pass example_inputs to find nn.MultiheadAttention modules, or name hand-written attention "
-            "modules in blocks=[...]") + "; the model is unchanged.",
-        UserWarning, stacklevel=3)
+        "use_fused_attention: nothing to change: "
+        + (
+            f"the MultiheadAttention modules {result.kept} use their attention weights"
+            if result.kept
+            else "no nn.MultiheadAttention module called with need_weights=True in the example forward"
+            if example_inputs is not None
+            else "pass example_inputs to find nn.MultiheadAttention modules, or name hand-written attention "
+            "modules in blocks=[...]"
+        )
+        + "; the model is unchanged.",
+        UserWarning,
+        stacklevel=3,
+    )

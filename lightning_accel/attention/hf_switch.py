@@ -41,16 +41,20 @@ def _switch_hf(name: str, model: nn.Module) -> str | None:
     if not hasattr(model, "set_attn_implementation"):
         import transformers
 
-        return (f"{label}: transformers {transformers.__version__} has no set_attn_implementation (added in "
-                "4.5x); build the model with attn_implementation='sdpa' (from_pretrained / from_config) instead")
+        return (
+            f"{label}: transformers {transformers.__version__} has no set_attn_implementation (added in "
+            "4.5x); build the model with attn_implementation='sdpa' (from_pretrained / from_config) instead"
+        )
     try:
         model.set_attn_implementation("sdpa")  # type: ignore[operator]
     except (ValueError, ImportError, NotImplementedError) as err:  # e.g. the class has _supports_sdpa = False
         return f"{label}: set_attn_implementation('sdpa') refused: {err}"
     now = _compat.hf_attn_implementation(model)
     if now != "sdpa":
-        return (f"{label}: set_attn_implementation('sdpa') left it on {now!r} (the class does not dispatch through "
-                "transformers' AttentionInterface)")
+        return (
+            f"{label}: set_attn_implementation('sdpa') left it on {now!r} (the class does not dispatch through "
+            "transformers' AttentionInterface)"
+        )
     return None
 
 
@@ -58,7 +62,10 @@ def _hf_attention_modules(model: nn.Module, prefix: str) -> list[str]:
     """Names of a Hugging Face model's attention modules (class name ending in Attention), outermost only."""
     chosen: list[str] = []
     for name, module in model.named_modules():
-        if name and type(module).__name__.endswith("Attention") and \
-                not any(name.startswith(outer + ".") for outer in chosen):
+        if (
+            name
+            and type(module).__name__.endswith("Attention")
+            and not any(name.startswith(outer + ".") for outer in chosen)
+        ):
             chosen.append(name)
     return [f"{prefix}.{name}" if prefix else name for name in chosen]

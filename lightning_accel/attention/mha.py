@@ -15,8 +15,9 @@ from lightning_accel import _compat
 from lightning_accel.attention._tree import _flatten
 
 
-def _no_weights_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _no_weights_pre_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     # MultiheadAttention.forward(query, key, value, key_padding_mask=None, need_weights=True, ...)
     if len(args) > 4:
         args = (*args[:4], False, *args[5:])
@@ -37,7 +38,6 @@ class _WeightsProbe(torch.Tensor):
                 arg._probe_flag[0] = True
         with _compat.disable_torch_function_subclass():
             return func(*args, **(kwargs or {}))
-
 
 
 def _call(model: nn.Module, example_inputs: Any) -> Any:
@@ -63,6 +63,7 @@ def _mha_weights_used(model: nn.Module, mhas: dict[str, nn.MultiheadAttention], 
             probe._probe_flag = flags[name]
             probes[name].append(weakref.ref(probe))
             return out, probe
+
         return hook
 
     handles = [module.register_forward_hook(make_hook(name)) for name, module in mhas.items()]

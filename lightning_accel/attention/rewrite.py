@@ -39,14 +39,23 @@ if TYPE_CHECKING:
 __all__ = ["ATTENTION_FIX"]
 
 #: The fix named when a rewrite cannot fire (also what ``BottleneckDoctor``'s attention finding should say).
-ATTENTION_FIX = ("call F.scaled_dot_product_attention in the block itself (Hugging Face: "
-                 "attn_implementation='sdpa'), or keep the pattern softmax(q @ k^T * c + mask) @ v in one block")
+ATTENTION_FIX = (
+    "call F.scaled_dot_product_attention in the block itself (Hugging Face: "
+    "attn_implementation='sdpa'), or keep the pattern softmax(q @ k^T * c + mask) @ v in one block"
+)
 
 
 def _op_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or repr(func)
-    return {"__matmul__": "@", "__mul__": "*", "__rmul__": "*", "__truediv__": "/", "__add__": "+",
-            "__radd__": "+", "__getitem__": "indexing"}.get(name, name)
+    return {
+        "__matmul__": "@",
+        "__mul__": "*",
+        "__rmul__": "*",
+        "__truediv__": "/",
+        "__add__": "+",
+        "__radd__": "+",
+        "__getitem__": "indexing",
+    }.get(name, name)
 
 
 def _describe_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lazy: _Lazy) -> str:
@@ -56,8 +65,10 @@ def _describe_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lazy
     if func in _DROPOUT:
         params = dict(zip(("p", "training", "inplace") if func is F.dropout else ("p", "train"), args[1:]))
         params.update(kwargs)
-        return (f"dropout(p={params.get('p', 0.5)}) in training mode on {what} (the original ops keep their random "
-                "draws; eval mode or p=0 fuses)")
+        return (
+            f"dropout(p={params.get('p', 0.5)}) in training mode on {what} (the original ops keep their random "
+            "draws; eval mode or p=0 fuses)"
+        )
     if func in _SOFTMAX:
         return f"softmax over a dimension other than the last, or with extra arguments, on {what}"
     if func is torch.Tensor.masked_fill:
@@ -108,8 +119,10 @@ class _AttentionRewrite(TorchFunctionMode):
                 self._scalars[id(out)] = (out, float(args[1]))
                 return out
             elif func in _SOFTMAX and args and _plain(args[0]) and self.broken is None:
-                self._break("softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
-                            "(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)")
+                self._break(
+                    "softmax ran on a tensor that is not matmul(q, k^T) of two same-dtype tensors "
+                    "(the scores came from an op the rewrite does not follow, e.g. einsum or baddbmm)"
+                )
             return func(*args, **kwargs)
         if func in _METADATA:
             return func(*args, **kwargs)
@@ -124,9 +137,17 @@ class _AttentionRewrite(TorchFunctionMode):
     @staticmethod
     def _scores(func: Any, args: tuple[Any, ...]) -> _Lazy | None:
         q, kt = args
-        if not (_plain(q) and _plain(kt) and q.is_floating_point() and q.dtype == kt.dtype
-                and q.device == kt.device and q.ndim >= 3 and kt.ndim == q.ndim
-                and q.shape[:-2] == kt.shape[:-2] and q.shape[-1] == kt.shape[-2]):
+        if not (
+            _plain(q)
+            and _plain(kt)
+            and q.is_floating_point()
+            and q.dtype == kt.dtype
+            and q.device == kt.device
+            and q.ndim >= 3
+            and kt.ndim == q.ndim
+            and q.shape[:-2] == kt.shape[:-2]
+            and q.shape[-1] == kt.shape[-2]
+        ):
             return None
         shape = torch.Size((*q.shape[:-1], kt.shape[-1]))
         dtype = _autocast_dtype(q.device) or q.dtype  # autocast runs matmul in its dtype whatever the inputs
@@ -154,18 +175,34 @@ class _AttentionRewrite(TorchFunctionMode):
             return lazy  # .to(its own dtype): nothing to do
         if stage in ("scores", "masked") and func in _ADD and len(args) == 2 and not kwargs:
             mask = args[1] if args[0] is lazy else args[0]
-            if _plain(mask) and mask.is_floating_point() and mask.device == lazy.device and \
-                    torch.broadcast_shapes(mask.shape, lazy.shape) == lazy.shape:
+            if (
+                _plain(mask)
+                and mask.is_floating_point()
+                and mask.device == lazy.device
+                and torch.broadcast_shapes(mask.shape, lazy.shape) == lazy.shape
+            ):
                 child = lazy.derive("masked", func, args, kwargs, torch.promote_types(lazy.dtype, mask.dtype))
                 child._masks = (*lazy._masks, mask)
                 return child
-        if stage in ("scores", "masked") and func is torch.Tensor.masked_fill and args[0] is lazy \
-                and len(args) == 3 and not kwargs:
+        if (
+            stage in ("scores", "masked")
+            and func is torch.Tensor.masked_fill
+            and args[0] is lazy
+            and len(args) == 3
+            and not kwargs
+        ):
             child = self._masked(lazy, func, args, kwargs, masked=args[1], value=args[2])
             if child is not None:
                 return child
-        if stage in ("scores", "masked") and func is torch.where and len(args) == 3 and args[1] is lazy \
-                and not kwargs and _plain(args[0]) and args[0].dtype == torch.bool:
+        if (
+            stage in ("scores", "masked")
+            and func is torch.where
+            and len(args) == 3
+            and args[1] is lazy
+            and not kwargs
+            and _plain(args[0])
+            and args[0].dtype == torch.bool
+        ):
             # torch.where(keep, scores, value) == scores.masked_fill(~keep, value) (GPT-2's causal mask)
             child = self._masked(lazy, func, args, kwargs, masked=~args[0], value=args[2])
             if child is not None:
@@ -191,12 +228,17 @@ class _AttentionRewrite(TorchFunctionMode):
             return self._fuse(lazy, args[1])
         return None
 
-    def _masked(self, lazy: _Lazy, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], masked: Any,
-                value: Any) -> _Lazy | None:
+    def _masked(
+        self, lazy: _Lazy, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], masked: Any, value: Any
+    ) -> _Lazy | None:
         """Scores with ``masked`` positions set to ``value``, when that is a mask SDPA can take."""
         fill = self._scalar(value)
-        if not (_plain(masked) and masked.dtype == torch.bool and fill is not None
-                and torch.broadcast_shapes(masked.shape, lazy.shape) == lazy.shape):
+        if not (
+            _plain(masked)
+            and masked.dtype == torch.bool
+            and fill is not None
+            and torch.broadcast_shapes(masked.shape, lazy.shape) == lazy.shape
+        ):
             return None
         if fill == -math.inf:
             child = lazy.derive("masked", func, args, kwargs)
@@ -214,8 +256,14 @@ class _AttentionRewrite(TorchFunctionMode):
     def _fuse(self, lazy: _Lazy, v: Any) -> torch.Tensor | None:
         q, kt = lazy._q, lazy._kt
         assert q is not None and kt is not None
-        if not (_plain(v) and v.is_floating_point() and v.device == q.device and v.ndim == q.ndim
-                and v.shape[:-2] == q.shape[:-2] and v.shape[-2] == kt.shape[-1]):
+        if not (
+            _plain(v)
+            and v.is_floating_point()
+            and v.device == q.device
+            and v.ndim == q.ndim
+            and v.shape[:-2] == q.shape[:-2]
+            and v.shape[-2] == kt.shape[-1]
+        ):
             return None
         autocast = _autocast_dtype(q.device)
         if autocast is None and not (lazy.dtype == v.dtype == q.dtype):
@@ -230,8 +278,9 @@ class _AttentionRewrite(TorchFunctionMode):
         if q.ndim == 3:  # (batch*heads, L, E): the fused kernels want (batch, heads, L, E)
             if mask is not None and mask.ndim == 3:
                 mask = mask.unsqueeze(1)
-            return F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), attn_mask=mask,
-                                                  dropout_p=0.0, scale=lazy._scale).squeeze(1)
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), attn_mask=mask, dropout_p=0.0, scale=lazy._scale
+            ).squeeze(1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=lazy._scale)
 
 
@@ -253,8 +302,7 @@ def _combine_masks(masks: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch
     return total
 
 
-def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttentionChanges, *,
-                           warn: bool = True) -> None:
+def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttentionChanges, *, warn: bool = True) -> None:
     """Hooks on ``module`` that run its forward under the rewrite, counting fused calls into ``result``."""
     result.fused_calls[name] = 0
     modes: list[_AttentionRewrite] = []
@@ -278,9 +326,13 @@ def _install_block_rewrite(name: str, module: nn.Module, result: FusedAttentionC
             reason = mode.broken or "no matmul(q, k^T) -> softmax -> matmul(p, v) ran in the block"
             result.not_fired[name] = reason
             if warn:
-                warnings.warn(f"use_fused_attention: the rewrite of {name or 'the model'!r} ({type(mod).__name__}) "
-                              f"did not fire in its forward: {reason}. The block runs unchanged; fix: "
-                              f"{ATTENTION_FIX}.", UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"use_fused_attention: the rewrite of {name or 'the model'!r} ({type(mod).__name__}) "
+                    f"did not fire in its forward: {reason}. The block runs unchanged; fix: "
+                    f"{ATTENTION_FIX}.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         # a placeholder that the fused call did not consume is computed here: nothing half-done leaves the block
         return _materialize_all(output, keep_fused=True)
 

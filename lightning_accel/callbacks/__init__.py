@@ -13,5 +13,16 @@ from lightning_accel.callbacks.nsys_capture import NsysCapture
 from lightning_accel.callbacks.profile_window import ProfileWindow
 from lightning_accel.callbacks.torch_compile import TorchCompile
 
-__all__ = ["ActivationCheckpointing", "Autopilot", "BatchSizeTuner", "BottleneckDoctor", "DataLoaderTuner",
-           "DevicePrefetcher", "MFUMonitor", "NonFiniteGuard", "NsysCapture", "ProfileWindow", "TorchCompile"]
+__all__ = [
+    "ActivationCheckpointing",
+    "Autopilot",
+    "BatchSizeTuner",
+    "BottleneckDoctor",
+    "DataLoaderTuner",
+    "DevicePrefetcher",
+    "MFUMonitor",
+    "NonFiniteGuard",
+    "NsysCapture",
+    "ProfileWindow",
+    "TorchCompile",
+]

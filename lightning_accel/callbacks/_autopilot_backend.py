@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["LightningSearchBackend", "short_error"]
 
 
-
 def short_error(err: BaseException | None, chars: int = 240) -> str:
     text = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else repr(err)
     return text if len(text) <= chars else text[:chars] + "…"
@@ -41,8 +40,11 @@ class LightningSearchBackend:
         self.autopilot, self.run = autopilot, run
         self.candidates = autopilot._candidates(run)
         # the built-in fixes the diagnosis proposes; fixes passed in `interventions=` are tried after them
-        self._builtin = {name for name, c in self.candidates.items()
-                         if name in INTERVENTIONS and not any(c is e for e in autopilot.extra)}
+        self._builtin = {
+            name
+            for name, c in self.candidates.items()
+            if name in INTERVENTIONS and not any(c is e for e in autopilot.extra)
+        }
         self._probe_steps: list[list[Any]] | None = None
         self._reference: Any = None
         self._strategy_reference: Any = None
@@ -56,8 +58,9 @@ class LightningSearchBackend:
     def agree(self, ok: bool, error: BaseException | None) -> tuple[bool, str | None]:
         oks, failed = gather_outcomes(self.run.trainer, 1.0 if ok else 0.0, error, "Autopilot trial outcome")
         if failed:
-            return False, (f"{type(error).__name__}: {short_error(error)}" if error is not None
-                           else f"failed on rank(s) {failed}")
+            return False, (
+                f"{type(error).__name__}: {short_error(error)}" if error is not None else f"failed on rank(s) {failed}"
+            )
         return bool(oks.min() > 0), None
 
     def restore(self) -> None:
@@ -98,16 +101,22 @@ class LightningSearchBackend:
                 steps = min(steps, max(2, math.ceil(self._target_seconds / self._step_seconds)))
         local = run.runner.measure(warmup_steps, steps)
         stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]
-        rows = gather_floats(run.trainer, run.trainer.strategy.root_device,
-                             [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages],
-                             what="Autopilot measurement window")
+        rows = gather_floats(
+            run.trainer,
+            run.trainer.strategy.root_device,
+            [local.samples, local.seconds, local.steps, local.warmup_seconds, *stages],
+            what="Autopilot measurement window",
+        )
         if rows.shape[0] == 1:
             window = local
         else:  # global samples over the slowest rank's time; stage seconds averaged over ranks
-            window = Window(samples=int(rows[:, 0].sum()), seconds=float(rows[:, 1].max()),
-                            steps=int(rows[:, 2].min()),
-                            stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
-                            warmup_seconds=float(rows[:, 3].max()))
+            window = Window(
+                samples=int(rows[:, 0].sum()),
+                seconds=float(rows[:, 1].max()),
+                steps=int(rows[:, 2].min()),
+                stage_seconds={s: float(rows[:, 4 + i].mean()) for i, s in enumerate(MEASURED_STAGES)},
+                warmup_seconds=float(rows[:, 3].max()),
+            )
         self._step_seconds = window.step_seconds
         if not short and self._target_seconds is None:
             self._target_seconds = window.seconds
@@ -132,8 +141,7 @@ class LightningSearchBackend:
         probe = self.run.runner.probe(self._probe_steps, through_strategy=through, digests=data)
         if not probe.digests:  # a change of another kind delivers the same samples: no loader pass
             probe.digests = list(self._reference.digests)
-        reference = self._strategy_reference if through and self._strategy_reference is not None \
-            else self._reference
+        reference = self._strategy_reference if through and self._strategy_reference is not None else self._reference
         kind = candidate.kind
         return compare_probes(reference, probe, kind, self.autopilot.tolerances[kind], same_batches=data)
 

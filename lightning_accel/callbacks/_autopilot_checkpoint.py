@@ -41,8 +41,10 @@ def _cadence(run: Run) -> int | None:
         per_epoch: int | None = steps_per_epoch(run.trainer, run.source.batches(), run.config.accumulate)
     except TypeError:  # an iterable dataset: no length
         per_epoch = None
-    cadences = [steps_between_saves(checkpoint_every_n_train_steps(cb), cb.every_n_epochs, per_epoch)
-                for cb in run.trainer.checkpoint_callbacks]
+    cadences = [
+        steps_between_saves(checkpoint_every_n_train_steps(cb), cb.every_n_epochs, per_epoch)
+        for cb in run.trainer.checkpoint_callbacks
+    ]
     known = [c for c in cadences if c]
     return min(known) if known else None
 
@@ -99,8 +101,16 @@ def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> tuple
     return float(rows[:, 0].max()), float(rows[:, 1].max())
 
 
-def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, gate: float, steps: int,
-                           steps_left: int | None, step_seconds: float | None) -> TrialRecord | None:
+def trial_async_checkpoint(
+    run: Run,
+    candidate: AsyncCheckpoint,
+    *,
+    index: int,
+    gate: float,
+    steps: int,
+    steps_left: int | None,
+    step_seconds: float | None,
+) -> TrialRecord | None:
     """Trial the background write (see the module docstring): the row for the table, or ``None`` when the fit's
     saves cost too little to ask (no row: most fits) or nothing was measured to say (``step_seconds`` of the
     current configuration: the search's last window, or its estimate when the fit was too short to search).
@@ -148,9 +158,11 @@ def trial_async_checkpoint(run: Run, candidate: AsyncCheckpoint, *, index: int, 
         ratios = [sync_a / max(async_b, 1e-12), sync_a2 / max(async_b2, 1e-12)]
         keep, reason = decide_paired(ratios, gate)
         record.ratio = sum(ratios) / len(ratios)
-        detail = (f"saving measured {100 * share:.1f} % of the fit (one save {save_s:.2f} s every {between} "
-                  f"steps); one save + {k} steps: {(sync_a + sync_a2) / 2:.2f} s written on the training thread, "
-                  f"{(async_b + async_b2) / 2:.2f} s in the background")
+        detail = (
+            f"saving measured {100 * share:.1f} % of the fit (one save {save_s:.2f} s every {between} "
+            f"steps); one save + {k} steps: {(sync_a + sync_a2) / 2:.2f} s written on the training thread, "
+            f"{(async_b + async_b2) / 2:.2f} s in the background"
+        )
         if keep:  # back on for the training (its undo stays with the candidate, as for every kept change)
             candidate.apply(run)
             record.kept = True

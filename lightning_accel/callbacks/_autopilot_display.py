@@ -46,8 +46,9 @@ class SearchDisplay:
     """The live view (see the module docstring). ``enabled=False`` (``print_summary=False``, other ranks): silent;
     ``on_record`` still runs (the per-trial logger keys)."""
 
-    def __init__(self, *, enabled: bool, live: bool, on_record: Callable[[TrialRecord], None] | None = None,
-                 file: Any = None) -> None:
+    def __init__(
+        self, *, enabled: bool, live: bool, on_record: Callable[[TrialRecord], None] | None = None, file: Any = None
+    ) -> None:
         self.enabled, self.live = enabled, live
         self.on_record = on_record
         self._file = file
@@ -59,8 +60,12 @@ class SearchDisplay:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(file=self._file or sys.stdout, force_terminal=self.live or None,
-                                    width=None if self.live else 200, highlight=False)
+            self._console = Console(
+                file=self._file or sys.stdout,
+                force_terminal=self.live or None,
+                width=None if self.live else 200,
+                highlight=False,
+            )
         return self._console
 
     def phase(self, status: SearchStatus) -> None:

@@ -93,8 +93,14 @@ def concat_batches(batches: list[Any]) -> Any:
 class TrialRunner:
     """Runs measuring windows and numerics probes for the Autopilot (see the module docstring)."""
 
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: TrainLoaderSource,
-                 config: RunConfig, state: TrainingState) -> None:
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        source: TrainLoaderSource,
+        config: RunConfig,
+        state: TrainingState,
+    ) -> None:
         self.trainer, self.module = trainer, pl_module
         self.source, self.config, self.state = source, config, state
         self.device = trainer.strategy.root_device
@@ -109,8 +115,9 @@ class TrialRunner:
         loader = self.source.build()
         self.state.track_loader(loader)
         if self.config.prefetch:
-            wrapped = PrefetchingLoader(loader, depth=self.config.prefetch_depth,
-                                        device=self.device if self.device.type == "cuda" else None)
+            wrapped = PrefetchingLoader(
+                loader, depth=self.config.prefetch_depth, device=self.device if self.device.type == "cuda" else None
+            )
             self._prefetching.append(wrapped)
             return wrapped
         return loader
@@ -137,8 +144,9 @@ class TrialRunner:
             new_pass = True
 
     # ------------------------------------------------------------------ steps
-    def _micro_batches(self, batches: Iterator[tuple[Any, bool]], timer: StageTimer | NullTimer,
-                       tally: _Tally) -> Iterator[Any]:
+    def _micro_batches(
+        self, batches: Iterator[tuple[Any, bool]], timer: StageTimer | NullTimer, tally: _Tally
+    ) -> Iterator[Any]:
         """``accumulate`` micro-batches on the device, timing the data wait and the host→device copy."""
         for _ in range(self.config.accumulate):
             timer.start("data", host=True)
@@ -156,8 +164,9 @@ class TrialRunner:
         all-reduced as in training); returns (samples, crossed an epoch boundary)."""
         t = timer if timer is not None else NullTimer()
         tally = _Tally()
-        self._runner.optimizer_step(self._micro_batches(batches, t, tally), self.config.accumulate,
-                                    through_strategy=True, timer=t)
+        self._runner.optimizer_step(
+            self._micro_batches(batches, t, tally), self.config.accumulate, through_strategy=True, timer=t
+        )
         return tally.samples, tally.crossed
 
     def measure(self, warmup_steps: int, steps: int) -> Window:
@@ -180,8 +189,10 @@ class TrialRunner:
                 while kept < steps:
                     attempts += 1
                     if attempts > 2 * steps + 2:
-                        raise ValueError("the train loader is too short for a measuring window: every step crossed "
-                                         "an epoch boundary; use more data or fewer accumulated batches")
+                        raise ValueError(
+                            "the train loader is too short for a measuring window: every step crossed "
+                            "an epoch boundary; use more data or fewer accumulated batches"
+                        )
                     timer.flush()
                     start = time.perf_counter()
                     got, crossed = self._optimizer_step(batches, timer)
@@ -209,15 +220,15 @@ class TrialRunner:
         batches = self._batches()
         try:
             for _ in range(steps):
-                out.append([map_tensors(next(batches)[0], lambda t: t.detach().clone())
-                            for _ in range(self.config.accumulate)])
+                out.append(
+                    [map_tensors(next(batches)[0], lambda t: t.detach().clone()) for _ in range(self.config.accumulate)]
+                )
         finally:
             self._close(batches)
             self.state.restore()
         return out
 
-    def probe(self, probe_steps: list[list[Any]], through_strategy: bool = False,
-              digests: bool = True) -> ProbeResult:
+    def probe(self, probe_steps: list[list[Any]], through_strategy: bool = False, digests: bool = True) -> ProbeResult:
         """Loss of each probe step at the starting weights, the gradient and optimizer update of the first, and
         (``digests``) the digests of the batches the current loader delivers in their place; the state is restored
         afterwards.
@@ -242,10 +253,15 @@ class TrialRunner:
                 self.module.train()
                 strategy = self.trainer.strategy
                 for index, micro_batches in enumerate(probe_steps):
-                    grouped = [concat_batches(micro_batches[i:i + factor])
-                               for i in range(0, len(micro_batches), factor)]
-                    step = self._runner.optimizer_step((strategy.batch_to_device(b) for b in grouped), len(grouped),
-                                                       through_strategy=through_strategy, capture=index == 0)
+                    grouped = [
+                        concat_batches(micro_batches[i : i + factor]) for i in range(0, len(micro_batches), factor)
+                    ]
+                    step = self._runner.optimizer_step(
+                        (strategy.batch_to_device(b) for b in grouped),
+                        len(grouped),
+                        through_strategy=through_strategy,
+                        capture=index == 0,
+                    )
                     loss_total = 0.0
                     for loss in step.losses:
                         loss_total += float(loss.float()) / len(grouped)
@@ -256,4 +272,3 @@ class TrialRunner:
         finally:
             self.state.restore()
         return result
-

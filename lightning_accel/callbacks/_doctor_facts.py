@@ -14,16 +14,27 @@ from lightning_accel.core.rules import RunContext
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["first_loader", "fit_settings", "nvml_index", "precision_stats", "read_dataloader_settings",
-           "static_context"]
+__all__ = [
+    "first_loader",
+    "fit_settings",
+    "nvml_index",
+    "precision_stats",
+    "read_dataloader_settings",
+    "static_context",
+]
 
 
 def static_context(trainer: pl.Trainer, device: torch.device) -> RunContext:
     """Device, dtype, world size, cores, accumulation and the first optimizer's class and flags."""
     from lightning_accel.core.utilisation import usable_cpu_count
 
-    ctx = RunContext(device_type=device.type, device_name=str(device), world_size=trainer.world_size,
-                     cpu_count=usable_cpu_count(), accumulate_grad_batches=trainer.accumulate_grad_batches)
+    ctx = RunContext(
+        device_type=device.type,
+        device_name=str(device),
+        world_size=trainer.world_size,
+        cpu_count=usable_cpu_count(),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+    )
     if device.type == "cuda":
         ctx.device_name = torch.cuda.get_device_name(device)
         ctx.device_capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]

@@ -30,8 +30,9 @@ def report_dir(trainer: pl.Trainer) -> Path:
     return Path(trainer.default_root_dir)
 
 
-def write_report_files(trainer: pl.Trainer, report: DoctorReport, report_path: str | Path | None, *, plot: bool,
-                       files: list[Path]) -> None:
+def write_report_files(
+    trainer: pl.Trainer, report: DoctorReport, report_path: str | Path | None, *, plot: bool, files: list[Path]
+) -> None:
     """Write the JSON at ``report_path`` (``None``: ``bottleneck_report.json`` in :func:`report_dir`; a path ending
     in ``.html``: the self-contained HTML page there, the JSON beside it) and, with
     ``plot``, the PNG of the timeline next to it; ``files`` gets the paths written (the JSON first). A missing

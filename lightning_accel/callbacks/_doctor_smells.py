@@ -31,10 +31,16 @@ class DoctorSmells:
         find_unused = getattr(model, "find_unused_parameters", None)
         self._find_unused = find_unused if isinstance(find_unused, bool) else None
         self.diagnosis = find_smells(
-            pl_module, trainer.optimizers, loader=loader, device_type=ctx.device_type,
-            device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
-            accumulate_grad_batches=ctx.accumulate_grad_batches or 1, find_unused_parameters=self._find_unused,
-            cpu_count=ctx.cpu_count)
+            pl_module,
+            trainer.optimizers,
+            loader=loader,
+            device_type=ctx.device_type,
+            device_capability=ctx.device_capability,
+            compute_dtype=ctx.compute_dtype,
+            accumulate_grad_batches=ctx.accumulate_grad_batches or 1,
+            find_unused_parameters=self._find_unused,
+            cpu_count=ctx.cpu_count,
+        )
         # warned once the first window's shares say what each is worth (gate_smells: < 3 % goes to the report only)
         self.pending.extend(self.diagnosis.findings)
 
@@ -46,8 +52,13 @@ class DoctorSmells:
         from lightning_accel.core.smells import find_smells
 
         every = all(p.grad is not None for p in pl_module.parameters() if p.requires_grad)
-        found = find_smells(pl_module, (), find_unused_parameters=True, every_param_got_grad=every,
-                            rules=("ddp_find_unused_parameters",))
+        found = find_smells(
+            pl_module,
+            (),
+            find_unused_parameters=True,
+            every_param_got_grad=every,
+            rules=("ddp_find_unused_parameters",),
+        )
         self.diagnosis.skipped = [s for s in self.diagnosis.skipped if s.rule != "ddp_find_unused_parameters"]
         self.diagnosis.findings.extend(found.findings)
         self.diagnosis.skipped.extend(found.skipped)

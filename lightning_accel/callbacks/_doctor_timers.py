@@ -12,12 +12,18 @@ from lightning_accel.core.comm import CommRecorder, timed_comm_hook
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["install_checkpoint_timer", "install_comm_timer", "install_instance_wrapper", "install_optimizer_hooks",
-           "wrap_strategy_comm_hook"]
+__all__ = [
+    "install_checkpoint_timer",
+    "install_comm_timer",
+    "install_instance_wrapper",
+    "install_optimizer_hooks",
+    "wrap_strategy_comm_hook",
+]
 
 
-def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any],
-                             after: Callable[[Any], None]) -> Callable[[], None]:
+def install_instance_wrapper(
+    obj: Any, name: str, before: Callable[[], Any], after: Callable[[Any], None]
+) -> Callable[[], None]:
     """Wrap the bound method ``obj.name`` on the instance: ``token = before()``, the call, then ``after(token)``
     (also when the call raises: its exception propagates unchanged). Returns the function that restores it."""
     original = getattr(obj, name)
@@ -42,18 +48,22 @@ def install_instance_wrapper(obj: Any, name: str, before: Callable[[], Any],
     return restore
 
 
-def install_checkpoint_timer(trainer: pl.Trainer, begin: Callable[[bool], Any],
-                             end: Callable[[Any], None]) -> list[Callable[[], None]]:
+def install_checkpoint_timer(
+    trainer: pl.Trainer, begin: Callable[[bool], Any], end: Callable[[Any], None]
+) -> list[Callable[[], None]]:
     """Time ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls: state collection + write; ``begin(True)``)
     and ``trainer.strategy.remove_checkpoint`` (deleting an old one, which takes as long as writing on some file
     systems; ``begin(False)``). A save that raises still ends its timing and raises on, for Lightning to handle:
     it is not the doctor's failure."""
-    return [install_instance_wrapper(trainer, "save_checkpoint", lambda: begin(True), end),
-            install_instance_wrapper(trainer.strategy, "remove_checkpoint", lambda: begin(False), end)]
+    return [
+        install_instance_wrapper(trainer, "save_checkpoint", lambda: begin(True), end),
+        install_instance_wrapper(trainer.strategy, "remove_checkpoint", lambda: begin(False), end),
+    ]
 
 
-def install_optimizer_hooks(optimizers: list[Any], pre: Callable[..., None],
-                            post: Callable[..., None]) -> list[Callable[[], None]]:
+def install_optimizer_hooks(
+    optimizers: list[Any], pre: Callable[..., None], post: Callable[..., None]
+) -> list[Callable[[], None]]:
     """Register ``pre``/``post`` as step pre-/post-hooks on every optimizer that supports them."""
     undo = []
     for opt in optimizers:
@@ -70,9 +80,11 @@ def _where_collectives_land(strategy: Any) -> str:
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
     if isinstance(strategy, ModelParallelStrategy):
-        return ("FSDP2's parameter all-gathers run in forward and backward and its gradient reduce-scatters in "
-                "backward; tensor parallelism's all-reduces run inside forward and backward: their time is part of "
-                "those stages")
+        return (
+            "FSDP2's parameter all-gathers run in forward and backward and its gradient reduce-scatters in "
+            "backward; tensor parallelism's all-reduces run inside forward and backward: their time is part of "
+            "those stages"
+        )
     if isinstance(strategy, DeepSpeedStrategy):
         return "DeepSpeed's gradient reduction is part of backward, ZeRO-3's parameter gathers of forward too"
     return "its all-reduce time is part of backward"
@@ -85,8 +97,10 @@ def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> Com
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
-        notes.append(f"communication not timed: {type(trainer.strategy).__name__} does not expose DDP comm "
-                     f"hooks ({_where_collectives_land(trainer.strategy)})")
+        notes.append(
+            f"communication not timed: {type(trainer.strategy).__name__} does not expose DDP comm "
+            f"hooks ({_where_collectives_land(trainer.strategy)})"
+        )
         return None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -94,8 +108,10 @@ def install_comm_timer(trainer: pl.Trainer, cuda: bool, notes: list[str]) -> Com
     try:
         model.register_comm_hook(None, timed_comm_hook(default_hooks.allreduce_hook, recorder))
     except RuntimeError as err:  # a hook is registered already (DDPStrategy(ddp_comm_hook=...)): DDP allows one
-        notes.append(f"communication not timed: the model already has a DDP comm hook ({err}); use a "
-                     "lightning-accel DDP strategy (ddp_bf16_compress, ...) whose hook the doctor can wrap")
+        notes.append(
+            f"communication not timed: the model already has a DDP comm hook ({err}); use a "
+            "lightning-accel DDP strategy (ddp_bf16_compress, ...) whose hook the doctor can wrap"
+        )
         return None
     return recorder
 

@@ -42,8 +42,10 @@ class LiveWarnings:
         for f in self.due(findings, now, interval_s):
             request_trace(trainer, f)
             if trainer.is_global_zero:
-                rank_zero_warn(f"BottleneckDoctor: {f.stage} is holding the run back: {f.evidence} Fix: {f.fix}",
-                               category=UserWarning)
+                rank_zero_warn(
+                    f"BottleneckDoctor: {f.stage} is holding the run back: {f.evidence} Fix: {f.fix}",
+                    category=UserWarning,
+                )
 
 
 def request_trace(trainer: pl.Trainer, finding: Finding) -> None:
@@ -59,5 +61,6 @@ def request_trace(trainer: pl.Trainer, finding: Finding) -> None:
 def warn_smell(trainer: pl.Trainer, finding: Finding) -> None:
     """One code smell's warning (rank 0)."""
     if trainer.is_global_zero:
-        rank_zero_warn(f"BottleneckDoctor: code smell {finding.rule}: {finding.evidence} Fix: {finding.fix}",
-                       category=UserWarning)
+        rank_zero_warn(
+            f"BottleneckDoctor: code smell {finding.rule}: {finding.evidence} Fix: {finding.fix}", category=UserWarning
+        )

@@ -62,8 +62,14 @@ class TrainLoaderSource:
     loaders); the message says why.
     """
 
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *,
-                 attribute_names: Mapping[str, str] | None = None, require_dataloader: bool = True) -> None:
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        *,
+        attribute_names: Mapping[str, str] | None = None,
+        require_dataloader: bool = True,
+    ) -> None:
         from lightning.pytorch.utilities.parsing import lightning_hasattr
 
         from lightning_accel._compat import fit_loop_data_source
@@ -78,16 +84,23 @@ class TrainLoaderSource:
         self._source = source
         self._original_instance = source.instance
         self.holder = source.instance if source.is_module() else None
-        if require_dataloader and self.holder is not None and \
-                isinstance(getattr(self.holder, "pipeline_settings", None), Mapping):
-            raise ValueError(f"the train data comes from {type(self.holder).__name__} (a DALI pipeline), not a "
-                             "DataLoader")
+        if (
+            require_dataloader
+            and self.holder is not None
+            and isinstance(getattr(self.holder, "pipeline_settings", None), Mapping)
+        ):
+            raise ValueError(
+                f"the train data comes from {type(self.holder).__name__} (a DALI pipeline), not a DataLoader"
+            )
         self._original = self._fresh()
         if not isinstance(self._original, DataLoader) and (require_dataloader or self.holder is None):
             raise ValueError(f"the train data is a {type(self._original).__name__}, not one torch DataLoader")
         #: per key, whether it is set through an attribute (else the loader is rebuilt with it)
-        self.attributes = {k: lightning_hasattr(pl_module, self.names[k]) for k in LOADER_KEYS} \
-            if self.holder is not None else dict.fromkeys(LOADER_KEYS, False)
+        self.attributes = (
+            {k: lightning_hasattr(pl_module, self.names[k]) for k in LOADER_KEYS}
+            if self.holder is not None
+            else dict.fromkeys(LOADER_KEYS, False)
+        )
         self.initial = self.settings_of(self._original)
         self._overrides: dict[str, Any] = {}
 
@@ -119,12 +132,16 @@ class TrainLoaderSource:
             from torch.utils.data import BatchSampler
 
             if self._original.batch_size is None and type(sampler) is not BatchSampler:
-                return (f"the loader batches with a custom {type(sampler).__name__}, whose batch size cannot be "
-                        "changed from outside")
+                return (
+                    f"the loader batches with a custom {type(sampler).__name__}, whose batch size cannot be "
+                    "changed from outside"
+                )
         if self.holder is not None and not self.attributes[key] and self.trainer.reload_dataloaders_every_n_epochs:
-            return (f"`train_dataloader()` reads no `{key}` attribute and is re-called every "
-                    f"{self.trainer.reload_dataloaders_every_n_epochs} epoch(s) (reload_dataloaders_every_n_epochs): "
-                    f"add `self.{key}` and build the DataLoader from it")
+            return (
+                f"`train_dataloader()` reads no `{key}` attribute and is re-called every "
+                f"{self.trainer.reload_dataloaders_every_n_epochs} epoch(s) (reload_dataloaders_every_n_epochs): "
+                f"add `self.{key}` and build the DataLoader from it"
+            )
         return None
 
     # ------------------------------------------------------------------ building
@@ -239,12 +256,13 @@ def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> Data
     try:
         args, kwargs = dataloader_init_arguments(loader)
     except Exception as err:  # MisconfigurationException / TypeError with Lightning's explanation
-        raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
-                         f"{dict(overrides)}: {err}") from err
+        raise ValueError(
+            f"cannot rebuild the train DataLoader ({type(loader).__name__}) with {dict(overrides)}: {err}"
+        ) from err
     names = getattr(loader, "__pl_saved_arg_names", ())
     if args and names:  # positional arguments saved by Lightning's hook wrapper: name them so overrides win
         kwargs = {**dict(zip(names, args)), **kwargs}
-        args = args[len(names):]
+        args = args[len(names) :]
     kwargs = dict(kwargs)
     values = _sanitise({**TrainLoaderSource.settings_of(loader), **overrides})
     for key, value in values.items():
@@ -257,8 +275,10 @@ def rebuild_dataloader(loader: DataLoader, overrides: Mapping[str, Any]) -> Data
     try:
         return reinstantiate_dataloader(loader, *args, **kwargs)
     except Exception as err:
-        raise ValueError(f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
-                         f"{dict(overrides)}: {type(err).__name__}: {err}") from err
+        raise ValueError(
+            f"cannot rebuild the train DataLoader ({type(loader).__name__}) with "
+            f"{dict(overrides)}: {type(err).__name__}: {err}"
+        ) from err
 
 
 #: the settings of the train loader that also suit validation: how batches are produced, never what they hold
@@ -284,8 +304,10 @@ def apply_to_validation_loader(trainer: Any, values: Mapping[str, Any], check_ba
     if not source.is_defined():
         return "validation DataLoader: none"
     if source.is_module() and trainer.reload_dataloaders_every_n_epochs:
-        return ("validation DataLoader left as built: `val_dataloader()` is re-called every "
-                f"{trainer.reload_dataloaders_every_n_epochs} epoch(s); build it from the same attributes")
+        return (
+            "validation DataLoader left as built: `val_dataloader()` is re-called every "
+            f"{trainer.reload_dataloaders_every_n_epochs} epoch(s); build it from the same attributes"
+        )
     loader = source.dataloader()
     if not isinstance(loader, DataLoader):
         return f"validation DataLoader left alone: it is a {type(loader).__name__}, not one torch DataLoader"
@@ -311,8 +333,10 @@ def apply_to_validation_loader(trainer: Any, values: Mapping[str, Any], check_ba
     except Exception as err:  # noqa: BLE001 - a loader that cannot be read twice stays as it is
         return f"validation DataLoader left alone: reading it raised {type(err).__name__}: {err}"
     if not same:
-        return ("validation DataLoader left alone: with the train loader's settings it delivered different batches "
-                "(e.g. augmentation seeded per worker)")
+        return (
+            "validation DataLoader left alone: with the train loader's settings it delivered different batches "
+            "(e.g. augmentation seeded per worker)"
+        )
     source.instance = rebuilt
     shown = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
     return f"validation DataLoader: {shown} (as the train loader; same batches, validation as often as before)"

@@ -38,8 +38,14 @@ if TYPE_CHECKING:
 
     from lightning_accel.core.timing import StageTimer
 
-__all__ = ["NullTimer", "StepOutcome", "StepRunner", "TrainingState", "missing_attribute_error",
-           "reload_train_dataloader"]
+__all__ = [
+    "NullTimer",
+    "StepOutcome",
+    "StepRunner",
+    "TrainingState",
+    "missing_attribute_error",
+    "reload_train_dataloader",
+]
 
 
 def _clean(name: str) -> str:
@@ -59,8 +65,12 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _from_cpu(saved: Any) -> Any:
-    if isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[0], torch.Tensor) \
-            and isinstance(saved[1], torch.device):
+    if (
+        isinstance(saved, tuple)
+        and len(saved) == 2
+        and isinstance(saved[0], torch.Tensor)
+        and isinstance(saved[1], torch.device)
+    ):
         return saved[0].to(saved[1], copy=True)
     return copy.deepcopy(saved)
 
@@ -73,8 +83,10 @@ class TrainingState:
         # keyed by names without wrapper segments, so a module wrapped (activation checkpointing) or unwrapped
         # between snapshot and restore still maps to its saved values
         self.params = {_clean(n): p.detach().to("cpu", copy=True) for n, p in pl_module.named_parameters()}
-        self.grads = {_clean(n): None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-                      for n, p in pl_module.named_parameters()}
+        self.grads = {
+            _clean(n): None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+            for n, p in pl_module.named_parameters()
+        }
         self.buffers = {_clean(n): b.detach().to("cpu", copy=True) for n, b in pl_module.named_buffers()}
         self.modes = {_clean(n): m.training for n, m in pl_module.named_modules()}
         self.optimizers = []
@@ -82,15 +94,17 @@ class TrainingState:
             state = {p: {k: _to_cpu(v) for k, v in s.items()} for p, s in opt.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
             self.optimizers.append((opt, state, groups))
-        self.schedulers = [(cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict()))
-                           for cfg in trainer.lr_scheduler_configs]
+        self.schedulers = [
+            (cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer.lr_scheduler_configs
+        ]
         self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.rng = {
             "torch": torch.get_rng_state(),
             "numpy": np.random.get_state(),
             "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized()
+            "cuda": torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
             else None,
         }
 
@@ -155,14 +169,16 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
-def missing_attribute_error(trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, name: str,
-                            hint: str) -> ValueError:
+def missing_attribute_error(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, who: str, name: str, hint: str
+) -> ValueError:
     """The error for an attribute that ``lightning_hasattr`` did not find, naming every place it looked."""
     where = ["the LightningModule", "its hparams"]
     if trainer.datamodule is not None:
         where += [f"the datamodule ({type(trainer.datamodule).__name__})", "the datamodule's hparams"]
-    return ValueError(f"{who}: no `{name}` attribute in {', '.join(where)} (looked in {type(pl_module).__name__}). "
-                      f"{hint}")
+    return ValueError(
+        f"{who}: no `{name}` attribute in {', '.join(where)} (looked in {type(pl_module).__name__}). {hint}"
+    )
 
 
 def reload_train_dataloader(trainer: pl.Trainer) -> None:
@@ -255,8 +271,15 @@ class StepRunner:
             return model.no_sync()
         return contextlib.nullcontext()
 
-    def optimizer_step(self, micro_batches: Iterable[Any], accumulate: int = 1, *, through_strategy: bool = False,
-                       timer: StageTimer | NullTimer | None = None, capture: bool = False) -> StepOutcome:
+    def optimizer_step(
+        self,
+        micro_batches: Iterable[Any],
+        accumulate: int = 1,
+        *,
+        through_strategy: bool = False,
+        timer: StageTimer | NullTimer | None = None,
+        capture: bool = False,
+    ) -> StepOutcome:
         """One optimizer step of ``accumulate`` micro-batches, in the order of Lightning's automatic optimization
         (``lightning/pytorch/loops/optimization/automatic.py`` and ``plugins/precision/amp.py``): every micro-batch's
         forward and backward, then each optimizer's step through the precision plugin's GradScaler when it has one
@@ -335,8 +358,9 @@ class StepRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def timed_steps(self, batches: Iterator[Any], steps: int, meter: Any = None, expect_size: int | None = None
-                    ) -> tuple[int | None, float | None]:
+    def timed_steps(
+        self, batches: Iterator[Any], steps: int, meter: Any = None, expect_size: int | None = None
+    ) -> tuple[int | None, float | None]:
         """Run ``steps`` steps on batches from ``batches``; returns ``(peak_bytes, median seconds per step)``.
 
         The first step is warm-up for timing (allocator, kernels, optimizer state creation); with one step only,
@@ -350,9 +374,11 @@ class StepRunner:
             if expect_size is not None:
                 got = samples_in_batch(batch)
                 if got != expect_size:
-                    raise ValueError(f"train_dataloader() returned a batch of {got} samples after the batch size was "
-                                     f"set to {expect_size}: it must build its DataLoader from that attribute "
-                                     f"(e.g. DataLoader(..., batch_size=self.batch_size))")
+                    raise ValueError(
+                        f"train_dataloader() returned a batch of {got} samples after the batch size was "
+                        f"set to {expect_size}: it must build its DataLoader from that attribute "
+                        f"(e.g. DataLoader(..., batch_size=self.batch_size))"
+                    )
             batch = self.to_device(batch)
             if meter is not None:
                 meter.reset()

@@ -10,8 +10,15 @@ import torch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["agree_across_ranks", "compute_dtype", "gather_floats", "gather_outcomes", "rank_zero_print",
-           "steps_per_epoch", "sync_fn"]
+__all__ = [
+    "agree_across_ranks",
+    "compute_dtype",
+    "gather_floats",
+    "gather_outcomes",
+    "rank_zero_print",
+    "steps_per_epoch",
+    "sync_fn",
+]
 
 
 def compute_dtype(trainer: pl.Trainer) -> str:
@@ -36,8 +43,11 @@ def compute_dtype(trainer: pl.Trainer) -> str:
     if precision.startswith("transformer-engine"):
         return "fp8"
     device = trainer.strategy.root_device
-    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
-            and torch.get_float32_matmul_precision() != "highest"):
+    if (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 8
+        and torch.get_float32_matmul_precision() != "highest"
+    ):
         return "tf32"
     return "fp32"
 
@@ -49,8 +59,9 @@ def sync_fn(device: torch.device) -> Any:
     return lambda: None
 
 
-def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float],
-                  what: str = "lightning_accel") -> torch.Tensor:
+def gather_floats(
+    trainer: pl.Trainer, device: torch.device, values: list[float], what: str = "lightning_accel"
+) -> torch.Tensor:
     """Every rank's ``values`` as a ``(world_size, len(values))`` float64 tensor on the CPU (one collective).
 
     Bounded: a rank that died or hangs makes this raise ``core.collectives.RankFailure`` naming it (on gloo) within
@@ -67,8 +78,9 @@ def gather_floats(trainer: pl.Trainer, device: torch.device, values: list[float]
     return gathered.reshape(trainer.world_size, len(values)).cpu()
 
 
-def gather_outcomes(trainer: pl.Trainer, value: float, error: BaseException | None,
-                    what: str) -> tuple[torch.Tensor, list[int]]:
+def gather_outcomes(
+    trainer: pl.Trainer, value: float, error: BaseException | None, what: str
+) -> tuple[torch.Tensor, list[int]]:
     """Every rank's ``value`` (a float64 CPU tensor, one entry a rank) and the ranks that passed an ``error``, in one
     collective. Each rank must call this even when it failed, or the others would wait in the collective forever."""
     rows = gather_floats(trainer, trainer.strategy.root_device, [value, 0.0 if error is None else 1.0], what=what)

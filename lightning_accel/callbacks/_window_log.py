@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["log_window"]
 
 
-def log_window(trainer: pl.Trainer, pl_module: pl.LightningModule, values: Mapping[str, float],
-               prog_bar: Collection[str] = ()) -> None:
+def log_window(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, values: Mapping[str, float], prog_bar: Collection[str] = ()
+) -> None:
     """Log one window's ``values`` (key → float) as ``pl_module.log(key, value, on_step=True)`` would show them."""
     from lightning_accel._compat import logger_connector_log_metrics
 

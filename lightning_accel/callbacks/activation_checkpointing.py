@@ -81,10 +81,13 @@ class ActivationCheckpointing(Callback):
         if isinstance(modules, (str, type)):
             modules = [modules]
         modules = list(modules)
-        if not modules or any(not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))
-                              for m in modules):
-            raise ValueError(f"ActivationCheckpointing(modules={modules!r}): give module types and/or name "
-                             "patterns, e.g. modules=[Block] or modules=['model.blocks.*']")
+        if not modules or any(
+            not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module))) for m in modules
+        ):
+            raise ValueError(
+                f"ActivationCheckpointing(modules={modules!r}): give module types and/or name "
+                "patterns, e.g. modules=[Block] or modules=['model.blocks.*']"
+            )
         check_int("ActivationCheckpointing", "measure_batch", measure_batch, minimum=0, unit="a batch index")
         self.modules = modules
         self.measure = measure
@@ -112,14 +115,21 @@ class ActivationCheckpointing(Callback):
         self._model = pl_module
         self._batches = 0
         self._cache_configs = disable_kv_cache(pl_module)
-        rank_zero_info(f"ActivationCheckpointing: recomputing {len(self.wrapped_names)} modules in backward "
-                       f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})"
-                       + ("; use_cache=False on the Hugging Face model during fit (a recomputed forward would "
-                          "append to the key/value cache again)" if self._cache_configs else ""))
+        rank_zero_info(
+            f"ActivationCheckpointing: recomputing {len(self.wrapped_names)} modules in backward "
+            f"({', '.join(self.wrapped_names[:6])}{', ...' if len(self.wrapped_names) > 6 else ''})"
+            + (
+                "; use_cache=False on the Hugging Face model during fit (a recomputed forward would "
+                "append to the key/value cache again)"
+                if self._cache_configs
+                else ""
+            )
+        )
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self.measure or self._batches != self.measure_batch or self.recompute_flops is not None:
             return
         if any(getattr(cb, "compiled_names", None) for cb in trainer.callbacks):
@@ -154,18 +164,26 @@ class ActivationCheckpointing(Callback):
             self._flops += self._recompute_counter.stop()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._batches += 1
         if not self._measuring:
             return
         self._finish_measuring()
         if self.compute_added is not None and self.activation_bytes_saved is not None:
-            pl_module.log("ckpt/activation_mb_saved", self.activation_bytes_saved / 1e6, on_step=True,
-                          on_epoch=False, batch_size=1)
+            pl_module.log(
+                "ckpt/activation_mb_saved",
+                self.activation_bytes_saved / 1e6,
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
             pl_module.log("ckpt/compute_added", self.compute_added, on_step=True, on_epoch=False, batch_size=1)
-            rank_zero_info(f"ActivationCheckpointing: {self.activation_bytes_saved / 1e6:,.1f} MB of activations "
-                           f"saved per micro-batch for +{self.compute_added:.1%} compute")
+            rank_zero_info(
+                f"ActivationCheckpointing: {self.activation_bytes_saved / 1e6:,.1f} MB of activations "
+                f"saved per micro-batch for +{self.compute_added:.1%} compute"
+            )
 
     def _finish_measuring(self) -> None:
         self._measuring = False

@@ -167,15 +167,21 @@ class Autopilot(Callback):
             raise ValueError(f"Autopilot(budget_seconds={budget_seconds!r}): give seconds >= 0, e.g. 60")
         if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
             raise ValueError(f"Autopilot(threshold={threshold!r}): give a relative gain in [0, 1), e.g. 0.05")
-        for name, value, low in (("warmup_steps", warmup_steps, 1), ("measure_steps", measure_steps, 2),
-                                 ("probe_steps", probe_steps, 1), ("patience", patience, 1)):
+        for name, value, low in (
+            ("warmup_steps", warmup_steps, 1),
+            ("measure_steps", measure_steps, 2),
+            ("probe_steps", probe_steps, 1),
+            ("patience", patience, 1),
+        ):
             check_int("Autopilot", name, value, minimum=low)
         valid = set(INTERVENTIONS) | set(knob_names())
         freeze = [freeze] if isinstance(freeze, str) else list(freeze)
         unknown = sorted(set(freeze) - valid)
         if unknown:
-            raise ValueError(f"Autopilot(freeze={freeze!r}): {unknown} unknown; freeze fix names {sorted(INTERVENTIONS)} "
-                             f"or settings {knob_names()}")
+            raise ValueError(
+                f"Autopilot(freeze={freeze!r}): {unknown} unknown; freeze fix names {sorted(INTERVENTIONS)} "
+                f"or settings {knob_names()}"
+            )
         if only is not None:
             only = [only] if isinstance(only, str) else list(only)
             bad = sorted(set(only) - set(INTERVENTIONS))
@@ -185,13 +191,17 @@ class Autopilot(Callback):
             if not isinstance(extra, Intervention) or not extra.name:
                 raise ValueError(f"Autopilot(interventions=...): {extra!r} is not an Intervention with a `name`")
             if extra.kind not in NUMERICS_KINDS:
-                raise ValueError(f"Autopilot(interventions=...): {type(extra).__name__}.kind={extra.kind!r}; kinds "
-                                 f"are {list(NUMERICS_KINDS)}")
+                raise ValueError(
+                    f"Autopilot(interventions=...): {type(extra).__name__}.kind={extra.kind!r}; kinds "
+                    f"are {list(NUMERICS_KINDS)}"
+                )
         self.tolerances = dict(DEFAULT_TOLERANCES)
         for kind, tol in (tolerances or {}).items():
             if kind not in NUMERICS_KINDS or not isinstance(tol, Tolerance):
-                raise ValueError(f"Autopilot(tolerances={{{kind!r}: {tol!r}}}): keys are {list(NUMERICS_KINDS)}, "
-                                 "values Tolerance(max_loss_rel, min_grad_cosine, min_update_cosine)")
+                raise ValueError(
+                    f"Autopilot(tolerances={{{kind!r}: {tol!r}}}): keys are {list(NUMERICS_KINDS)}, "
+                    "values Tolerance(max_loss_rel, min_grad_cosine, min_update_cosine)"
+                )
             self.tolerances[kind] = tol
         self.plan_path = Path(plan) if plan is not None else None
         if self.plan_path is not None:
@@ -255,15 +265,20 @@ class Autopilot(Callback):
         self._source = source
         run = self._make_run(trainer, pl_module, source)
         if self.plan_path is not None or self._restored_plan is not None:
-            plan = AutopilotPlan(**self._restored_plan) if self._restored_plan is not None and self.plan_path is None \
-                else AutopilotPlan.load(self.plan_path)  # type: ignore[arg-type]
+            plan = (
+                AutopilotPlan(**self._restored_plan)
+                if self._restored_plan is not None and self.plan_path is None
+                else AutopilotPlan.load(self.plan_path)
+            )  # type: ignore[arg-type]
             self._replay(run, plan)
         else:
             try:
                 self._search(run)
             except Exception as err:  # noqa: BLE001 - the search must not cost the user the training
-                note = (f"the search stopped on {type(err).__name__}: {_short(err)}; training with the "
-                        f"{len(self.kept)} change(s) kept before it")
+                note = (
+                    f"the search stopped on {type(err).__name__}: {_short(err)}; training with the "
+                    f"{len(self.kept)} change(s) kept before it"
+                )
                 self.notes.append(note)
                 rank_zero_warn(f"Autopilot: {note}")
                 if self.plan is not None:
@@ -290,8 +305,10 @@ class Autopilot(Callback):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         if isinstance(trainer.strategy, DeepSpeedStrategy):
-            return ("under DeepSpeed the engine owns backward and the optimizer step, which the Autopilot's trial "
-                    "steps cannot run and undo")
+            return (
+                "under DeepSpeed the engine owns backward and the optimizer step, which the Autopilot's trial "
+                "steps cannot run and undo"
+            )
         if len(trainer.optimizers) == 0:
             return "the LightningModule has no optimizer"
         return None
@@ -359,8 +376,11 @@ class Autopilot(Callback):
         plan = AutopilotPlan(world_size=trainer.world_size, model=type(run.module).__name__)
         self.plan = plan
         live = trainer.progress_bar_callback is not None and _is_terminal()
-        display = SearchDisplay(enabled=self.print_summary and trainer.is_global_zero, live=live,
-                                on_record=lambda record: self._log_trial(trainer, record))
+        display = SearchDisplay(
+            enabled=self.print_summary and trainer.is_global_zero,
+            live=live,
+            on_record=lambda record: self._log_trial(trainer, record),
+        )
         if self.nvtx:
             from lightning_accel.core.nvtx import SearchPhaseRanges, nvtx_unavailable
 
@@ -370,10 +390,17 @@ class Autopilot(Callback):
             else:  # a diagnostics flag never takes the search or the training down
                 rank_zero_warn(f"Autopilot(nvtx=True): no NVTX ranges: {why}. The search runs without them.")
         search = AutopilotSearch(
-            LightningSearchBackend(self, run), threshold=self.threshold, warmup_steps=self.warmup_steps,
-            measure_steps=self.measure_steps, patience=self.patience, budget=self.budget,
-            budget_seconds=self.budget_seconds, steps_left=run.steps_left,
-            unknown_length_seconds=UNKNOWN_LENGTH_BUDGET_SECONDS, progress=display)
+            LightningSearchBackend(self, run),
+            threshold=self.threshold,
+            warmup_steps=self.warmup_steps,
+            measure_steps=self.measure_steps,
+            patience=self.patience,
+            budget=self.budget,
+            budget_seconds=self.budget_seconds,
+            steps_left=run.steps_left,
+            unknown_length_seconds=UNKNOWN_LENGTH_BUDGET_SECONDS,
+            progress=display,
+        )
         self._searching = search
         started = time.perf_counter()
         try:
@@ -400,9 +427,15 @@ class Autopilot(Callback):
         if self._frozen(candidate) or (self.only is not None and candidate.name not in self.only):
             return
         noise = self.plan.noise if self.plan is not None and self.plan.noise is not None else 0.0
-        record = trial_async_checkpoint(run, candidate, index=len(self.records), gate=noise_gate(self.threshold, noise),
-                                        steps=self.measure_steps, steps_left=run.steps_left,
-                                        step_seconds=self._step_seconds)
+        record = trial_async_checkpoint(
+            run,
+            candidate,
+            index=len(self.records),
+            gate=noise_gate(self.threshold, noise),
+            steps=self.measure_steps,
+            steps_left=run.steps_left,
+            step_seconds=self._step_seconds,
+        )
         if record is None:
             return
         self.records.append(record)
@@ -433,25 +466,36 @@ class Autopilot(Callback):
 
         settings = run.source.current()
         try:
-            found = find_smells(run.module, run.trainer.optimizers, device_type=run.device.type,
-                                device_capability=ctx.device_capability, compute_dtype=ctx.compute_dtype,
-                                accumulate_grad_batches=run.config.accumulate, cpu_count=ctx.cpu_count,
-                                loader={k: settings[k] for k in ("num_workers", "pin_memory", "persistent_workers",
-                                                                 "batch_size")})
+            found = find_smells(
+                run.module,
+                run.trainer.optimizers,
+                device_type=run.device.type,
+                device_capability=ctx.device_capability,
+                compute_dtype=ctx.compute_dtype,
+                accumulate_grad_batches=run.config.accumulate,
+                cpu_count=ctx.cpu_count,
+                loader={k: settings[k] for k in ("num_workers", "pin_memory", "persistent_workers", "batch_size")},
+            )
         except Exception:  # noqa: BLE001
             return []
         return [f.rule for f in found.findings]
 
     # ------------------------------------------------------------------ replay
     def _replay(self, run: Run, plan: AutopilotPlan) -> None:
-        self.plan = AutopilotPlan(world_size=run.trainer.world_size, model=type(run.module).__name__,
-                                  stopped=f"replayed {self.plan_path or 'the checkpoint'}",
-                                  baseline_samples_per_sec=plan.baseline_samples_per_sec,
-                                  final_samples_per_sec=plan.final_samples_per_sec, noise=plan.noise,
-                                  trials=plan.trials)
+        self.plan = AutopilotPlan(
+            world_size=run.trainer.world_size,
+            model=type(run.module).__name__,
+            stopped=f"replayed {self.plan_path or 'the checkpoint'}",
+            baseline_samples_per_sec=plan.baseline_samples_per_sec,
+            final_samples_per_sec=plan.final_samples_per_sec,
+            noise=plan.noise,
+            trials=plan.trials,
+        )
         if plan.model and plan.model != type(run.module).__name__:
-            rank_zero_warn(f"Autopilot: the plan was made for {plan.model}, this run trains "
-                           f"{type(run.module).__name__}; replaying it anyway")
+            rank_zero_warn(
+                f"Autopilot: the plan was made for {plan.model}, this run trains "
+                f"{type(run.module).__name__}; replaying it anyway"
+            )
         extras = {e.name: e for e in self.extra}
         for entry in plan.kept:
             name, params = entry["name"], dict(entry.get("params", {}))
@@ -461,10 +505,19 @@ class Autopilot(Callback):
                 candidate = extras[name]
                 candidate.params = params
             else:
-                raise ValueError(f"Autopilot(plan={str(self.plan_path)!r}): unknown change {name!r}; built-in changes "
-                                 f"are {sorted(INTERVENTIONS)} (pass your own with interventions=[...])")
-            record = TrialRecord(len(self.records), name, candidate.describe(run), entry.get("samples_per_sec"),
-                                 None, False, "replayed from the plan")
+                raise ValueError(
+                    f"Autopilot(plan={str(self.plan_path)!r}): unknown change {name!r}; built-in changes "
+                    f"are {sorted(INTERVENTIONS)} (pass your own with interventions=[...])"
+                )
+            record = TrialRecord(
+                len(self.records),
+                name,
+                candidate.describe(run),
+                entry.get("samples_per_sec"),
+                None,
+                False,
+                "replayed from the plan",
+            )
             self.records.append(record)
             if self._frozen(candidate):
                 record.reason = "not replayed: frozen by Autopilot(freeze=...)"
@@ -533,14 +586,21 @@ class Autopilot(Callback):
         plan.yaml, plan.python = self.yaml, self.python
         trainer = run.trainer
         if plan.baseline_samples_per_sec and plan.final_samples_per_sec:
-            metrics = {"autopilot/baseline_samples_per_sec": plan.baseline_samples_per_sec,
-                       "autopilot/final_samples_per_sec": plan.final_samples_per_sec,
-                       "autopilot/speedup": plan.final_samples_per_sec / plan.baseline_samples_per_sec,
-                       "autopilot/trials": float(sum(1 for r in self.records[1:] if r.samples_per_sec is not None
-                                                     or r.reason.startswith(("could not", "failed")))),
-                       "autopilot/kept": float(len(self.kept)),
-                       "autopilot/noise": float(plan.noise or 0.0),
-                       "autopilot/search_seconds": float(plan.search_seconds or 0.0)}
+            metrics = {
+                "autopilot/baseline_samples_per_sec": plan.baseline_samples_per_sec,
+                "autopilot/final_samples_per_sec": plan.final_samples_per_sec,
+                "autopilot/speedup": plan.final_samples_per_sec / plan.baseline_samples_per_sec,
+                "autopilot/trials": float(
+                    sum(
+                        1
+                        for r in self.records[1:]
+                        if r.samples_per_sec is not None or r.reason.startswith(("could not", "failed"))
+                    )
+                ),
+                "autopilot/kept": float(len(self.kept)),
+                "autopilot/noise": float(plan.noise or 0.0),
+                "autopilot/search_seconds": float(plan.search_seconds or 0.0),
+            }
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         path = self._plan_path(trainer)
@@ -548,10 +608,15 @@ class Autopilot(Callback):
             plan.save(path)
             if self.yaml:
                 atomic_write_text(path.with_suffix(".yaml"), self.yaml)
-        summary = (f"Autopilot: kept {len(self.kept)} change(s)"
-                   + (f", {plan.final_samples_per_sec / plan.baseline_samples_per_sec:.2f}x baseline"
-                      if plan.baseline_samples_per_sec and plan.final_samples_per_sec else "")
-                   + (f" ({plan.stopped})" if plan.stopped else ""))
+        summary = (
+            f"Autopilot: kept {len(self.kept)} change(s)"
+            + (
+                f", {plan.final_samples_per_sec / plan.baseline_samples_per_sec:.2f}x baseline"
+                if plan.baseline_samples_per_sec and plan.final_samples_per_sec
+                else ""
+            )
+            + (f" ({plan.stopped})" if plan.stopped else "")
+        )
         rank_zero_info(summary)
         for note in self.notes:
             rank_zero_info(f"Autopilot: {note}")
@@ -568,8 +633,11 @@ class Autopilot(Callback):
                 console.print("[bold]Autopilot configuration[/bold] (Python):", markup=True)
                 console.print(self.python, markup=False, highlight=False)
             if path is not None:
-                console.print(f"Plan: {path}  (replay without searching: Autopilot(plan={str(path)!r}))",
-                              markup=False, highlight=False)
+                console.print(
+                    f"Plan: {path}  (replay without searching: Autopilot(plan={str(path)!r}))",
+                    markup=False,
+                    highlight=False,
+                )
 
     def _plan_path(self, trainer: pl.Trainer) -> Path | None:
         if self.save_plan is False:
@@ -587,14 +655,24 @@ class Autopilot(Callback):
         if plan is not None and plan.stopped:
             title += f"; stopped: {plan.stopped}"
         table = Table(title=title, header_style="bold")
-        for col, justify in (("trial", "right"), ("change", "left"), ("samples/s", "right"), ("× baseline", "right"),
-                             ("kept", "center"), ("reason", "left")):
+        for col, justify in (
+            ("trial", "right"),
+            ("change", "left"),
+            ("samples/s", "right"),
+            ("× baseline", "right"),
+            ("kept", "center"),
+            ("reason", "left"),
+        ):
             table.add_column(col, justify=justify)  # type: ignore[arg-type]
         for r in self.records:
-            table.add_row(str(r.index), r.change if r.index else "baseline (as configured)",
-                          f"{r.samples_per_sec:,.1f}" if r.samples_per_sec else "—",
-                          f"{r.vs_baseline:.2f}" if r.vs_baseline else "—",
-                          "✓" if r.kept and r.index else ("" if r.index else "·"), r.reason)
+            table.add_row(
+                str(r.index),
+                r.change if r.index else "baseline (as configured)",
+                f"{r.samples_per_sec:,.1f}" if r.samples_per_sec else "—",
+                f"{r.vs_baseline:.2f}" if r.vs_baseline else "—",
+                "✓" if r.kept and r.index else ("" if r.index else "·"),
+                r.reason,
+            )
         return table
 
 

@@ -142,28 +142,40 @@ class BatchSizeTuner(Callback):
         if mode not in _MODES:
             raise ValueError(f"BatchSizeTuner(mode={mode!r}): use one of {_MODES}")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"BatchSizeTuner(batch_arg_name={batch_arg_name!r}): give the attribute name, "
-                             "e.g. 'batch_size'")
+            raise ValueError(
+                f"BatchSizeTuner(batch_arg_name={batch_arg_name!r}): give the attribute name, e.g. 'batch_size'"
+            )
         if not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
-            raise ValueError(f"BatchSizeTuner(memory_fraction={memory_fraction!r}): give a fraction in (0, 1], "
-                             "e.g. 0.8")
+            raise ValueError(
+                f"BatchSizeTuner(memory_fraction={memory_fraction!r}): give a fraction in (0, 1], e.g. 0.8"
+            )
         if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
-            raise ValueError(f"BatchSizeTuner(memory_budget={memory_budget!r}): give bytes > 0 (e.g. 8 * 2**30) "
-                             "or None to use memory_fraction")
-        for name, value in (("init_batch_size", init_batch_size), ("max_batch_size", max_batch_size),
-                            ("multiple_of", multiple_of), ("steps_per_trial", steps_per_trial),
-                            ("target_global_batch_size", target_global_batch_size)):
+            raise ValueError(
+                f"BatchSizeTuner(memory_budget={memory_budget!r}): give bytes > 0 (e.g. 8 * 2**30) "
+                "or None to use memory_fraction"
+            )
+        for name, value in (
+            ("init_batch_size", init_batch_size),
+            ("max_batch_size", max_batch_size),
+            ("multiple_of", multiple_of),
+            ("steps_per_trial", steps_per_trial),
+            ("target_global_batch_size", target_global_batch_size),
+        ):
             check_int("BatchSizeTuner", name, value, optional=True)
         check_int("BatchSizeTuner", "max_probes", max_probes, minimum=2, example=10)
         if not 0 < tolerance < 0.5:
             raise ValueError(f"BatchSizeTuner(tolerance={tolerance!r}): give a fraction in (0, 0.5), e.g. 0.02")
         if not isinstance(throughput_threshold, (int, float)) or throughput_threshold < 0:
-            raise ValueError(f"BatchSizeTuner(throughput_threshold={throughput_threshold!r}): give a fraction >= 0, "
-                             "e.g. 0.05")
-        if memory_meter is not None and not (callable(getattr(memory_meter, "reset", None))
-                                             and callable(getattr(memory_meter, "peak_bytes", None))):
-            raise ValueError(f"BatchSizeTuner(memory_meter={memory_meter!r}): give an object with reset() and "
-                             "peak_bytes() methods (see PeakMemoryMeter), or None for the device's own")
+            raise ValueError(
+                f"BatchSizeTuner(throughput_threshold={throughput_threshold!r}): give a fraction >= 0, e.g. 0.05"
+            )
+        if memory_meter is not None and not (
+            callable(getattr(memory_meter, "reset", None)) and callable(getattr(memory_meter, "peak_bytes", None))
+        ):
+            raise ValueError(
+                f"BatchSizeTuner(memory_meter={memory_meter!r}): give an object with reset() and "
+                "peak_bytes() methods (see PeakMemoryMeter), or None for the device's own"
+            )
         if lr_scaling not in _LR_RULES:
             raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {_LR_RULES}")
         epochs = tuple(epochs)
@@ -198,29 +210,42 @@ class BatchSizeTuner(Callback):
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or "DeepSpeed" in type(strategy).__name__:
-            raise ValueError(f"BatchSizeTuner supports single-device and DDP strategies, not "
-                             f"{type(strategy).__name__}: remove the tuner or pass the batch size yourself")
+            raise ValueError(
+                f"BatchSizeTuner supports single-device and DDP strategies, not "
+                f"{type(strategy).__name__}: remove the tuner or pass the batch size yourself"
+            )
         if fit_data_holder(trainer) is None:  # a DataLoader passed to fit(): re-created at each size
             reason = self._source(trainer, pl_module).can_set("batch_size")
             if reason is not None:
-                raise ValueError(f"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created with "
-                                 f"another batch size: {reason}; pass a DataLoader with batch_size=... or build it "
-                                 f"in train_dataloader() from `self.{self.batch_arg_name}`")
+                raise ValueError(
+                    f"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created with "
+                    f"another batch size: {reason}; pass a DataLoader with batch_size=... or build it "
+                    f"in train_dataloader() from `self.{self.batch_arg_name}`"
+                )
         elif not lightning_hasattr(pl_module, self.batch_arg_name):
-            raise missing_attribute_error(trainer, pl_module, "BatchSizeTuner", self.batch_arg_name,
-                                          f"Add `self.{self.batch_arg_name} = ...` and build the train DataLoader "
-                                          "from it, or pass batch_arg_name='<your attribute>'")
+            raise missing_attribute_error(
+                trainer,
+                pl_module,
+                "BatchSizeTuner",
+                self.batch_arg_name,
+                f"Add `self.{self.batch_arg_name} = ...` and build the train DataLoader "
+                "from it, or pass batch_arg_name='<your attribute>'",
+            )
         if self.target_global_batch_size is not None and self.target_global_batch_size % trainer.world_size:
-            raise ValueError(f"BatchSizeTuner(target_global_batch_size={self.target_global_batch_size}) is not a "
-                             f"multiple of the {trainer.world_size} devices: pick a multiple of {trainer.world_size}")
+            raise ValueError(
+                f"BatchSizeTuner(target_global_batch_size={self.target_global_batch_size}) is not a "
+                f"multiple of the {trainer.world_size} devices: pick a multiple of {trainer.world_size}"
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._applied is not None:  # resumed from a checkpoint of a tuned run: re-apply, do not search again
             self._adopt(self._source(trainer, pl_module), self._applied["batch_size"])
             trainer.accumulate_grad_batches = self._applied["accumulate_grad_batches"]
-            rank_zero_info(f"BatchSizeTuner: resumed run, using the tuned batch size {self._applied['batch_size']} "
-                           f"× accumulation {self._applied['accumulate_grad_batches']} from the checkpoint")
+            rank_zero_info(
+                f"BatchSizeTuner: resumed run, using the tuned batch size {self._applied['batch_size']} "
+                f"× accumulation {self._applied['accumulate_grad_batches']} from the checkpoint"
+            )
             return
         if trainer.fast_dev_run:
             rank_zero_warn("BatchSizeTuner: skipped because fast_dev_run is on")
@@ -244,8 +269,9 @@ class BatchSizeTuner(Callback):
 
     # ------------------------------------------------------------------ the train loader
     def _source(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
-        return TrainLoaderSource(trainer, pl_module, attribute_names={"batch_size": self.batch_arg_name},
-                                 require_dataloader=False)
+        return TrainLoaderSource(
+            trainer, pl_module, attribute_names={"batch_size": self.batch_arg_name}, require_dataloader=False
+        )
 
     def _batch_size(self, source: TrainLoaderSource) -> int:
         if source.holder is None:
@@ -268,8 +294,11 @@ class BatchSizeTuner(Callback):
         old_batch = self._batch_size(source)
         old_accum = int(trainer.accumulate_grad_batches)
         cap = self._dataset_cap(trainer, source)
-        budget = float(self.memory_budget) if self.memory_budget is not None else \
-            self.memory_fraction * device_memory_capacity(device)
+        budget = (
+            float(self.memory_budget)
+            if self.memory_budget is not None
+            else self.memory_fraction * device_memory_capacity(device)
+        )
         started = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -277,15 +306,18 @@ class BatchSizeTuner(Callback):
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error, result = err, None
         seconds = time.perf_counter() - started
-        sizes = agree_across_ranks(trainer, float(result.batch_size) if result else math.nan, error,
-                                   "BatchSizeTuner search")
+        sizes = agree_across_ranks(
+            trainer, float(result.batch_size) if result else math.nan, error, "BatchSizeTuner search"
+        )
         assert result is not None
         self.result = result
         chosen = int(sizes.min())
         per_rank = [int(x) for x in sizes.tolist()]
         if cap is not None and chosen >= cap:
-            rank_zero_warn(f"BatchSizeTuner: the dataset has only {cap} samples per rank; the batch size is clamped "
-                           f"to {cap} (more would not fit in one batch)")
+            rank_zero_warn(
+                f"BatchSizeTuner: the dataset has only {cap} samples per rank; the batch size is clamped "
+                f"to {cap} (more would not fit in one batch)"
+            )
         micro, accum = chosen, old_accum
         if self.target_global_batch_size is not None:
             micro, accum = self._split_global(self.target_global_batch_size, trainer.world_size, chosen)
@@ -296,29 +328,53 @@ class BatchSizeTuner(Callback):
         lr_scale = self._rescale_lr(trainer, old_global, new_global)
         self._applied = {"batch_size": micro, "accumulate_grad_batches": accum}
         self.summary = {
-            "mode": self.mode, "batch_size": micro, "largest_fit": chosen, "per_rank": per_rank,
-            "accumulate_grad_batches": accum, "global_batch_size": new_global, "previous_batch_size": old_batch,
-            "previous_global_batch_size": old_global, "lr_scale": lr_scale, "budget_bytes": budget,
-            "probes": result.num_probes, "search_seconds": seconds, "stop_reason": result.stop_reason,
-            "memory_source": getattr(self.memory_meter or PeakMemoryMeter(device), "source",
-                                     type(self.memory_meter).__name__),
+            "mode": self.mode,
+            "batch_size": micro,
+            "largest_fit": chosen,
+            "per_rank": per_rank,
+            "accumulate_grad_batches": accum,
+            "global_batch_size": new_global,
+            "previous_batch_size": old_batch,
+            "previous_global_batch_size": old_global,
+            "lr_scale": lr_scale,
+            "budget_bytes": budget,
+            "probes": result.num_probes,
+            "search_seconds": seconds,
+            "stop_reason": result.stop_reason,
+            "memory_source": getattr(
+                self.memory_meter or PeakMemoryMeter(device), "source", type(self.memory_meter).__name__
+            ),
         }
-        metrics = {"tuner/batch_size": micro, "tuner/accumulate_grad_batches": accum,
-                   "tuner/global_batch_size": new_global, "tuner/lr_scale": lr_scale,
-                   "tuner/probes": result.num_probes, "tuner/search_seconds": seconds,
-                   "tuner/memory_budget_gb": budget / 1e9}
+        metrics = {
+            "tuner/batch_size": micro,
+            "tuner/accumulate_grad_batches": accum,
+            "tuner/global_batch_size": new_global,
+            "tuner/lr_scale": lr_scale,
+            "tuner/probes": result.num_probes,
+            "tuner/search_seconds": seconds,
+            "tuner/memory_budget_gb": budget / 1e9,
+        }
         for logger in trainer.loggers:
             logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
-        rank_zero_info(f"BatchSizeTuner: batch size {old_batch} -> {micro} per device "
-                       f"(largest {'fitting' if self.mode == 'max_fit' else 'paying'}: {chosen}, "
-                       f"{result.num_probes} probes, {seconds:.1f} s), accumulation {old_accum} -> {accum}, "
-                       f"global batch {old_global} -> {new_global}")
+        rank_zero_info(
+            f"BatchSizeTuner: batch size {old_batch} -> {micro} per device "
+            f"(largest {'fitting' if self.mode == 'max_fit' else 'paying'}: {chosen}, "
+            f"{result.num_probes} probes, {seconds:.1f} s), accumulation {old_accum} -> {accum}, "
+            f"global batch {old_global} -> {new_global}"
+        )
         if self.print_summary:
             rank_zero_print(trainer, self._table())
         return micro
 
-    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: TrainLoaderSource,
-                device: torch.device, budget: float, cap: int | None) -> BatchSizeSearch:
+    def _search(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        source: TrainLoaderSource,
+        device: torch.device,
+        budget: float,
+        cap: int | None,
+    ) -> BatchSizeSearch:
         meter = self.memory_meter if self.memory_meter is not None else PeakMemoryMeter(device)
         if not getattr(meter, "exact", True):
             rank_zero_warn(f"BatchSizeTuner: {meter.source}; leave a larger margin (memory_fraction)")
@@ -327,8 +383,7 @@ class BatchSizeTuner(Callback):
         state = TrainingState(trainer, pl_module)
         # the snapshot is resident on the CPU and counted by the process-RSS meter; training will not hold it
         offset = state.bytes_on(device) if self.memory_meter is None else 0
-        max_size = min(x for x in (self.max_batch_size, cap) if x is not None) \
-            if (self.max_batch_size or cap) else None
+        max_size = min(x for x in (self.max_batch_size, cap) if x is not None) if (self.max_batch_size or cap) else None
 
         def probe(size: int) -> tuple[float, float]:
             if source.holder is not None:  # the probed size stays visible to the module while it steps
@@ -349,12 +404,24 @@ class BatchSizeTuner(Callback):
         try:
             init = min(self.init_batch_size, max_size) if max_size else self.init_batch_size
             if self.mode == "max_fit":
-                return find_batch_size(probe, budget_bytes=budget, init_batch_size=init, max_batch_size=max_size,
-                                       multiple_of=self.multiple_of, max_probes=self.max_probes,
-                                       tolerance=self.tolerance)
-            return find_throughput_batch_size(probe, budget_bytes=budget, init_batch_size=init,
-                                              max_batch_size=max_size, multiple_of=self.multiple_of,
-                                              max_probes=self.max_probes, threshold=self.throughput_threshold)
+                return find_batch_size(
+                    probe,
+                    budget_bytes=budget,
+                    init_batch_size=init,
+                    max_batch_size=max_size,
+                    multiple_of=self.multiple_of,
+                    max_probes=self.max_probes,
+                    tolerance=self.tolerance,
+                )
+            return find_throughput_batch_size(
+                probe,
+                budget_bytes=budget,
+                init_batch_size=init,
+                max_batch_size=max_size,
+                multiple_of=self.multiple_of,
+                max_probes=self.max_probes,
+                threshold=self.throughput_threshold,
+            )
         finally:
             state.restore()
             if source.holder is not None:
@@ -390,8 +457,10 @@ class BatchSizeTuner(Callback):
                 for key in _LR_KEYS:
                     if isinstance(group.get(key), (int, float)):
                         group[key] = group[key] * scale
-                rank_zero_info(f"BatchSizeTuner: optimizer {i} group {j} lr {old:.6g} -> {group['lr']:.6g} "
-                               f"({self.lr_scaling} rule, effective batch {old_global} -> {new_global})")
+                rank_zero_info(
+                    f"BatchSizeTuner: optimizer {i} group {j} lr {old:.6g} -> {group['lr']:.6g} "
+                    f"({self.lr_scaling} rule, effective batch {old_global} -> {new_global})"
+                )
         for cfg in trainer.lr_scheduler_configs:
             sched = cfg.scheduler
             if hasattr(sched, "base_lrs"):
@@ -404,20 +473,32 @@ class BatchSizeTuner(Callback):
 
         assert self.result is not None
         s = self.summary
-        table = Table(title=f"BatchSizeTuner ({self.mode}, budget {s['budget_bytes'] / 2**30:.2f} GiB per device, "
-                            f"rank 0's probes)", header_style="bold")
+        table = Table(
+            title=f"BatchSizeTuner ({self.mode}, budget {s['budget_bytes'] / 2**30:.2f} GiB per device, "
+            f"rank 0's probes)",
+            header_style="bold",
+        )
         for col in ("batch", "outcome", "peak MiB", "ms/step", "samples/s"):
             table.add_column(col, justify="right" if col != "outcome" else "left")
         for p in self.result.probes:
-            table.add_row(str(p.batch_size), p.outcome,
-                          "—" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:,.1f}",
-                          "—" if p.seconds_per_step is None else f"{1e3 * p.seconds_per_step:,.1f}",
-                          "—" if p.samples_per_sec is None else f"{p.samples_per_sec:,.1f}")
+            table.add_row(
+                str(p.batch_size),
+                p.outcome,
+                "—" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:,.1f}",
+                "—" if p.seconds_per_step is None else f"{1e3 * p.seconds_per_step:,.1f}",
+                "—" if p.samples_per_sec is None else f"{p.samples_per_sec:,.1f}",
+            )
         model = self.result.model
-        table.caption = (f"chosen {s['batch_size']} × {s['accumulate_grad_batches']} accumulation "
-                         f"(global {s['global_batch_size']}); stop: {s['stop_reason']}"
-                         + ("" if model is None else f"; fit: {model.fixed_bytes / 2**20:,.0f} MiB + "
-                            f"{model.bytes_per_sample / 2**10:,.1f} KiB/sample") + f"; memory: {s['memory_source']}")
+        table.caption = (
+            f"chosen {s['batch_size']} × {s['accumulate_grad_batches']} accumulation "
+            f"(global {s['global_batch_size']}); stop: {s['stop_reason']}"
+            + (
+                ""
+                if model is None
+                else f"; fit: {model.fixed_bytes / 2**20:,.0f} MiB + {model.bytes_per_sample / 2**10:,.1f} KiB/sample"
+            )
+            + f"; memory: {s['memory_source']}"
+        )
         return table
 
 
@@ -435,8 +516,10 @@ def _cycle(make_loader: Any) -> Iterator[Any]:
             empty = False
             yield batch
         if empty:
-            raise ValueError("train_dataloader() yielded no batches at this batch size (drop_last=True with fewer "
-                             "samples than one batch?)")
+            raise ValueError(
+                "train_dataloader() yielded no batches at this batch size (drop_last=True with fewer "
+                "samples than one batch?)"
+            )
 
 
 def _release_memory(device: torch.device, collect: bool) -> None:

@@ -201,14 +201,23 @@ class BottleneckDoctor(Callback):
             except ValueError as err:
                 raise ValueError(f"BottleneckDoctor(thresholds=...): {err}") from None
         else:
-            raise ValueError(f"BottleneckDoctor(thresholds={thresholds!r}): pass a Thresholds or a dict such as "
-                             "{'data_share': 0.2}")
-        if report_path is True or (report_path is not None and report_path is not False
-                                   and not isinstance(report_path, (str, Path))):
-            raise ValueError(f"BottleneckDoctor(report_path={report_path!r}): give a file path, None for "
-                             "<default_root_dir>/bottleneck_report.json, or False for no files")
-        if (not isinstance(warn_interval_s, (int, float)) or isinstance(warn_interval_s, bool)
-                or math.isnan(warn_interval_s) or warn_interval_s < 0):
+            raise ValueError(
+                f"BottleneckDoctor(thresholds={thresholds!r}): pass a Thresholds or a dict such as "
+                "{'data_share': 0.2}"
+            )
+        if report_path is True or (
+            report_path is not None and report_path is not False and not isinstance(report_path, (str, Path))
+        ):
+            raise ValueError(
+                f"BottleneckDoctor(report_path={report_path!r}): give a file path, None for "
+                "<default_root_dir>/bottleneck_report.json, or False for no files"
+            )
+        if (
+            not isinstance(warn_interval_s, (int, float))
+            or isinstance(warn_interval_s, bool)
+            or math.isnan(warn_interval_s)
+            or warn_interval_s < 0
+        ):
             raise ValueError(f"BottleneckDoctor(warn_interval_s={warn_interval_s!r}): use seconds >= 0, e.g. 60")
         self.window = window
         # Private on purpose: a public ``warmup_batches`` attribute asks MFUMonitor to skip more batches, and the
@@ -225,10 +234,13 @@ class BottleneckDoctor(Callback):
         if not isinstance(nvtx, bool):
             raise ValueError(f"BottleneckDoctor(nvtx={nvtx!r}): use True to emit the stages as NVTX ranges, or False")
         self.nvtx = nvtx
-        if window_log is True or (window_log is not None and window_log is not False
-                                  and not isinstance(window_log, (str, Path))):
-            raise ValueError(f"BottleneckDoctor(window_log={window_log!r}): give a file path, None for "
-                             "<report path stem>.windows.jsonl beside the report, or False for none")
+        if window_log is True or (
+            window_log is not None and window_log is not False and not isinstance(window_log, (str, Path))
+        ):
+            raise ValueError(
+                f"BottleneckDoctor(window_log={window_log!r}): give a file path, None for "
+                "<report path stem>.windows.jsonl beside the report, or False for none"
+            )
         self.window_log = window_log
         #: the window log of the current or last fit (rank 0), for ``lightning-accel watch``
         self.window_log_path: Path | None = None
@@ -323,17 +335,20 @@ class BottleneckDoctor(Callback):
             self._samplers.create(self._device, self._notes)
 
     def _install_timers(self, trainer: pl.Trainer) -> None:
-        self._restore.append(install_instance_wrapper(trainer.strategy, "batch_to_device", self._transfer_begin,
-                                                      self._transfer_end))
-        self._restore.extend(install_optimizer_hooks(trainer.optimizers, self._before_optimizer_step_hook,
-                                                     self._after_optimizer_step))
+        self._restore.append(
+            install_instance_wrapper(trainer.strategy, "batch_to_device", self._transfer_begin, self._transfer_end)
+        )
+        self._restore.extend(
+            install_optimizer_hooks(trainer.optimizers, self._before_optimizer_step_hook, self._after_optimizer_step)
+        )
         self._restore.extend(install_checkpoint_timer(trainer, self._checkpoint_begin, self._checkpoint_end))
         # The validation loop builds its iterator (worker start-up) and switches the module to eval before
         # on_validation_start: timed from the loop's own entry, that time is validation's, not the next batch's
         # data wait.
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        self._restore.append(install_instance_wrapper(val_loop, "run", lambda: self._validation_begin(trainer),
-                                                      self._validation_end))
+        self._restore.append(
+            install_instance_wrapper(val_loop, "run", lambda: self._validation_begin(trainer), self._validation_end)
+        )
         if self._comm is None and trainer.world_size > 1:
             self._comm = install_comm_timer(trainer, self._device.type == "cuda", self._notes)
         if self._comm is not None:
@@ -349,8 +364,10 @@ class BottleneckDoctor(Callback):
             why = nvtx_unavailable()
             if why is not None:  # a diagnostics flag never takes the training down: say so once, run without
                 self._nvtx_missing = True
-                warnings.warn(f"BottleneckDoctor(nvtx=True): no NVTX ranges: {why}. Training and measuring go on "
-                              "without them.", stacklevel=2)
+                warnings.warn(
+                    f"BottleneckDoctor(nvtx=True): no NVTX ranges: {why}. Training and measuring go on without them.",
+                    stacklevel=2,
+                )
                 return None
             self._ranges = StageRanges()
         return self._ranges
@@ -447,8 +464,9 @@ class BottleneckDoctor(Callback):
                 self._smells.find(trainer, pl_module, loader, self._context)
             except Exception as err:  # noqa: BLE001 - smells are advice: never stop training for them
                 self._notes.append(f"code smells not checked: {err!r}")
-        self._machine = StageMachine(clock=self._clock, warmup_batches=self._skip, device=self._device,
-                                     ranges=self._nvtx_ranges())
+        self._machine = StageMachine(
+            clock=self._clock, warmup_batches=self._skip, device=self._device, ranges=self._nvtx_ranges()
+        )
         if self._skip == 0:
             self._start_measuring()
 
@@ -465,8 +483,9 @@ class BottleneckDoctor(Callback):
 
     @override
     @_guarded
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._machine is not None:
             self._machine.stage_start("forward")
         if self._batches_seen == self._probe_batch:
@@ -512,8 +531,9 @@ class BottleneckDoctor(Callback):
                 self._context.sdpa_backend = probe.backend
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # Window accounting runs even after a measuring problem: every rank must join the same gathers.
         self._batches_seen += 1
         measured = self._measuring
@@ -559,8 +579,10 @@ class BottleneckDoctor(Callback):
             comm, passes = self._comm.flush() if self._comm is not None else (0.0, 0)
             if self._comm is not None and self._comm.failed is not None and not self._comm_failure_noted:
                 self._comm_failure_noted = True
-                message = (f"timing the all-reduce stopped ({self._comm.failed}): the all-reduces run untimed and "
-                           "communication is not measured from here on")
+                message = (
+                    f"timing the all-reduce stopped ({self._comm.failed}): the all-reduces run untimed and "
+                    "communication is not measured from here on"
+                )
                 self._notes.append(message)
                 warnings.warn(f"BottleneckDoctor: {message}", stacklevel=2)
             return self._windows.local_row(window, comm, passes, self._samplers.sample, self._device)
@@ -568,8 +590,9 @@ class BottleneckDoctor(Callback):
             self._break(f"closing a window: {err!r}")
             return RankWindow.unmeasured()
 
-    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool,
-                      final: bool = False) -> None:
+    def _close_window(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool, final: bool = False
+    ) -> None:
         """Gather every rank's row (one collective), add the window, log, warn. Called on every rank.
 
         Windows tile the time: the next one starts where this one's wall time was read, so the cost of closing a
@@ -584,17 +607,23 @@ class BottleneckDoctor(Callback):
                 self._break(f"closing a window: {err!r}")
         row = self._local_row(window)
         # one process: no collective, and no tensor round trip (~50 µs of the flush)
-        rows = [row] if trainer.world_size <= 1 else \
-            [RankWindow.from_floats(r)
-             for r in gather_floats(trainer, self._device, row.to_floats(), what="BottleneckDoctor window").tolist()]
+        rows = (
+            [row]
+            if trainer.world_size <= 1
+            else [
+                RankWindow.from_floats(r)
+                for r in gather_floats(trainer, self._device, row.to_floats(), what="BottleneckDoctor window").tolist()
+            ]
+        )
         self._window_count = 0
         try:
             self._after_gather(trainer, pl_module, rows, log=log)
         except Exception as err:  # noqa: BLE001
             self._break(f"aggregating a window: {err!r}")
 
-    def _after_gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[RankWindow], *,
-                      log: bool) -> None:
+    def _after_gather(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[RankWindow], *, log: bool
+    ) -> None:
         added = self._windows.add(rows)
         if added is None:
             return
@@ -608,16 +637,24 @@ class BottleneckDoctor(Callback):
         if self.warn or self._window_log is not None:
             ranks = [r for r in window.per_rank_seconds if r is not None]
             context = self._live_context()
-            diagnosis = diagnose(window.shares, context, self.thresholds,
-                                 rank_seconds=ranks if len(ranks) > 1 else None)
+            diagnosis = diagnose(
+                window.shares, context, self.thresholds, rank_seconds=ranks if len(ranks) > 1 else None
+            )
             if self.warn:
                 self._warnings.warn(trainer, diagnosis.findings, self._clock(), self.warn_interval_s)
             if self._window_log is not None:
                 self._window_log.write(
-                    "window", batch=self._windows.breakdown.batches, shares=window.shares,
-                    step_ms=1e3 * window.step_seconds, samples_per_sec=window.samples_per_sec, mfu=context.mfu,
-                    findings=[{"stage": f.stage, "rule": f.rule, "evidence": f.evidence, "fix": f.fix,
-                               "value": f.value} for f in diagnosis.findings])
+                    "window",
+                    batch=self._windows.breakdown.batches,
+                    shares=window.shares,
+                    step_ms=1e3 * window.step_seconds,
+                    samples_per_sec=window.samples_per_sec,
+                    mfu=context.mfu,
+                    findings=[
+                        {"stage": f.stage, "rule": f.rule, "evidence": f.evidence, "fix": f.fix, "value": f.value}
+                        for f in diagnosis.findings
+                    ],
+                )
 
     # ------------------------------------------------------------------ the live window log
     def _open_window_log(self, trainer: pl.Trainer) -> None:
@@ -756,10 +793,21 @@ class BottleneckDoctor(Callback):
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
         measured = max(0, self._batches_seen - self._skip)
         return build_report(
-            self._windows.breakdown, context=self._live_context(), thresholds=self.thresholds,
-            world_size=trainer.world_size, fit=self._fit_clock.breakdown(self._windows.train_wall, self._batches_seen),
-            smells=self._smells.diagnosis, variability_rows=self._windows.var_rows,
-            utilisation=self._windows.util_sums, window=self.window, timeline=self._windows.timeline, precision=_precision_stats(trainer), notes=self._notes,
-            empty_note=(f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
-                        f"and {measured} measured, with no complete measurement; train longer or lower "
-                        "warmup_batches"))
+            self._windows.breakdown,
+            context=self._live_context(),
+            thresholds=self.thresholds,
+            world_size=trainer.world_size,
+            fit=self._fit_clock.breakdown(self._windows.train_wall, self._batches_seen),
+            smells=self._smells.diagnosis,
+            variability_rows=self._windows.var_rows,
+            utilisation=self._windows.util_sums,
+            window=self.window,
+            timeline=self._windows.timeline,
+            precision=_precision_stats(trainer),
+            notes=self._notes,
+            empty_note=(
+                f"too little data to diagnose: {self._batches_seen} batches ran, {self._skip} were warm-up "
+                f"and {measured} measured, with no complete measurement; train longer or lower "
+                "warmup_batches"
+            ),
+        )

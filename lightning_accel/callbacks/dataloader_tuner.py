@@ -139,16 +139,20 @@ class DataLoaderTuner(Callback):
         if num_workers is not None:
             num_workers = sorted(set(num_workers))
             if not num_workers or any(not is_int(w) or w < 0 for w in num_workers):
-                raise ValueError(f"DataLoaderTuner(num_workers={num_workers!r}): give worker counts >= 0, e.g. "
-                                 "(0, 2, 4), or None for 0..cores")
+                raise ValueError(
+                    f"DataLoaderTuner(num_workers={num_workers!r}): give worker counts >= 0, e.g. "
+                    "(0, 2, 4), or None for 0..cores"
+                )
         prefetch_factors = sorted(set(prefetch_factors))
         if not prefetch_factors or any(not is_int(p) or p < 1 for p in prefetch_factors):
             raise ValueError(f"DataLoaderTuner(prefetch_factors={prefetch_factors!r}): give ints >= 1, e.g. (2, 4)")
         if not isinstance(margin, (int, float)) or margin < 0:
             raise ValueError(f"DataLoaderTuner(margin={margin!r}): give a fraction >= 0, e.g. 0.2")
-        for name, value, low in (("batches_per_trial", batches_per_trial, 2),
-                                 ("trial_warmup_batches", trial_warmup_batches, 0),
-                                 ("consumption_steps", consumption_steps, 2)):
+        for name, value, low in (
+            ("batches_per_trial", batches_per_trial, 2),
+            ("trial_warmup_batches", trial_warmup_batches, 0),
+            ("consumption_steps", consumption_steps, 2),
+        ):
             check_int("DataLoaderTuner", name, value, minimum=low)
         self.num_workers = num_workers
         self.prefetch_factors = tuple(prefetch_factors)
@@ -156,8 +160,12 @@ class DataLoaderTuner(Callback):
         self.batches_per_trial = batches_per_trial
         self.trial_warmup_batches = trial_warmup_batches
         self.consumption_steps = consumption_steps
-        self.attrs = {"num_workers": num_workers_attr, "prefetch_factor": prefetch_factor_attr,
-                      "persistent_workers": persistent_workers_attr, "pin_memory": pin_memory_attr}
+        self.attrs = {
+            "num_workers": num_workers_attr,
+            "prefetch_factor": prefetch_factor_attr,
+            "persistent_workers": persistent_workers_attr,
+            "pin_memory": pin_memory_attr,
+        }
         self.print_summary = print_summary
         self.table: list[dict[str, Any]] = []
         self.decision: dict[str, Any] = {}
@@ -174,21 +182,30 @@ class DataLoaderTuner(Callback):
         if isinstance(pipeline, Mapping):  # e.g. DALIImageDataModule: threads in one process, no workers to tune
             loader = pipeline.get("loader", type(holder).__name__)
             self._not_a_dataloader = loader
-            rank_zero_warn(f"DataLoaderTuner: the training data comes from {loader}, not a DataLoader, so there are "
-                           f"no workers to tune and the tuner does nothing; that pipeline's knobs are num_threads "
-                           f"and prefetch_queue_depth (BottleneckDoctor's data finding names them when data is slow)")
+            rank_zero_warn(
+                f"DataLoaderTuner: the training data comes from {loader}, not a DataLoader, so there are "
+                f"no workers to tune and the tuner does nothing; that pipeline's knobs are num_threads "
+                f"and prefetch_queue_depth (BottleneckDoctor's data finding names them when data is slow)"
+            )
             return
         if holder is not None and not lightning_hasattr(pl_module, self.attrs["num_workers"]):
-            raise missing_attribute_error(trainer, pl_module, "DataLoaderTuner", self.attrs["num_workers"],
-                                          "Add `self.num_workers = 0` and build the train DataLoader from it, or "
-                                          "pass num_workers_attr='<your attribute>'")
+            raise missing_attribute_error(
+                trainer,
+                pl_module,
+                "DataLoaderTuner",
+                self.attrs["num_workers"],
+                "Add `self.num_workers = 0` and build the train DataLoader from it, or "
+                "pass num_workers_attr='<your attribute>'",
+            )
         from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 
         callbacks = trainer.callbacks
         mine = callbacks.index(self)
-        if any(isinstance(cb, BatchSizeTuner) for cb in callbacks[mine + 1:]):
-            rank_zero_warn("DataLoaderTuner runs before BatchSizeTuner in the callback list, so it tunes for the old "
-                           "batch size: put BatchSizeTuner first")
+        if any(isinstance(cb, BatchSizeTuner) for cb in callbacks[mine + 1 :]):
+            rank_zero_warn(
+                "DataLoaderTuner runs before BatchSizeTuner in the callback list, so it tunes for the old "
+                "batch size: put BatchSizeTuner first"
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,14 +222,17 @@ class DataLoaderTuner(Callback):
 
     def _grid(self, trainer: pl.Trainer, present: dict[str, bool]) -> list[LoaderSetting]:
         pin = trainer.strategy.root_device.type == "cuda" and present["pin_memory"]
-        counts = self.num_workers if self.num_workers is not None else \
-            default_worker_counts(usable_cores_per_rank(trainer.num_devices))
+        counts = (
+            self.num_workers
+            if self.num_workers is not None
+            else default_worker_counts(usable_cores_per_rank(trainer.num_devices))
+        )
         grid = []
         for w in counts:
             if w == 0:
                 grid.append(LoaderSetting(0, None, False, pin))
                 continue
-            for pf in (self.prefetch_factors if present["prefetch_factor"] else (None,)):
+            for pf in self.prefetch_factors if present["prefetch_factor"] else (None,):
                 grid.append(LoaderSetting(w, pf, present["persistent_workers"], pin))
         return grid
 
@@ -229,23 +249,34 @@ class DataLoaderTuner(Callback):
         loader is too short to time (a warning says so and the settings stay as they are)."""
         source = self._source(trainer, pl_module)
         present = self._present(source)
-        initial = {k: lightning_getattr(pl_module, name) if source.holder is not None else source.initial[k]
-                   for k, name in self.attrs.items() if present[k]}
+        initial = {
+            k: lightning_getattr(pl_module, name) if source.holder is not None else source.initial[k]
+            for k, name in self.attrs.items()
+            if present[k]
+        }
         grid = self._grid(trainer, present)
         # every rank's loader has the same length (DistributedSampler), so every rank takes the same branch
         try:
             length = len(source.build())
         except TypeError:  # an iterable without len(): measure and let the trial say if it ran out
             length = None
-        needed = self.trial_warmup_batches + self.batches_per_trial + 1 + max(
-            s.num_workers * (s.prefetch_factor or 2) for s in grid)
+        needed = (
+            self.trial_warmup_batches
+            + self.batches_per_trial
+            + 1
+            + max(s.num_workers * (s.prefetch_factor or 2) for s in grid)
+        )
         if length is not None and length < needed:
-            rank_zero_warn(f"DataLoaderTuner: the train loader has {length} batches, fewer than the {needed} the "
-                           f"largest trial needs ({self.trial_warmup_batches} warm-up + the workers' prefetch "
-                           f"queue + {self.batches_per_trial} timed); keeping the current settings {initial}. Use "
-                           "more data or lower batches_per_trial / trial_warmup_batches.")
-            self.decision = {"skipped": f"train loader has {length} batches, a trial needs {needed}",
-                             "initial": initial}
+            rank_zero_warn(
+                f"DataLoaderTuner: the train loader has {length} batches, fewer than the {needed} the "
+                f"largest trial needs ({self.trial_warmup_batches} warm-up + the workers' prefetch "
+                f"queue + {self.batches_per_trial} timed); keeping the current settings {initial}. Use "
+                "more data or lower batches_per_trial / trial_warmup_batches."
+            )
+            self.decision = {
+                "skipped": f"train loader has {length} batches, a trial needs {needed}",
+                "initial": initial,
+            }
             return None
         state = TrainingState(trainer, pl_module)
         self.table = []
@@ -254,12 +285,20 @@ class DataLoaderTuner(Callback):
         try:
             consumption = self._consumption(trainer, pl_module, state, source)
             initial_rate = self._loader_rate(source, state, initial, present)
-            self.table.append({"setting": "initial: " + _describe(initial, trainer), "batches_per_sec": initial_rate,
-                               "feeds": self._feeds(initial.get("num_workers", 0), initial_rate, consumption),
-                               "chosen": False})
+            self.table.append(
+                {
+                    "setting": "initial: " + _describe(initial, trainer),
+                    "batches_per_sec": initial_rate,
+                    "feeds": self._feeds(initial.get("num_workers", 0), initial_rate, consumption),
+                    "chosen": False,
+                }
+            )
             chosen_index, rows = choose_loader_setting(
-                grid, lambda setting: self._loader_rate(source, state, asdict(setting), present),
-                consumption, self.margin)
+                grid,
+                lambda setting: self._loader_rate(source, state, asdict(setting), present),
+                consumption,
+                self.margin,
+            )
             self.table.extend(rows)
         except BaseException as err:  # noqa: BLE001 - every rank must reach the collective below before raising
             error = err
@@ -276,27 +315,37 @@ class DataLoaderTuner(Callback):
             if row["chosen"]:
                 own = row["batches_per_sec"]
         self.decision = {
-            **asdict(setting), "loader_batches_per_sec": own, "step_batches_per_sec": consumption,
-            "initial": initial, "initial_batches_per_sec": initial_rate,
+            **asdict(setting),
+            "loader_batches_per_sec": own,
+            "step_batches_per_sec": consumption,
+            "initial": initial,
+            "initial_batches_per_sec": initial_rate,
             "speedup_vs_initial": own / initial_rate if initial_rate > 0 else math.nan,
-            "fed": self._feeds(setting.num_workers, own, consumption), "margin": self.margin,
+            "fed": self._feeds(setting.num_workers, own, consumption),
+            "margin": self.margin,
         }
-        metrics = {"dataloader/num_workers": setting.num_workers,
-                   "dataloader/prefetch_factor": setting.prefetch_factor or 0,
-                   "dataloader/loader_batches_per_sec": own, "dataloader/step_batches_per_sec": consumption,
-                   "dataloader/speedup_vs_initial": self.decision["speedup_vs_initial"]}
+        metrics = {
+            "dataloader/num_workers": setting.num_workers,
+            "dataloader/prefetch_factor": setting.prefetch_factor or 0,
+            "dataloader/loader_batches_per_sec": own,
+            "dataloader/step_batches_per_sec": consumption,
+            "dataloader/speedup_vs_initial": self.decision["speedup_vs_initial"],
+        }
         for logger in trainer.loggers:
             logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
         verdict = "feeds" if self.decision["fed"] else "does NOT feed (data-bound; see the table)"
-        rank_zero_info(f"DataLoaderTuner: {setting.label()} -> {own:,.1f} batches/s, {verdict} the step's "
-                       f"{consumption:,.1f} batches/s with {self.margin:.0%} margin "
-                       f"(initial setting: {initial_rate:,.1f} batches/s)")
+        rank_zero_info(
+            f"DataLoaderTuner: {setting.label()} -> {own:,.1f} batches/s, {verdict} the step's "
+            f"{consumption:,.1f} batches/s with {self.margin:.0%} margin "
+            f"(initial setting: {initial_rate:,.1f} batches/s)"
+        )
         if self.print_summary:
             rank_zero_print(trainer, self._rich_table(consumption))
         return setting
 
-    def _consumption(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState,
-                     source: TrainLoaderSource) -> float:
+    def _consumption(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainingState, source: TrainLoaderSource
+    ) -> float:
         """Training steps per second on real batches already on the device (no data loading timed)."""
         loader = source.build()
         state.track_loader(loader)
@@ -317,20 +366,24 @@ class DataLoaderTuner(Callback):
             state.restore()
         return 1.0 / max(seconds or 0.0, 1e-9)
 
-    def _loader_rate(self, source: TrainLoaderSource, state: TrainingState, values: dict[str, Any],
-                     present: dict[str, bool]) -> float:
+    def _loader_rate(
+        self, source: TrainLoaderSource, state: TrainingState, values: dict[str, Any], present: dict[str, bool]
+    ) -> float:
         """Steady-state batches/s of the train loader built with ``values``."""
         loader = source.build(self._settable(values, present))
         state.track_loader(loader)
         workers = values.get("num_workers", 0)
         got = getattr(loader, "num_workers", workers)
         if got != workers:
-            raise ValueError(f"train_dataloader() built a DataLoader with num_workers={got} after "
-                             f"`{self.attrs['num_workers']}` was set to {workers}: build it from that attribute "
-                             f"(DataLoader(..., num_workers=self.{self.attrs['num_workers']}))")
+            raise ValueError(
+                f"train_dataloader() built a DataLoader with num_workers={got} after "
+                f"`{self.attrs['num_workers']}` was set to {workers}: build it from that attribute "
+                f"(DataLoader(..., num_workers=self.{self.attrs['num_workers']}))"
+            )
         try:
-            return loader_batches_per_sec(loader, self.trial_warmup_batches, self.batches_per_trial, workers,
-                                          values.get("prefetch_factor"))
+            return loader_batches_per_sec(
+                loader, self.trial_warmup_batches, self.batches_per_trial, workers, values.get("prefetch_factor")
+            )
         finally:
             del loader  # shuts the workers down (persistent ones too: the loader goes away)
 
@@ -338,15 +391,22 @@ class DataLoaderTuner(Callback):
         from rich.table import Table
 
         need = consumption * (1 + self.margin)
-        table = Table(title=f"DataLoaderTuner (rank 0): the step consumes {consumption:,.1f} batches/s; "
-                            f"feeding it with {self.margin:.0%} margin needs {need:,.1f}", header_style="bold")
+        table = Table(
+            title=f"DataLoaderTuner (rank 0): the step consumes {consumption:,.1f} batches/s; "
+            f"feeding it with {self.margin:.0%} margin needs {need:,.1f}",
+            header_style="bold",
+        )
         table.add_column("setting")
         table.add_column("batches/s", justify="right")
         table.add_column("feeds the step", justify="center")
         table.add_column("chosen", justify="center")
         for row in self.table:
-            table.add_row(row["setting"], f"{row['batches_per_sec']:,.1f}", "yes" if row["feeds"] else "no",
-                          "◀" if row["chosen"] else "")
+            table.add_row(
+                row["setting"],
+                f"{row['batches_per_sec']:,.1f}",
+                "yes" if row["feeds"] else "no",
+                "◀" if row["chosen"] else "",
+            )
         return table
 
 
@@ -362,8 +422,9 @@ def loader_feeds(num_workers: int | None, rate: float, consumption: float, margi
     return rate >= consumption * (1 + margin)
 
 
-def choose_loader_setting(grid: Sequence[LoaderSetting], measure: Callable[[LoaderSetting], float],
-                          consumption: float, margin: float) -> tuple[int, list[dict[str, Any]]]:
+def choose_loader_setting(
+    grid: Sequence[LoaderSetting], measure: Callable[[LoaderSetting], float], consumption: float, margin: float
+) -> tuple[int, list[dict[str, Any]]]:
     """Walk ``grid`` cheapest first and stop at the first setting whose measured rate feeds the step in two
     consecutive measurements (the lower one counts: a busy machine can flatter one window); if none does, the
     cheapest within 5 % of the fastest (closer than that is measurement noise). Returns the index in ``grid`` and
@@ -377,8 +438,9 @@ def choose_loader_setting(grid: Sequence[LoaderSetting], measure: Callable[[Load
             rate = min(rate, measure(setting))
             feeds = loader_feeds(setting.num_workers, rate, consumption, margin)
         rates.append(rate)
-        rows.append({"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds, "chosen": False,
-                     **asdict(setting)})
+        rows.append(
+            {"setting": setting.label(), "batches_per_sec": rate, "feeds": feeds, "chosen": False, **asdict(setting)}
+        )
         if feeds:
             break
     if not rates:
@@ -387,8 +449,9 @@ def choose_loader_setting(grid: Sequence[LoaderSetting], measure: Callable[[Load
     return (fed[0] if fed else next(i for i, r in enumerate(rates) if r >= 0.95 * max(rates))), rows
 
 
-def loader_batches_per_sec(loader: Any, warmup_batches: int, batches: int, num_workers: int,
-                           prefetch_factor: int | None) -> float:
+def loader_batches_per_sec(
+    loader: Any, warmup_batches: int, batches: int, num_workers: int, prefetch_factor: int | None
+) -> float:
     """Steady-state batches/s of iterating ``loader``: the first ``warmup_batches`` plus the queue the workers fill
     before the first batch is consumed (DataLoader's default ``prefetch_factor`` is 2) are not timed."""
     skip = warmup_batches + num_workers * (prefetch_factor or (2 if num_workers else 0))
@@ -404,8 +467,10 @@ def loader_batches_per_sec(loader: Any, warmup_batches: int, batches: int, num_w
         it.close()  # type: ignore[attr-defined]
         del it
     if len(stamps) < 3:
-        raise ValueError(f"the train dataloader has too few batches to time ({skip} warm-up + "
-                         f"{batches}); lower trial_warmup_batches / batches_per_trial")
+        raise ValueError(
+            f"the train dataloader has too few batches to time ({skip} warm-up + "
+            f"{batches}); lower trial_warmup_batches / batches_per_trial"
+        )
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     # mean over the window (a median would hide periodic stalls, e.g. one slow worker every N batches)
     return len(gaps) / max(sum(gaps), 1e-9) if statistics.fmean(gaps) > 0 else math.inf
@@ -413,5 +478,9 @@ def loader_batches_per_sec(loader: Any, warmup_batches: int, batches: int, num_w
 
 def _describe(values: dict[str, Any], trainer: pl.Trainer) -> str:
     workers = int(values.get("num_workers") or 0)
-    return LoaderSetting(workers, values.get("prefetch_factor") or (2 if workers else None),
-                         bool(values.get("persistent_workers")), bool(values.get("pin_memory"))).label()
+    return LoaderSetting(
+        workers,
+        values.get("prefetch_factor") or (2 if workers else None),
+        bool(values.get("persistent_workers")),
+        bool(values.get("pin_memory")),
+    ).label()

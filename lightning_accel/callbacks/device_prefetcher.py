@@ -66,8 +66,7 @@ class DevicePrefetcher(Callback):
     Logged keys: none.
     """
 
-    def __init__(self, *, depth: int = 2, pin_memory: bool | None = None,
-                 loaders: Iterable[str] = ("train",)) -> None:
+    def __init__(self, *, depth: int = 2, pin_memory: bool | None = None, loaders: Iterable[str] = ("train",)) -> None:
         check_int("DevicePrefetcher", "depth", depth, unit="batches", example=2)
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ValueError(f"DevicePrefetcher(pin_memory={pin_memory!r}): use True, False or None (default: True)")
@@ -76,8 +75,10 @@ class DevicePrefetcher(Callback):
         loaders = tuple(loaders)
         unknown = [name for name in loaders if name not in _STAGES]
         if unknown or not loaders:
-            raise ValueError(f"DevicePrefetcher(loaders={loaders!r}): choose one or more of {sorted(_STAGES)}, "
-                             "e.g. loaders=('train',)")
+            raise ValueError(
+                f"DevicePrefetcher(loaders={loaders!r}): choose one or more of {sorted(_STAGES)}, "
+                "e.g. loaders=('train',)"
+            )
         self.depth = depth
         self.pin_memory = pin_memory
         self.loaders = loaders
@@ -106,9 +107,12 @@ class DevicePrefetcher(Callback):
             dataloader = original(dataloader)
             if trainer.state.stage not in self._stages or isinstance(dataloader, PrefetchingLoader):
                 return dataloader
-            wrapped = PrefetchingLoader(dataloader, depth=self.depth,  # type: ignore[arg-type]
-                                        device=device if device.type == "cuda" else None,
-                                        pin_memory=self.pin_memory)
+            wrapped = PrefetchingLoader(
+                dataloader,
+                depth=self.depth,  # type: ignore[arg-type]
+                device=device if device.type == "cuda" else None,
+                pin_memory=self.pin_memory,
+            )
             self._wrapped.append(wrapped)
             return wrapped
 

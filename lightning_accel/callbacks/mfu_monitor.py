@@ -97,11 +97,15 @@ class MFUMonitor(Callback):
         check_int("MFUMonitor", "window", window, unit="batches", example=20)
         check_int("MFUMonitor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
         if flops_per_batch is not None and (not isinstance(flops_per_batch, (int, float)) or flops_per_batch <= 0):
-            raise ValueError(f"MFUMonitor(flops_per_batch={flops_per_batch!r}): give a positive FLOP count or None "
-                             "to count automatically")
+            raise ValueError(
+                f"MFUMonitor(flops_per_batch={flops_per_batch!r}): give a positive FLOP count or None "
+                "to count automatically"
+            )
         if peak_flops is not None and (not isinstance(peak_flops, (int, float)) or peak_flops <= 0):
-            raise ValueError(f"MFUMonitor(peak_flops={peak_flops!r}): give a positive FLOP/s figure (e.g. 989e12) "
-                             "or None to look it up / measure it")
+            raise ValueError(
+                f"MFUMonitor(peak_flops={peak_flops!r}): give a positive FLOP/s figure (e.g. 989e12) "
+                "or None to look it up / measure it"
+            )
         self.window = window
         self.warmup_batches = warmup_batches
         self.flops_per_batch = float(flops_per_batch) if flops_per_batch is not None else None
@@ -144,12 +148,16 @@ class MFUMonitor(Callback):
         try:
             self._peak = resolve_peak_flops(device, self._dtype, self.peak_flops)
         except ValueError as err:  # e.g. an fp8 run on an unknown device: nothing to probe
-            rank_zero_warn(f"MFUMonitor: no peak FLOP/s for {device} {self._dtype} ({err}); MFU is not reported. "
-                           "Pass MFUMonitor(peak_flops=...) to get it.")
+            rank_zero_warn(
+                f"MFUMonitor: no peak FLOP/s for {device} {self._dtype} ({err}); MFU is not reported. "
+                "Pass MFUMonitor(peak_flops=...) to get it."
+            )
         self._initial_peak = self._peak
         if self._peak is None:
-            rank_zero_warn(f"MFUMonitor: no peak FLOP/s known for {device} {self._dtype}; MFU is not reported. "
-                           "Pass MFUMonitor(peak_flops=...) to get it.")
+            rank_zero_warn(
+                f"MFUMonitor: no peak FLOP/s known for {device} {self._dtype}; MFU is not reported. "
+                "Pass MFUMonitor(peak_flops=...) to get it."
+            )
         extra = [getattr(cb, "warmup_batches", 0) for cb in trainer.callbacks if cb is not self]
         self._skip = self.warmup_batches + max([int(x) for x in extra if isinstance(x, int)] or [0])
         self._meter = WindowedThroughput(window=self.window, synchronize=sync_fn(device))
@@ -160,14 +168,16 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ per batch
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._counting_done and not self._counter.running:
             self._counter.start()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._counter.running:
             self._finish_counting()
         meter = self._meter
@@ -183,8 +193,9 @@ class MFUMonitor(Callback):
             self._exclude_recomputation(trainer)
         rates = meter.update(samples_in_batch(batch), self._tokens_fn(batch), self._flops)
         if rates is not None:
-            self._publish(trainer, pl_module, rates.samples, rates.tokens, rates.flops, rates.seconds,
-                          rates.batches, log=True)
+            self._publish(
+                trainer, pl_module, rates.samples, rates.tokens, rates.flops, rates.seconds, rates.batches, log=True
+            )
 
     def _exclude_recomputation(self, trainer: pl.Trainer) -> None:
         """Model FLOPs exclude recomputation: subtract what callbacks report recomputing per micro-batch.
@@ -204,31 +215,56 @@ class MFUMonitor(Callback):
             return
         if 0 < recomputed < self._flops:
             self._flops -= float(recomputed)
-            self._flops_source = (f"counted on the first batch (FlopCounterMode), minus {recomputed / 1e9:,.3f} G "
-                                  "recomputed by activation checkpointing")
+            self._flops_source = (
+                f"counted on the first batch (FlopCounterMode), minus {recomputed / 1e9:,.3f} G "
+                "recomputed by activation checkpointing"
+            )
 
     def _finish_counting(self) -> None:
         self._counting_done = True
         try:
             flops = self._counter.stop()
         except Exception as err:  # noqa: BLE001 - measuring must never stop training
-            rank_zero_warn(f"MFUMonitor: FLOP counting failed ({err!r}); reporting throughput without MFU. "
-                           "Pass MFUMonitor(flops_per_batch=...) to get MFU.")
+            rank_zero_warn(
+                f"MFUMonitor: FLOP counting failed ({err!r}); reporting throughput without MFU. "
+                "Pass MFUMonitor(flops_per_batch=...) to get MFU."
+            )
             return
         if flops <= 0:
-            rank_zero_warn("MFUMonitor: FlopCounterMode counted no FLOPs on the first batch (no matmul/conv/"
-                           "attention ran through the dispatcher, e.g. a custom kernel); reporting throughput "
-                           "without MFU. Pass MFUMonitor(flops_per_batch=...) to get MFU.")
+            rank_zero_warn(
+                "MFUMonitor: FlopCounterMode counted no FLOPs on the first batch (no matmul/conv/"
+                "attention ran through the dispatcher, e.g. a custom kernel); reporting throughput "
+                "without MFU. Pass MFUMonitor(flops_per_batch=...) to get MFU."
+            )
             return
         self._flops = float(flops)
         self._flops_source = "counted on the first batch (FlopCounterMode)"
 
-    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, samples: float, tokens: float | None,
-                 flops: float | None, seconds: float, batches: int, *, log: bool) -> None:
+    def _publish(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        samples: float,
+        tokens: float | None,
+        flops: float | None,
+        seconds: float,
+        batches: int,
+        *,
+        log: bool,
+    ) -> None:
         peak = self._peak.flops if self._peak is not None else math.nan
-        rows = gather_floats(trainer, trainer.strategy.root_device, [
-            samples, math.nan if tokens is None else tokens, math.nan if flops is None else flops,
-            seconds, batches, peak]).tolist()
+        rows = gather_floats(
+            trainer,
+            trainer.strategy.root_device,
+            [
+                samples,
+                math.nan if tokens is None else tokens,
+                math.nan if flops is None else flops,
+                seconds,
+                batches,
+                peak,
+            ],
+        ).tolist()
         # plain floats: a handful of values per rank, where tensor ops would cost ~10 µs each (the window's flush
         # is this callback's main hot-path cost)
         sec = [max(r[3], 1e-12) for r in rows]
@@ -239,8 +275,7 @@ class MFUMonitor(Callback):
             # a batch shared by a tensor-parallel group is counted once (self._batch_replicas)
             "samples_per_sec": sum(r[0] / t for r, t in zip(rows, sec)) / self._batch_replicas,
             "batches_per_sec": sum(r[4] / t for r, t in zip(rows, sec)) / n,
-            "tokens_per_sec": (None if no_tokens
-                               else sum(r[1] / t for r, t in zip(rows, sec)) / self._batch_replicas),
+            "tokens_per_sec": (None if no_tokens else sum(r[1] / t for r, t in zip(rows, sec)) / self._batch_replicas),
             "flops_per_sec_per_device": None if no_flops else sum(r[2] / t for r, t in zip(rows, sec)) / n,
             "seconds": max(sec),
             "batches": sum(r[4] for r in rows),
@@ -269,8 +304,9 @@ class MFUMonitor(Callback):
             values["perf/mfu"] = record["mfu"]
         log_window(trainer, pl_module, values, prog_bar=("perf/samples_per_sec", "perf/mfu") if self.prog_bar else ())
 
-    def _raise_peak(self, trainer: pl.Trainer, achieved: list[float], peaks: list[float], *, seconds: float
-                    ) -> list[float]:
+    def _raise_peak(
+        self, trainer: pl.Trainer, achieved: list[float], peaks: list[float], *, seconds: float
+    ) -> list[float]:
         """A window ran faster than the peak: that rate is a measured lower bound of the true peak, so it becomes the
         peak. Ranks that started from one peak are one kind of device and keep one peak (the fastest rank's rate);
         ranks with different peaks are raised each to its own rate. Every rank computes the same list from the
@@ -289,38 +325,50 @@ class MFUMonitor(Callback):
         if self._peak is not None and mine > self._peak.flops:
             initial = self._initial_peak or self._peak
             who = f" on rank {rank}" if trainer.world_size > 1 else ""
-            self._peak = PeakFlops(mine, "achieved",
-                                   f"achieved by window {window}{who} ({format_flops(mine)}), raised from the "
-                                   f"{initial.source} peak {format_flops(initial.flops)} ({initial.detail})")
+            self._peak = PeakFlops(
+                mine,
+                "achieved",
+                f"achieved by window {window}{who} ({format_flops(mine)}), raised from the "
+                f"{initial.source} peak {format_flops(initial.flops)} ({initial.detail})",
+            )
         if self._peak_raises == 0:
             self._warn_raised(trainer, window, rank, achieved[rank], peaks[rank], seconds)
         self._peak_raises += 1
         return raised
 
-    def _warn_raised(self, trainer: pl.Trainer, window: int, rank: int, achieved: float, peak: float,
-                     seconds: float) -> None:
+    def _warn_raised(
+        self, trainer: pl.Trainer, window: int, rank: int, achieved: float, peak: float, seconds: float
+    ) -> None:
         initial = self._initial_peak
         source = initial.source if initial is not None else "unknown"
         detail = initial.detail if initial is not None else ""
         who = f" on rank {rank}" if trainer.world_size > 1 else ""
         flops = "" if self._flops is None else f"{self._flops:.4g} FLOP per batch, {self._flops_source}"
-        head = (f"MFUMonitor: window {window}{who} achieved {format_flops(achieved)} over {seconds:.3g} s, "
-                f"{100 * achieved / peak:.1f} % of the peak {format_flops(peak)} ({source}: {detail}). ")
+        head = (
+            f"MFUMonitor: window {window}{who} achieved {format_flops(achieved)} over {seconds:.3g} s, "
+            f"{100 * achieved / peak:.1f} % of the peak {format_flops(peak)} ({source}: {detail}). "
+        )
         if source == "table":
-            why = (f"A GPU cannot run faster than its datasheet: the FLOP count ({flops}) overstates the work the "
-                   "kernels do (a causal or sparse kernel skipping work FlopCounterMode counts, a custom op counted "
-                   f"twice) or the matmuls run in a faster dtype than {self._dtype}, the one the table was read for. ")
+            why = (
+                f"A GPU cannot run faster than its datasheet: the FLOP count ({flops}) overstates the work the "
+                "kernels do (a causal or sparse kernel skipping work FlopCounterMode counts, a custom op counted "
+                f"twice) or the matmuls run in a faster dtype than {self._dtype}, the one the table was read for. "
+            )
             fix = "Pass MFUMonitor(flops_per_batch=...) and/or MFUMonitor(peak_flops=...) with the right figures."
         elif source == "user":
             why = f"The peak_flops given is below what the device ran ({flops}). "
             fix = "Pass the device's real peak as MFUMonitor(peak_flops=...)."
         else:
-            why = ("The peak read low (a probe disturbed by other load, a clock read below the one the cores ran "
-                   f"at), or the FLOP count ({flops}) is above the work done. ")
+            why = (
+                "The peak read low (a probe disturbed by other load, a clock read below the one the cores ran "
+                f"at), or the FLOP count ({flops}) is above the work done. "
+            )
             fix = "Pass MFUMonitor(peak_flops=...) to fix the denominator."
-        rank_zero_warn(f"{head}{why}The peak is raised to {format_flops(achieved)}, the rate achieved, so MFU stays "
-                       "a fraction (this window's MFU is 1.0); later raises are not warned, and the summary divides "
-                       f"every window by the final peak. {fix}")
+        rank_zero_warn(
+            f"{head}{why}The peak is raised to {format_flops(achieved)}, the rate achieved, so MFU stays "
+            "a fraction (this window's MFU is 1.0); later raises are not warned, and the summary divides "
+            f"every window by the final peak. {fix}"
+        )
 
     # ------------------------------------------------------------------ pauses
     @override
@@ -347,8 +395,9 @@ class MFUMonitor(Callback):
             return
         last = meter.close()
         if last is not None:
-            self._publish(trainer, pl_module, last.samples, last.tokens, last.flops, last.seconds, last.batches,
-                          log=False)
+            self._publish(
+                trainer, pl_module, last.samples, last.tokens, last.flops, last.seconds, last.batches, log=False
+            )
         self.summary = self._summarize(trainer)
         if self.print_summary:
             rank_zero_print(trainer, self._summary_table())
@@ -361,8 +410,13 @@ class MFUMonitor(Callback):
             "dtype": self._dtype,
             "flops_per_batch": self._flops,
             "flops_source": self._flops_source,
-            "peak_flops": (sum(self._rank_peaks) / len(self._rank_peaks) if self._rank_peaks
-                           else self._peak.flops if self._peak else None),
+            "peak_flops": (
+                sum(self._rank_peaks) / len(self._rank_peaks)
+                if self._rank_peaks
+                else self._peak.flops
+                if self._peak
+                else None
+            ),
             "peak_source": self._peak.detail if self._peak else None,
             "peak_flops_initial": self._initial_peak.flops if self._initial_peak else None,
             "peak_source_initial": self._initial_peak.detail if self._initial_peak else None,
@@ -371,8 +425,10 @@ class MFUMonitor(Callback):
             "batches_measured": int(sum(h["batches"] or 0 for h in self.history)),
         }
         if not self.history:
-            out["note"] = (f"too few batches to measure: {self._batches_seen} ran, {self._skip} are warm-up; "
-                           f"train longer or lower warmup_batches")
+            out["note"] = (
+                f"too few batches to measure: {self._batches_seen} ran, {self._skip} are warm-up; "
+                f"train longer or lower warmup_batches"
+            )
             return out
         weights = [h["seconds"] or 0.0 for h in self.history]
 
@@ -386,7 +442,8 @@ class MFUMonitor(Callback):
         if weighted("mfu") is not None and self._rank_peaks and sum(weights) > 0:
             # every window against the final peak (windows logged before a raise divided by a lower one)
             mfu = sum(w / sum(weights) / p for w, p in zip(self._achieved_weighted, self._rank_peaks)) / len(
-                self._rank_peaks)
+                self._rank_peaks
+            )
         out.update(
             samples_per_sec=weighted("samples_per_sec"),
             median_samples_per_sec=statistics.median(h["samples_per_sec"] for h in self.history),
@@ -413,18 +470,25 @@ class MFUMonitor(Callback):
         if s.get("tokens_per_sec") is not None:
             table.add_row("tokens/s", f"{s['tokens_per_sec']:,.0f}", "global (all ranks)")
         if s.get("flops_per_batch") is not None:
-            table.add_row("model FLOPs / batch", f"{s['flops_per_batch'] / 1e9:,.3f} G", f"per device, "
-                          f"{s['flops_source']}")
+            table.add_row(
+                "model FLOPs / batch", f"{s['flops_per_batch'] / 1e9:,.3f} G", f"per device, {s['flops_source']}"
+            )
         if s.get("flops_per_sec_per_device") is not None:
             table.add_row("achieved", f"{s['flops_per_sec_per_device'] / 1e12:,.4f} TFLOP/s", "per device")
         if s.get("peak_flops") is not None:
             table.add_row("peak", f"{s['peak_flops'] / 1e12:,.4f} TFLOP/s", f"per device, {s['peak_source']}")
         if s.get("peak_raises"):
-            table.add_row("peak raised", f"{s['peak_raises']} window(s)",
-                          f"windows ran faster than the initial peak {s['peak_flops_initial'] / 1e12:,.4f} TFLOP/s; "
-                          "windows logged before a raise divided by a lower peak")
+            table.add_row(
+                "peak raised",
+                f"{s['peak_raises']} window(s)",
+                f"windows ran faster than the initial peak {s['peak_flops_initial'] / 1e12:,.4f} TFLOP/s; "
+                "windows logged before a raise divided by a lower peak",
+            )
         mfu = s.get("mfu")
         table.add_row("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %", "achieved ÷ final peak, per device")
-        table.add_row("measured over", f"{s['batches_measured']} batches / {s['seconds_measured']:.1f} s",
-                      f"after {s['warmup_batches']} warm-up batches; validation excluded")
+        table.add_row(
+            "measured over",
+            f"{s['batches_measured']} batches / {s['seconds_measured']:.1f} s",
+            f"after {s['warmup_batches']} warm-up batches; validation excluded",
+        )
         return table

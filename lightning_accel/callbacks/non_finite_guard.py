@@ -68,8 +68,9 @@ class NonFiniteGuard(Callback):
         bad_steps, skipped_steps, consecutive: the counters; ``last_bad_params``: names from the last bad step.
     """
 
-    def __init__(self, *, max_consecutive: int = 10, check_loss: bool = True, max_names: int = 5,
-                 log_amp_stats: bool = True) -> None:
+    def __init__(
+        self, *, max_consecutive: int = 10, check_loss: bool = True, max_names: int = 5, log_amp_stats: bool = True
+    ) -> None:
         check_int("NonFiniteGuard", "max_consecutive", max_consecutive, example=10)
         check_int("NonFiniteGuard", "max_names", max_names, example=5)
         self.max_consecutive = max_consecutive
@@ -97,8 +98,10 @@ class NonFiniteGuard(Callback):
 
     def _wrap_step(self, optimizer: Any) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("NonFiniteGuard cannot guard LBFGS (it calls the closure several times per step); "
-                             "remove NonFiniteGuard or use another optimizer")
+            raise ValueError(
+                "NonFiniteGuard cannot guard LBFGS (it calls the closure several times per step); "
+                "remove NonFiniteGuard or use another optimizer"
+            )
         had_own = "step" in vars(optimizer)
         original = optimizer.step
         key = id(optimizer)
@@ -180,8 +183,11 @@ class NonFiniteGuard(Callback):
             if loss_ok is not None and not bool(loss_ok):
                 first = next(x for x in losses if not torch.isfinite(x).all())
                 loss_note = f"loss {first.float().flatten()[:1].item()}; "
-            where = (f"non-finite gradients in {', '.join(self.last_bad_params)}" if self.last_bad_params
-                     else "finite gradients on this rank (another rank or the loss was not)")
+            where = (
+                f"non-finite gradients in {', '.join(self.last_bad_params)}"
+                if self.last_bad_params
+                else "finite gradients on this rank (another rank or the loss was not)"
+            )
             action = "the GradScaler skips it and lowers its scale" if uses_scaler else "skipped"
             if self.consecutive >= self.max_consecutive:
                 raise RuntimeError(
@@ -189,12 +195,20 @@ class NonFiniteGuard(Callback):
                     f"{trainer.global_step}) had a non-finite loss or gradients ({loss_note}{where}). Training "
                     "stopped; none of these steps was applied to the weights. Try a lower learning rate, "
                     "gradient_clip_val, AutoMixedPrecision(dtype='bf16') or fp32_modules=[...] for the layers "
-                    "named above, a lower init_scale with fp16, or check the data of these batches.")
-            rank_zero_warn(f"NonFiniteGuard: step {trainer.global_step}: {loss_note}{where}; {action} "
-                           f"({self.consecutive} in a row, stopping at {self.max_consecutive})")
+                    "named above, a lower init_scale with fp16, or check the data of these batches."
+                )
+            rank_zero_warn(
+                f"NonFiniteGuard: step {trainer.global_step}: {loss_note}{where}; {action} "
+                f"({self.consecutive} in a row, stopping at {self.max_consecutive})"
+            )
         pl_module.log("nonfinite/bad_steps", float(self.bad_steps), on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log("nonfinite/skipped_steps", float(self.skipped_steps + (is_bad and not uses_scaler)),
-                      on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log(
+            "nonfinite/skipped_steps",
+            float(self.skipped_steps + (is_bad and not uses_scaler)),
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
 
     def _bad_names(self, params: list[torch.nn.Parameter], norms: torch.Tensor | None) -> list[str]:
         if norms is None:
@@ -203,8 +217,9 @@ class NonFiniteGuard(Callback):
         return [self._names.get(id(params[i]), f"<param {i}>") for i in idx]
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.log_amp_stats or trainer.global_step % max(trainer.log_every_n_steps, 1) != 0:
             return
         plugin = trainer.precision_plugin

@@ -43,16 +43,19 @@ class NsysCapture(Callback):
         profiler: object with ``start()`` / ``stop()`` (default ``torch.cuda.profiler``; tests pass a mock).
     """
 
-    def __init__(self, *, start_step: int = 10, stop_step: int = 15, ranks: Sequence[int] | None = (0,),
-                 profiler: Any = None) -> None:
+    def __init__(
+        self, *, start_step: int = 10, stop_step: int = 15, ranks: Sequence[int] | None = (0,), profiler: Any = None
+    ) -> None:
         check_int("NsysCapture", "start_step", start_step, minimum=0, example=10, unit="optimizer steps")
         if not is_int(stop_step) or stop_step <= start_step:
-            raise ValueError(f"NsysCapture(stop_step={stop_step!r}): use a step after start_step={start_step}, "
-                             f"e.g. {start_step + 5}")
+            raise ValueError(
+                f"NsysCapture(stop_step={stop_step!r}): use a step after start_step={start_step}, e.g. {start_step + 5}"
+            )
         if ranks is not None:
             if isinstance(ranks, (str, bytes)) or not all(is_int(r) and r >= 0 for r in ranks):
-                raise ValueError(f"NsysCapture(ranks={ranks!r}): give global ranks, e.g. (0,) or (0, 8), or None "
-                                 "for every rank")
+                raise ValueError(
+                    f"NsysCapture(ranks={ranks!r}): give global ranks, e.g. (0,) or (0, 8), or None for every rank"
+                )
             ranks = tuple(ranks)
         self.start_step = start_step
         self.stop_step = stop_step
@@ -75,16 +78,18 @@ class NsysCapture(Callback):
                 self._profiler = torch.cuda.profiler
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self._enabled and not self._capturing and self.start_step <= step < self.stop_step and not self.captured:
             self._profiler.start()
             self._capturing, self._started_at = True, step
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._capturing and trainer.global_step >= self.stop_step:
             self._stop(trainer.global_step)
 

@@ -126,12 +126,17 @@ class ProfileWindow(Callback):
         self._cuda = trainer.strategy.root_device.type == "cuda"
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._profiler is not None:
             return
-        if self.at_step is not None and not self._at_step_done and trainer.global_step >= self.at_step \
-                and len(self.windows) < self.max_windows:
+        if (
+            self.at_step is not None
+            and not self._at_step_done
+            and trainer.global_step >= self.at_step
+            and len(self.windows) < self.max_windows
+        ):
             self._at_step_done = True
             self._open(trainer, f"at_step={self.at_step}")
         elif self._pending is not None:
@@ -139,8 +144,9 @@ class ProfileWindow(Callback):
             self._open(trainer, reason)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._profiler is None:
             return
         self._steps_in_window += 1
@@ -152,8 +158,10 @@ class ProfileWindow(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profiler is not None:
             done = max(0, self._steps_in_window - self.wait - self.warmup)
-            rank_zero_warn(f"ProfileWindow: training ended {done} of {self.active} recorded steps into the window; "
-                           "the trace holds only those (open the window earlier or lower `active`).")
+            rank_zero_warn(
+                f"ProfileWindow: training ended {done} of {self.active} recorded steps into the window; "
+                "the trace holds only those (open the window earlier or lower `active`)."
+            )
             self._close()
 
     @override
@@ -167,8 +175,13 @@ class ProfileWindow(Callback):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self._cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._current = {"reason": reason, "start_step": trainer.global_step, "steps_recorded": 0,
-                         "trace": None, "table": None}
+        self._current = {
+            "reason": reason,
+            "start_step": trainer.global_step,
+            "steps_recorded": 0,
+            "trace": None,
+            "table": None,
+        }
         self._steps_in_window = 0
         self._profiler = torch.profiler.profile(
             activities=activities,
@@ -199,10 +212,13 @@ class ProfileWindow(Callback):
         with atomic_path(trace) as tmp:
             profiler.export_chrome_trace(str(tmp))
         sort_by = "self_device_time_total" if self._cuda else "self_cpu_time_total"
-        text = (f"ProfileWindow trace: {trace.name}\nreason: {self._current['reason']}\n"
-                f"recorded global steps {first}..{first + recorded - 1} ({recorded} steps, after {self.wait} wait + "
-                f"{self.warmup} warm-up), rank {self._rank}; sorted by {sort_by}\n\n"
-                + profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit) + "\n")
+        text = (
+            f"ProfileWindow trace: {trace.name}\nreason: {self._current['reason']}\n"
+            f"recorded global steps {first}..{first + recorded - 1} ({recorded} steps, after {self.wait} wait + "
+            f"{self.warmup} warm-up), rank {self._rank}; sorted by {sort_by}\n\n"
+            + profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit)
+            + "\n"
+        )
         atomic_write_text(table, text)
         self._current.update(steps_recorded=recorded, trace=str(trace), table=str(table))
 

@@ -90,8 +90,10 @@ class TorchCompile(Callback):
         if dynamic not in (None, True, False):
             raise ValueError(f"TorchCompile(dynamic={dynamic!r}): use None, True or False")
         if not isinstance(backend, str) and not callable(backend):
-            raise ValueError(f"TorchCompile(backend={backend!r}): give a backend name such as 'inductor' or "
-                             "'aot_eager', or a backend callable")
+            raise ValueError(
+                f"TorchCompile(backend={backend!r}): give a backend name such as 'inductor' or "
+                "'aot_eager', or a backend callable"
+            )
         if mode is not None and options is not None:
             raise ValueError("TorchCompile: torch.compile accepts `mode` or `options`, not both; drop one")
         check_int("TorchCompile", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
@@ -114,8 +116,10 @@ class TorchCompile(Callback):
         if self.modules is None:
             found = [(n, m) for n, m in pl_module.named_children() if any(True for _ in m.parameters())]
             if not found:
-                raise ValueError(f"TorchCompile: {type(pl_module).__name__} has no child module with parameters to "
-                                 "compile; pass modules=[...] naming what to compile")
+                raise ValueError(
+                    f"TorchCompile: {type(pl_module).__name__} has no child module with parameters to "
+                    "compile; pass modules=[...] naming what to compile"
+                )
             return found
         found: list[tuple[str, nn.Module]] = []
         missing = []
@@ -132,8 +136,10 @@ class TorchCompile(Callback):
             found.extend(h for h in hits if all(h[1] is not m for _, m in found))
         if missing:
             shown = ", ".join(t.__name__ if isinstance(t, type) else repr(t) for t in missing)
-            raise ValueError(f"TorchCompile(modules=...): {shown} matched no submodule of "
-                             f"{type(pl_module).__name__}; names present include {[n for n, _ in by_name][:12]}")
+            raise ValueError(
+                f"TorchCompile(modules=...): {shown} matched no submodule of "
+                f"{type(pl_module).__name__}; names present include {[n for n, _ in by_name][:12]}"
+            )
         # a target inside another target is compiled as part of it
         inside = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
         return [(n, m) for n, m in found if id(m) not in inside]
@@ -152,8 +158,9 @@ class TorchCompile(Callback):
                 return
             _compat.set_compiled_call(module, self._guarded(name, module, compiled))
             self.compiled_names.append(name)
-        rank_zero_info(f"TorchCompile: compiling {', '.join(self.compiled_names)} lazily on the first batch "
-                       f"({self._describe()})")
+        rank_zero_info(
+            f"TorchCompile: compiling {', '.join(self.compiled_names)} lazily on the first batch ({self._describe()})"
+        )
 
     def _describe(self) -> str:
         kw = dict(self.compile_kwargs)
@@ -186,8 +193,9 @@ class TorchCompile(Callback):
     def _fall_back(self, reason: str) -> None:
         if self.fallback_reason is None:
             self.fallback_reason = reason
-            rank_zero_warn(f"TorchCompile: {reason}. Running eagerly instead (training continues, without the "
-                           "compile speed-up).")
+            rank_zero_warn(
+                f"TorchCompile: {reason}. Running eagerly instead (training continues, without the compile speed-up)."
+            )
         for _, module in self._targets:
             _compat.set_compiled_call(module, None)
         self.compiled_names.clear()

@@ -25,7 +25,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"report written to {path}")
         return 0
     if args.plan is not None:
-        raise SystemExit(f"lightning-accel report: --plan {args.plan} is shown in the HTML page only; add --html OUT.html")
+        raise SystemExit(
+            f"lightning-accel report: --plan {args.plan} is shown in the HTML page only; add --html OUT.html"
+        )
     console = Console()
     if args.baseline is None:
         console.print(new.table())
@@ -39,14 +41,24 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "report", help="print a BottleneckDoctor report, or compare it with a baseline (before/after a fix)",
+        "report",
+        help="print a BottleneckDoctor report, or compare it with a baseline (before/after a fix)",
         description="Print the stage breakdown and findings of a BottleneckDoctor JSON report; with --baseline, "
-                    "print per stage what changed, throughput and MFU, and whether the bottleneck moved.")
+        "print per stage what changed, throughput and MFU, and whether the bottleneck moved.",
+    )
     parser.add_argument("report", help="the report to show (the new run), e.g. bottleneck_report.json")
     parser.add_argument("--baseline", default=None, help="an earlier report to compare against (the old run)")
-    parser.add_argument("--html", default=None, metavar="OUT.html",
-                        help="write one self-contained HTML page (plots inline, nothing loaded from the network; "
-                             "needs matplotlib) instead of printing")
-    parser.add_argument("--plan", default=None, metavar="PLAN.json",
-                        help="with --html: an Autopilot plan (autopilot_plan.json) whose trials the page shows")
+    parser.add_argument(
+        "--html",
+        default=None,
+        metavar="OUT.html",
+        help="write one self-contained HTML page (plots inline, nothing loaded from the network; "
+        "needs matplotlib) instead of printing",
+    )
+    parser.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN.json",
+        help="with --html: an Autopilot plan (autopilot_plan.json) whose trials the page shows",
+    )
     parser.set_defaults(func=_run)

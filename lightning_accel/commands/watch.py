@@ -24,8 +24,10 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"waiting for a window log (*.windows.jsonl) under {args.where} ...")
     while path is None:
         if deadline is not None and time.monotonic() > deadline:
-            console.print(f"no window log appeared under {args.where} within {args.wait:g} s "
-                          "(is BottleneckDoctor among the fit's callbacks, with report_path not False?)")
+            console.print(
+                f"no window log appeared under {args.where} within {args.wait:g} s "
+                "(is BottleneckDoctor among the fit's callbacks, with report_path not False?)"
+            )
             return 1
         time.sleep(min(args.interval, 1.0))
         path = find_window_log(args.where)
@@ -58,14 +60,20 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "watch", help="follow a running fit: the doctor's stage breakdown, throughput, MFU and findings, live",
+        "watch",
+        help="follow a running fit: the doctor's stage breakdown, throughput, MFU and findings, live",
         description="Follow the BottleneckDoctor's window log of a running fit (rank 0's, under DDP) and redraw "
-                    "the stage breakdown, throughput, MFU and the current findings every few seconds; exits when "
-                    "the fit ends (status 1 when it failed).")
-    parser.add_argument("where", help="the fit's log folder (searched for the newest *.windows.jsonl, e.g. "
-                                      "lightning_logs/) or a window log file")
+        "the stage breakdown, throughput, MFU and the current findings every few seconds; exits when "
+        "the fit ends (status 1 when it failed).",
+    )
+    parser.add_argument(
+        "where",
+        help="the fit's log folder (searched for the newest *.windows.jsonl, e.g. "
+        "lightning_logs/) or a window log file",
+    )
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
-    parser.add_argument("--wait", type=float, default=None,
-                        help="give up after this many seconds (default: follow until the fit ends)")
+    parser.add_argument(
+        "--wait", type=float, default=None, help="give up after this many seconds (default: follow until the fit ends)"
+    )
     parser.add_argument("--once", action="store_true", help="draw what the log holds now and exit")
     parser.set_defaults(func=_run)

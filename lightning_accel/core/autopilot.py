@@ -34,11 +34,34 @@ from lightning_accel._atomic import atomic_open
 from lightning_accel.core.batch import iter_tensors
 
 __all__ = [
-    "DEFAULT_TOLERANCES", "NUMERICS_KINDS", "PLAN_VERSION", "PRIOR_CONFIDENCE", "RULE_FIXES", "SHAPE_FIRST",
-    "STAGE_FIXES", "AutopilotPlan", "Decision", "NumericsCheck", "ProbeResult", "SearchBudget", "Tolerance",
-    "TrialRecord", "batch_digest", "EXPECTED_REMOVAL", "compare_probes", "compile_pays_back", "cosine", "decide",
-    "expected_gain", "prior_confidence", "prior_device", "propose", "rank_by_expected_gain", "relative_noise",
-    "render_python", "render_yaml",
+    "DEFAULT_TOLERANCES",
+    "NUMERICS_KINDS",
+    "PLAN_VERSION",
+    "PRIOR_CONFIDENCE",
+    "RULE_FIXES",
+    "SHAPE_FIRST",
+    "STAGE_FIXES",
+    "AutopilotPlan",
+    "Decision",
+    "NumericsCheck",
+    "ProbeResult",
+    "SearchBudget",
+    "Tolerance",
+    "TrialRecord",
+    "batch_digest",
+    "EXPECTED_REMOVAL",
+    "compare_probes",
+    "compile_pays_back",
+    "cosine",
+    "decide",
+    "expected_gain",
+    "prior_confidence",
+    "prior_device",
+    "propose",
+    "rank_by_expected_gain",
+    "relative_noise",
+    "render_python",
+    "render_yaml",
 ]
 
 PLAN_VERSION = 1
@@ -144,8 +167,14 @@ class NumericsCheck:
         return asdict(self)
 
 
-def compare_probes(reference: ProbeResult, candidate: ProbeResult, kind: str,
-                   tolerance: Tolerance | None = None, *, same_batches: bool | None = None) -> NumericsCheck:
+def compare_probes(
+    reference: ProbeResult,
+    candidate: ProbeResult,
+    kind: str,
+    tolerance: Tolerance | None = None,
+    *,
+    same_batches: bool | None = None,
+) -> NumericsCheck:
     """Whether ``candidate`` computes what ``reference`` computes, within the tolerance of ``kind``.
 
     ``data`` changes (and ``same_batches=True``: a bundle with a data-loading member) must deliver bit-identical
@@ -161,9 +190,13 @@ def compare_probes(reference: ProbeResult, candidate: ProbeResult, kind: str,
         differ = [i for i, (a, b) in enumerate(zip(reference.digests, candidate.digests)) if a != b]
         if len(reference.digests) != len(candidate.digests):
             differ.append(min(len(reference.digests), len(candidate.digests)))
-        return NumericsCheck(False, kind, f"the loader delivered different batches (probe batch {differ[0]} "
-                                          "differs; e.g. augmentation seeded per worker): a data-loading change "
-                                          "must not change the samples")
+        return NumericsCheck(
+            False,
+            kind,
+            f"the loader delivered different batches (probe batch {differ[0]} "
+            "differs; e.g. augmentation seeded per worker): a data-loading change "
+            "must not change the samples",
+        )
     rel = None
     if reference.losses and candidate.losses:
         rels = []
@@ -228,8 +261,9 @@ def decide(current: Sequence[float], candidate: Sequence[float], threshold: floa
     return Decision(False, ratio, gate, f"{ratio:.2f}x {verb} the {1 + gate:.2f}x gate ({why})")
 
 
-def compile_pays_back(compile_seconds: float, step_seconds_before: float, step_seconds_after: float,
-                      steps_left: int | None) -> tuple[bool, str]:
+def compile_pays_back(
+    compile_seconds: float, step_seconds_before: float, step_seconds_after: float, steps_left: int | None
+) -> tuple[bool, str]:
     """Whether compiling pays for itself within the fit: the time it saves over the steps left exceeds the time it
     took to compile (``steps_left=None``: unknown length, judged on the per-step gain alone)."""
     saved_per_step = step_seconds_before - step_seconds_after
@@ -239,17 +273,20 @@ def compile_pays_back(compile_seconds: float, step_seconds_before: float, step_s
         return True, "fit length unknown; compiled steps are faster"
     saved = saved_per_step * steps_left
     verdict = saved > compile_seconds
-    return verdict, (f"saves {saved:.1f} s over the {steps_left} steps left vs {compile_seconds:.1f} s to compile"
-                     if verdict else
-                     f"would save {saved:.1f} s over the {steps_left} steps left, less than the {compile_seconds:.1f} s "
-                     "compiling takes")
+    return verdict, (
+        f"saves {saved:.1f} s over the {steps_left} steps left vs {compile_seconds:.1f} s to compile"
+        if verdict
+        else f"would save {saved:.1f} s over the {steps_left} steps left, less than the {compile_seconds:.1f} s "
+        "compiling takes"
+    )
 
 
 class SearchBudget:
     """Seconds the search may spend, counted on ``clock`` from ``started`` (default: construction)."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter,
-                 started: float | None = None) -> None:
+    def __init__(
+        self, seconds: float, clock: Callable[[], float] = time.perf_counter, started: float | None = None
+    ) -> None:
         if not (isinstance(seconds, (int, float)) and seconds >= 0):
             raise ValueError(f"budget seconds must be >= 0, got {seconds!r}")
         self.seconds = float(seconds)
@@ -303,8 +340,14 @@ STAGE_FIXES: dict[str, tuple[str, ...]] = {
 }
 
 
-def propose(findings: Iterable[str], bottleneck: str | None, available: Iterable[str],
-            tried: Iterable[str], shares: Mapping[str, float] | None = None, threshold: float = 0.05) -> list[str]:
+def propose(
+    findings: Iterable[str],
+    bottleneck: str | None,
+    available: Iterable[str],
+    tried: Iterable[str],
+    shares: Mapping[str, float] | None = None,
+    threshold: float = 0.05,
+) -> list[str]:
     """Names of the fixes to try next, in order: those for the findings' rules (in the doctor's order), then those
     for the bottleneck stage, then those for the other stages by decreasing share (when no fix for the largest
     stage helps, the next one is where time goes); only ``available`` ones never ``tried`` before.
@@ -349,8 +392,12 @@ EXPECTED_REMOVAL: dict[str, dict[str, Any]] = {
     "optimizer_foreach": {"optimizer": 0.5},
     # on a CPU without bf16 in hardware autocast emulates it (rarely pays); with it (``cpu+bf16``: AVX512-BF16 /
     # AMX / Arm BF16) bf16 took 1.2-1.6x off the naive GPT-2 and Llama steps at micro-batch 32 on the 2-core VM
-    "precision": {"forward": 0.4, "backward": 0.4, "cpu": {"forward": 0.1, "backward": 0.1},
-                  "cpu+bf16": {"forward": 0.3, "backward": 0.3}},
+    "precision": {
+        "forward": 0.4,
+        "backward": 0.4,
+        "cpu": {"forward": 0.1, "backward": 0.1},
+        "cpu+bf16": {"forward": 0.3, "backward": 0.3},
+    },
     "tf32": {"forward": 0.3, "backward": 0.3},
     "compile": {"forward": 0.2, "backward": 0.2},
     "fused_attention": {"forward": 0.25, "backward": 0.25},
@@ -379,7 +426,7 @@ def expected_gain(name: str, shares: Mapping[str, float], device_type: str | Non
     fractions = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
     # "cpu+bf16" takes the "cpu" overrides, then its own
     parts = (device_type or "").split("+")
-    for key in ("+".join(parts[:i + 1]) for i in range(len(parts))):
+    for key in ("+".join(parts[: i + 1]) for i in range(len(parts))):
         override = table.get(key)
         if isinstance(override, Mapping):
             fractions.update(override)
@@ -407,15 +454,15 @@ def prior_confidence(name: str, device_type: str | None = None) -> float:
 SHAPE_FIRST: tuple[str, ...] = ("micro_batch",)
 
 
-def rank_by_expected_gain(names: Sequence[str], shares: Mapping[str, float],
-                          device_type: str | None = None) -> list[str]:
+def rank_by_expected_gain(
+    names: Sequence[str], shares: Mapping[str, float], device_type: str | None = None
+) -> list[str]:
     """``names`` by decreasing expected gain, :data:`SHAPE_FIRST` ahead; fixes without a prior keep their place
     after those with one; ties keep the given order (the doctor's findings first)."""
     order = {n: i for i, n in enumerate(names)}
     known = [n for n in names if expected_gain(n, shares, device_type) is not None]
     unknown = [n for n in names if n not in known]
-    known.sort(key=lambda n: (n not in SHAPE_FIRST, -round(expected_gain(n, shares, device_type) or 0.0, 4),
-                              order[n]))
+    known.sort(key=lambda n: (n not in SHAPE_FIRST, -round(expected_gain(n, shares, device_type) or 0.0, 4), order[n]))
     return known + unknown
 
 
@@ -478,20 +525,28 @@ class AutopilotPlan:
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
-            raise ValueError(f"Autopilot(plan={str(path)!r}): no such file; run once without `plan=` to write one "
-                             "(it goes to `save_plan`, default <default_root_dir>/autopilot_plan.json)") from None
+            raise ValueError(
+                f"Autopilot(plan={str(path)!r}): no such file; run once without `plan=` to write one "
+                "(it goes to `save_plan`, default <default_root_dir>/autopilot_plan.json)"
+            ) from None
         except json.JSONDecodeError as err:
             raise ValueError(f"Autopilot(plan={str(path)!r}) is not valid JSON: {err}") from None
         if not isinstance(data, Mapping) or not isinstance(data.get("kept"), list):
             raise ValueError(f"Autopilot(plan={str(path)!r}) is not an Autopilot plan (no 'kept' list)")
         if data.get("version") != PLAN_VERSION:
-            raise ValueError(f"Autopilot(plan={str(path)!r}) has version {data.get('version')!r}; this "
-                             f"lightning-accel reads version {PLAN_VERSION}: search again without `plan=`")
+            raise ValueError(
+                f"Autopilot(plan={str(path)!r}) has version {data.get('version')!r}; this "
+                f"lightning-accel reads version {PLAN_VERSION}: search again without `plan=`"
+            )
         for i, entry in enumerate(data["kept"]):
-            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) \
-                    or not isinstance(entry.get("params", {}), Mapping):
-                raise ValueError(f"Autopilot(plan={str(path)!r}): kept[{i}] needs a 'name' and a 'params' mapping, "
-                                 f"got {entry!r}")
+            if (
+                not isinstance(entry, Mapping)
+                or not isinstance(entry.get("name"), str)
+                or not isinstance(entry.get("params", {}), Mapping)
+            ):
+                raise ValueError(
+                    f"Autopilot(plan={str(path)!r}): kept[{i}] needs a 'name' and a 'params' mapping, got {entry!r}"
+                )
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -512,8 +567,12 @@ def _yaml_scalar(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     text = str(value)
-    if text == "" or any(c in text for c in ":#{}[],&*?|<>=!%@`'\"") or text.strip() != text \
-            or text.lower() in ("true", "false", "null", "yes", "no", "on", "off"):
+    if (
+        text == ""
+        or any(c in text for c in ":#{}[],&*?|<>=!%@`'\"")
+        or text.strip() != text
+        or text.lower() in ("true", "false", "null", "yes", "no", "on", "off")
+    ):
         return json.dumps(text)
     return text
 

@@ -68,8 +68,21 @@ from typing import Any, Protocol, cast
 
 from lightning_accel.core.autopilot import NUMERICS_KINDS, NumericsCheck, TrialRecord, relative_noise
 
-__all__ = ["AutopilotSearch", "Bundle", "Measurement", "Offer", "SearchBackend", "SearchProgress", "SearchResult",
-           "SearchStatus", "Undo", "decide_paired", "needs_third_pair", "noise_gate", "paired_bar"]
+__all__ = [
+    "AutopilotSearch",
+    "Bundle",
+    "Measurement",
+    "Offer",
+    "SearchBackend",
+    "SearchProgress",
+    "SearchResult",
+    "SearchStatus",
+    "Undo",
+    "decide_paired",
+    "needs_third_pair",
+    "noise_gate",
+    "paired_bar",
+]
 
 
 #: A first paired ratio this far above 1 (and at least 4 gates) is kept without a confirmation pair: no burst of
@@ -195,8 +208,9 @@ def _without_alternatives(candidates: list[Any]) -> tuple[list[Any], list[str]]:
         taken = next((owner[k] for k in knobs if k in owner), None)
         if taken is not None:
             shared = next(k for k in knobs if k in owner)
-            left_out.append(f"{candidate.name} (an alternative to {taken.name}: both set {shared!r}; "
-                            f"{taken.name} measured faster)")
+            left_out.append(
+                f"{candidate.name} (an alternative to {taken.name}: both set {shared!r}; {taken.name} measured faster)"
+            )
             continue
         members.append(candidate)
         owner.update((k, candidate) for k in knobs)
@@ -346,11 +360,21 @@ class AutopilotSearch:
     otherwise ``budget`` × the fit's expected duration (``steps_left`` × the estimated step time), or
     ``unknown_length_seconds`` without a fit length."""
 
-    def __init__(self, backend: SearchBackend, *, threshold: float = 0.05, warmup_steps: int = 5,
-                 measure_steps: int = 20, patience: int = 4, budget: float = 0.05,
-                 budget_seconds: float | None = None, steps_left: int | None = None,
-                 unknown_length_seconds: float = 60.0, min_gain: float = 0.01,
-                 progress: SearchProgress | None = None) -> None:
+    def __init__(
+        self,
+        backend: SearchBackend,
+        *,
+        threshold: float = 0.05,
+        warmup_steps: int = 5,
+        measure_steps: int = 20,
+        patience: int = 4,
+        budget: float = 0.05,
+        budget_seconds: float | None = None,
+        steps_left: int | None = None,
+        unknown_length_seconds: float = 60.0,
+        min_gain: float = 0.01,
+        progress: SearchProgress | None = None,
+    ) -> None:
         self.backend = backend
         self.threshold, self.warmup_steps, self.measure_steps = threshold, warmup_steps, measure_steps
         self.patience, self.budget, self.budget_seconds = patience, budget, budget_seconds
@@ -380,8 +404,17 @@ class AutopilotSearch:
         return statistics.median(self._current_rates) / base
 
     def _phase(self, phase: str, candidate: str | None = None, trial: int | None = None) -> None:
-        self.progress.phase(SearchStatus(phase, candidate, trial, self._max_trials, self._best(), self._spent(),
-                                         None if math.isinf(self._budget) else self._budget))
+        self.progress.phase(
+            SearchStatus(
+                phase,
+                candidate,
+                trial,
+                self._max_trials,
+                self._best(),
+                self._spent(),
+                None if math.isinf(self._budget) else self._budget,
+            )
+        )
 
     def _record(self, record: TrialRecord) -> None:
         self.progress.record(record)
@@ -444,8 +477,10 @@ class AutopilotSearch:
         saving = gain * self._current.step_seconds * self.steps_left
         if saving > cost:
             return True, ""
-        return False, (f"expected to save ~{saving:.1f} s ({gain:.1%} of the step over the {self.steps_left} steps), "
-                       f"less than the ~{cost:.1f} s a trial costs")
+        return False, (
+            f"expected to save ~{saving:.1f} s ({gain:.1%} of the step over the {self.steps_left} steps), "
+            f"less than the ~{cost:.1f} s a trial costs"
+        )
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SearchResult:
@@ -469,8 +504,9 @@ class AutopilotSearch:
             self._budget = float(self.budget_seconds)
         elif self.steps_left is None:
             self._budget = self.unknown_length_seconds
-            result.notes.append(f"the fit's length is unknown (no max_steps / max_epochs): searching for at most "
-                                f"{self._budget:.0f} s")
+            result.notes.append(
+                f"the fit's length is unknown (no max_steps / max_epochs): searching for at most {self._budget:.0f} s"
+            )
         else:
             self._phase("estimating the step time")
             estimate = backend.measure(2, 3)  # the first steps (loader start, allocator) warm up untimed
@@ -486,8 +522,13 @@ class AutopilotSearch:
                 # its one-off work: a first compile (~60 s on this CPU) is no reason to search a 30 s fit, though
                 # its prior (a fifth of forward + backward) is the largest
                 setup = getattr(backend, "setup_seconds", None)
-                nets = [(cast(float, o.counted_gain) * fit - (float(setup(o.candidate)) if setup is not None else 0.0),
-                         o.counted_gain) for o in offers]
+                nets = [
+                    (
+                        cast(float, o.counted_gain) * fit - (float(setup(o.candidate)) if setup is not None else 0.0),
+                        o.counted_gain,
+                    )
+                    for o in offers
+                ]
                 saving, best = max(nets, default=(0.0, 0.0))
             # baseline A A, then the first trial: its B (+ 0.2 for its warm-up) and its confirmation pair unless
             # the best fix is expected to be decisive
@@ -505,21 +546,32 @@ class AutopilotSearch:
                         result.notes.append(
                             f"a short fit (~{fit:.0f} s): windows of {warm} + {steps} steps instead of "
                             f"{self.warmup_steps} + {self.measure_steps}, whose baseline and first trial "
-                            f"(~{start_cost:.1f} s) the best fix on offer (~{saving:.1f} s) would not repay twice")
+                            f"(~{start_cost:.1f} s) the best fix on offer (~{saving:.1f} s) would not repay twice"
+                        )
                     self.warmup_steps, self.measure_steps, start_cost = warm, steps, short_cost
             if saving <= 2 * start_cost:
-                why = ("no fix is on offer" if not offers else
-                       f"the best fix on offer is expected to save ~{max(0.0, saving):.1f} s ({best:.1%} of a "
-                       f"{step * 1000:.1f} ms step over {self.steps_left} steps)")
-                result.stopped = (f"not searched: the fit (~{fit:.0f} s) is too short to repay a search: {why}, "
-                                  f"less than twice the ~{start_cost:.1f} s a baseline and one trial cost")
+                why = (
+                    "no fix is on offer"
+                    if not offers
+                    else f"the best fix on offer is expected to save ~{max(0.0, saving):.1f} s ({best:.1%} of a "
+                    f"{step * 1000:.1f} ms step over {self.steps_left} steps)"
+                )
+                result.stopped = (
+                    f"not searched: the fit (~{fit:.0f} s) is too short to repay a search: {why}, "
+                    f"less than twice the ~{start_cost:.1f} s a baseline and one trial cost"
+                )
                 return False
             if self._budget < self._spent() + start_cost:  # the estimate's steps are spent already
                 self._budget = self._floor = self._spent() + start_cost * 1.1
-                expected = (f"the best fix on offer is expected to save ~{saving:.1f} s" if best is not None
-                            else "a fix of your own is on offer")
-                result.notes.append(f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): "
-                                    f"{expected} of the ~{fit:.0f} s fit")
+                expected = (
+                    f"the best fix on offer is expected to save ~{saving:.1f} s"
+                    if best is not None
+                    else "a fix of your own is on offer"
+                )
+                result.notes.append(
+                    f"the budget is raised to {self._budget:.1f} s (a baseline and one trial): "
+                    f"{expected} of the ~{fit:.0f} s fit"
+                )
         result.budget_seconds = self._budget
         self._phase("baseline")
         first = self._measure()
@@ -535,8 +587,9 @@ class AutopilotSearch:
             pairs = [(first, second), (first, third), (second, third)]
             first, second = min(pairs, key=lambda p: relative_noise([p[0].samples_per_sec, p[1].samples_per_sec]))
             fresh = third if second is third else None
-            result.notes.append(f"the baseline's A/A noise was {spread:.1%}: a third window measured, "
-                                f"the closest two kept")
+            result.notes.append(
+                f"the baseline's A/A noise was {spread:.1%}: a third window measured, the closest two kept"
+            )
             rates = [first.samples_per_sec, second.samples_per_sec]
         result.baseline_samples_per_sec = statistics.median(rates)
         result.noise = relative_noise(rates)
@@ -597,9 +650,11 @@ class AutopilotSearch:
                             continue
                         o.why_not = f"not trialled: {why}"
                     tried.add(name)
-                    record = self._new_record(name, backend.describe(o.candidate),
-                                              o.why_not if o.why_not.startswith("not trialled")
-                                              else f"not applicable: {o.why_not}")
+                    record = self._new_record(
+                        name,
+                        backend.describe(o.candidate),
+                        o.why_not if o.why_not.startswith("not trialled") else f"not applicable: {o.why_not}",
+                    )
                     self._record(record)
                 if offer is None:
                     if not too_long:
@@ -608,20 +663,28 @@ class AutopilotSearch:
                         stopped = "time left kept for confirming the held small gains together"
                     else:
                         cost = too_long[0][1]
-                        stopped = (f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
-                                   f"needs ~{cost:.1f} s)")
+                        stopped = (
+                            f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial "
+                            f"needs ~{cost:.1f} s)"
+                        )
                         if not self._measured_any():
-                            result.notes.append(f"the budget ({self._budget:.1f} s) is too small for one trial "
-                                                f"(~{cost:.1f} s): nothing was changed")
+                            result.notes.append(
+                                f"the budget ({self._budget:.1f} s) is too small for one trial "
+                                f"(~{cost:.1f} s): nothing was changed"
+                            )
                     break
                 tried.add(offer.candidate.name)
                 left = self._budget - self._spent()
                 for o, cost in too_long:  # passed over for a cheaper fix: said once, not offered again
                     tried.add(o.candidate.name)
-                    self._record(self._new_record(
-                        o.candidate.name, backend.describe(o.candidate),
-                        f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
-                        f" (the cheaper {offer.candidate.name} is tried instead)"))
+                    self._record(
+                        self._new_record(
+                            o.candidate.name,
+                            backend.describe(o.candidate),
+                            f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
+                            f" (the cheaper {offer.candidate.name} is tried instead)",
+                        )
+                    )
                 kept, measured = self._trial(offer.candidate, offer.gain)
                 if kept:
                     misses = 0
@@ -779,8 +842,11 @@ class AutopilotSearch:
                 self._window_seconds = _window_length(after_window)  # the next trials' windows are of this one
                 backend.adopt(after_window, None)
                 backend.reference()
-            elif mean >= 1.0 + self.min_gain and (verdict is None or verdict[0]) \
-                    and not getattr(candidate, "probe_through_strategy", False):
+            elif (
+                mean >= 1.0 + self.min_gain
+                and (verdict is None or verdict[0])
+                and not getattr(candidate, "probe_through_strategy", False)
+            ):
                 self._held.append(_Held(candidate, mean, record))
                 reason = f"{reason}: held for a bundle with other small gains"
             record.reason = reason
@@ -883,8 +949,10 @@ class AutopilotSearch:
             undos = []
             again = self._measure()
             self._fresh = again
-            ratios = [after.samples_per_sec / max(before.samples_per_sec, 1e-12),
-                      second.samples_per_sec / max(again.samples_per_sec, 1e-12)]
+            ratios = [
+                after.samples_per_sec / max(before.samples_per_sec, 1e-12),
+                second.samples_per_sec / max(again.samples_per_sec, 1e-12),
+            ]
             rates = [after.samples_per_sec, second.samples_per_sec]
             last = second
             keep, reason = decide_paired(ratios, self._gate)

@@ -48,8 +48,12 @@ def samples_in_batch(batch: Any) -> int:
 def tokens_in_batch(batch: Any) -> int | None:
     """Tokens in a language-model batch: the first integer tensor shaped ``(batch, seq)``; ``None`` otherwise."""
     for tensor in iter_tensors(batch):
-        if tensor.ndim == 2 and not tensor.is_floating_point() and not tensor.is_complex() \
-                and tensor.dtype != torch.bool:
+        if (
+            tensor.ndim == 2
+            and not tensor.is_floating_point()
+            and not tensor.is_complex()
+            and tensor.dtype != torch.bool
+        ):
             return int(tensor.shape[0] * tensor.shape[1])
     return None
 

@@ -162,8 +162,10 @@ class Breakdown:
         never measured); empty before the first window."""
         if not self.windows:
             return []
-        return [{s: (seconds[s] / n if n > 0 else 0.0) for s in STAGES}
-                for seconds, n in zip(self._per_rank, self._per_rank_batches)]
+        return [
+            {s: (seconds[s] / n if n > 0 else 0.0) for s in STAGES}
+            for seconds, n in zip(self._per_rank, self._per_rank_batches)
+        ]
 
     def stage_seconds(self) -> dict[str, float] | None:
         """Mean seconds per batch and device, per stage."""

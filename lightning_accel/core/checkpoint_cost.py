@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["HIDDEN_FRACTION", "MIN_SHARE", "TRIAL_PERIODS", "checkpoint_share", "steps_between_saves",
-           "why_not_trial"]
+__all__ = ["HIDDEN_FRACTION", "MIN_SHARE", "TRIAL_PERIODS", "checkpoint_share", "steps_between_saves", "why_not_trial"]
 
 #: a save's share of the fit below which a background write is not trialled
 MIN_SHARE = 0.05
@@ -28,8 +27,9 @@ TRIAL_PERIODS = 5
 HIDDEN_FRACTION = 0.8
 
 
-def steps_between_saves(every_n_train_steps: int | None, every_n_epochs: int | None,
-                        steps_per_epoch: int | None) -> int | None:
+def steps_between_saves(
+    every_n_train_steps: int | None, every_n_epochs: int | None, steps_per_epoch: int | None
+) -> int | None:
     """Optimizer steps between two saves of a ``ModelCheckpoint``: its step cadence, else its epoch cadence ×
     steps per epoch; ``None`` when it saves on neither (only by time, or never during the fit)."""
     if every_n_train_steps:
@@ -45,19 +45,24 @@ def checkpoint_share(save_seconds: float, steps_between: int, step_seconds: floa
     return save_seconds / period if period > 0 else 0.0
 
 
-def why_not_trial(save_seconds: float, steps_between: int, step_seconds: float, steps_left: int | None,
-                  window_steps: int) -> str | None:
+def why_not_trial(
+    save_seconds: float, steps_between: int, step_seconds: float, steps_left: int | None, window_steps: int
+) -> str | None:
     """``None`` when a background write is worth trialling, else the reason (one line). ``window_steps``: the steps
     of each measured period; ``steps_left``: ``None`` for a fit of unknown length (always worth it)."""
     share = checkpoint_share(save_seconds, steps_between, step_seconds)
     if share < MIN_SHARE:
-        return (f"saving is {100 * share:.1f} % of the fit (one save every {steps_between} steps), under the "
-                f"{100 * MIN_SHARE:.0f} % worth a trial")
+        return (
+            f"saving is {100 * share:.1f} % of the fit (one save every {steps_between} steps), under the "
+            f"{100 * MIN_SHARE:.0f} % worth a trial"
+        )
     if steps_left is not None:
         saves = math.floor(steps_left / max(1, steps_between))
         saving = saves * save_seconds * HIDDEN_FRACTION
         cost = TRIAL_PERIODS * (save_seconds + window_steps * step_seconds)
         if saving <= cost:
-            return (f"the {saves} save(s) left would save ~{saving:.1f} s written in the background, less than the "
-                    f"~{cost:.1f} s a trial costs")
+            return (
+                f"the {saves} save(s) left would save ~{saving:.1f} s written in the background, less than the "
+                f"~{cost:.1f} s a trial costs"
+            )
     return None

@@ -32,7 +32,7 @@ def clean_module_name(name: str) -> str:
         if name == segment:
             return ""
         if name.startswith(segment + "."):
-            name = name[len(segment) + 1:]
+            name = name[len(segment) + 1 :]
     return name
 
 
@@ -64,7 +64,8 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
         matched = False
         for i, target in enumerate(targets):
             if (isinstance(target, type) and isinstance(module, target)) or (
-                    isinstance(target, str) and fnmatch.fnmatchcase(clean, target)):
+                isinstance(target, str) and fnmatch.fnmatchcase(clean, target)
+            ):
                 hits[i] += 1
                 matched = True
         owner = raw.removesuffix(CHECKPOINT_PREFIX).removesuffix(".")  # an already wrapped module: its wrapper
@@ -75,8 +76,10 @@ def apply_activation_checkpointing(model: nn.Module, targets: Sequence[type | st
         types = sorted({type(m).__name__ for _, _, m in named if not _is_wrapper(m)})
         shown = ", ".join(t.__name__ if isinstance(t, type) else repr(t) for t in missing)
         names = list(dict.fromkeys(c for c, _, _ in named))[:10]
-        raise ValueError(f"ActivationCheckpointing: {shown} matched no submodule of {type(model).__name__}. Module "
-                         f"types present: {', '.join(types)}; names include {names}")
+        raise ValueError(
+            f"ActivationCheckpointing: {shown} matched no submodule of {type(model).__name__}. Module "
+            f"types present: {', '.join(types)}; names include {names}"
+        )
     outermost = [(c, r) for c, r in chosen if not any(r.startswith(o + ".") for _, o in chosen if o != r)]
     for _, raw in outermost:
         parent_name, _, child = raw.rpartition(".")
@@ -97,8 +100,11 @@ def disable_kv_cache(model: nn.Module) -> list[Any]:
     changed: list[Any] = []
     for module in model.modules():
         config: Any = getattr(module, "config", None)
-        if _compat.hf_attn_implementation(module) is not None and getattr(config, "use_cache", False) is True \
-                and all(config is not c for c in changed):
+        if (
+            _compat.hf_attn_implementation(module) is not None
+            and getattr(config, "use_cache", False) is True
+            and all(config is not c for c in changed)
+        ):
             config.use_cache = False
             changed.append(config)
     return changed
@@ -142,8 +148,11 @@ def saved_activation_bytes(module: nn.Module, args: tuple[Any, ...], kwargs: dic
         return t
 
     cuda = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-    with _preserved_training_state(module, cuda), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (
+        _preserved_training_state(module, cuda),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         out = module(*args, **kwargs)
     del out
     return sum(seen.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 
@@ -26,13 +27,15 @@ class RankFailure(RuntimeError):
     """Another rank did not take part in one of the collection's collectives (it died, hangs, or diverged)."""
 
 
-def _missing_ranks(dist: object) -> str:
+def _missing_ranks(dist: Any) -> str:
     """On gloo: which ranks do not answer a short monitored barrier (its error names them); else ''."""
     try:
-        if dist.get_backend() != "gloo":  # type: ignore[attr-defined]
+        if dist.get_backend() != "gloo":
             return ""
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=_PROBE_TIMEOUT_S),  # type: ignore[attr-defined]
-                               wait_all_ranks=True)
+        dist.monitored_barrier(
+            timeout=datetime.timedelta(seconds=_PROBE_TIMEOUT_S),
+            wait_all_ranks=True,
+        )
     except RuntimeError as err:  # "Ranks 1, 3 failed to pass monitoredBarrier" or a closed connection
         return str(err).strip().splitlines()[0][:300]
     return ""
@@ -60,8 +63,10 @@ def all_gather_bounded(tensor: torch.Tensor, *, what: str, timeout_s: float | No
         missing = _missing_ranks(dist)
         if "monitoredBarrier" not in missing and world == 2:  # a closed connection: the only peer is the other rank
             missing = f"rank {1 - rank} stopped ({missing or 'no answer'})"
-        raise RankFailure(f"{what}: rank {rank} of {world} waited for the other ranks' all_gather and it failed "
-                          f"within {limit:g} s ({str(err).strip().splitlines()[0][:200]}); "
-                          f"{missing or 'the rank that stopped is named in its own log'}. Set "
-                          "LIGHTNING_ACCEL_COLLECTIVE_TIMEOUT_S to wait longer.") from err
+        raise RankFailure(
+            f"{what}: rank {rank} of {world} waited for the other ranks' all_gather and it failed "
+            f"within {limit:g} s ({str(err).strip().splitlines()[0][:200]}); "
+            f"{missing or 'the rank that stopped is named in its own log'}. Set "
+            "LIGHTNING_ACCEL_COLLECTIVE_TIMEOUT_S to wait longer."
+        ) from err
     return torch.stack(out)

@@ -62,20 +62,25 @@ class Thresholds:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "variability":
-                if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
-                        or value <= 1.0):
-                    raise ValueError(f"thresholds: variability={value!r} must be a ratio p95/p5 of step times "
-                                     "above 1, e.g. 2.0")
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or value <= 1.0:
+                    raise ValueError(
+                        f"thresholds: variability={value!r} must be a ratio p95/p5 of step times above 1, e.g. 2.0"
+                    )
                 continue
             if f.name == "small_batch":
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"thresholds: small_batch={value!r} must be a positive integer batch size, "
-                                     "e.g. 8")
+                    raise ValueError(f"thresholds: small_batch={value!r} must be a positive integer batch size, e.g. 8")
                 continue
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
-                    or not 0.0 < value < 1.0):
-                raise ValueError(f"thresholds: {f.name}={value!r} must be a fraction strictly between 0 and 1 "
-                                 f"(e.g. {f.default} for {100 * cast(float, f.default):.0f} %)")
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or math.isnan(value)
+                or not 0.0 < value < 1.0
+            ):
+                raise ValueError(
+                    f"thresholds: {f.name}={value!r} must be a fraction strictly between 0 and 1 "
+                    f"(e.g. {f.default} for {100 * cast(float, f.default):.0f} %)"
+                )
 
     @classmethod
     def from_kwargs(cls, **overrides: Any) -> Thresholds:
@@ -211,9 +216,16 @@ class Finding:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Finding:
         gain, saving = data.get("gain"), data.get("saving")
-        return cls(rule=str(data["rule"]), stage=str(data["stage"]), evidence=str(data["evidence"]),
-                   fix=str(data["fix"]), value=float(data["value"]), gain=None if gain is None else float(gain),
-                   kind=str(data.get("kind", "step")), saving=None if saving is None else float(saving))
+        return cls(
+            rule=str(data["rule"]),
+            stage=str(data["stage"]),
+            evidence=str(data["evidence"]),
+            fix=str(data["fix"]),
+            value=float(data["value"]),
+            gain=None if gain is None else float(gain),
+            kind=str(data.get("kind", "step")),
+            saving=None if saving is None else float(saving),
+        )
 
     def __str__(self) -> str:
         return f"[{self.stage}] {self.evidence} Fix: {self.fix}"

@@ -46,8 +46,14 @@ class FitWindows:
         if len(self.batch_sizes) < 1000:
             self.batch_sizes.append(n)
 
-    def local_row(self, window: StageWindow, comm_seconds: float, comm_passes: int,
-                  sample_utilisation: Callable[[], dict[str, float]], device: torch.device) -> RankWindow:
+    def local_row(
+        self,
+        window: StageWindow,
+        comm_seconds: float,
+        comm_passes: int,
+        sample_utilisation: Callable[[], dict[str, float]],
+        device: torch.device,
+    ) -> RankWindow:
         """This rank's row of a closed window: its stage seconds (the exposed communication added), utilisation
         (``sample_utilisation()``, plus the CUDA peak memory fraction) and variability."""
         self.train_wall += window.wall
@@ -58,9 +64,12 @@ class FitWindows:
             total = torch.cuda.get_device_properties(device).total_memory
             util["memory_peak_frac"] = torch.cuda.max_memory_allocated(device) / total
         variability = summarise_window(window.step_times, window.data_times, window.first_batch)
-        return RankWindow(stages={f: float(values[f]) for f in ROW_FIELDS},
-                          utilisation={f: float(util.get(f, math.nan)) for f in UTIL_FIELDS},
-                          comm_passes=float(comm_passes), variability=dict(zip(VARIABILITY_FIELDS, variability)))
+        return RankWindow(
+            stages={f: float(values[f]) for f in ROW_FIELDS},
+            utilisation={f: float(util.get(f, math.nan)) for f in UTIL_FIELDS},
+            comm_passes=float(comm_passes),
+            variability=dict(zip(VARIABILITY_FIELDS, variability)),
+        )
 
     def add(self, rows: list[RankWindow]) -> tuple[WindowBreakdown, dict[str, float]] | None:
         """Add every rank's row of one window: its breakdown (``shares``, ``step_seconds``,
@@ -78,13 +87,20 @@ class FitWindows:
         window = self.breakdown.add([r.stage_row() for r in rows])
         if window is None:
             return None
-        util = reduce_utilisation({f: [r.utilisation[f] for r in measured if math.isfinite(r.utilisation[f])]
-                                   for f in UTIL_FIELDS})
+        util = reduce_utilisation(
+            {f: [r.utilisation[f] for r in measured if math.isfinite(r.utilisation[f])] for f in UTIL_FIELDS}
+        )
         for f, v in util.items():
             self.util_sums.setdefault(f, []).append(v)
         self.comm_passes += int(sum(r.comm_passes for r in measured if math.isfinite(r.comm_passes)))
-        self.timeline.append({"batch": self.breakdown.batches, "shares": window.shares,
-                              "step_seconds": window.step_seconds, "samples_per_sec": window.samples_per_sec})
+        self.timeline.append(
+            {
+                "batch": self.breakdown.batches,
+                "shares": window.shares,
+                "step_seconds": window.step_seconds,
+                "samples_per_sec": window.samples_per_sec,
+            }
+        )
         return window, util
 
     def live_context(self, ctx: RunContext) -> RunContext:

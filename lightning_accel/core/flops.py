@@ -34,8 +34,9 @@ def _extra_flop_formulas() -> dict[Any, Any]:
     def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
         return int(flop_counter.sdpa_flop_count(query, key, value))
 
-    def backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
-                 **kwargs: Any) -> int:
+    def backward(
+        grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+    ) -> int:
         b, h_q, s_q, d_q = query
         s_k = key[2]
         recomputed_scores = flop_counter.bmm_flop((b * h_q, s_q, d_q), (b * h_q, d_q, s_k))
@@ -197,8 +198,12 @@ def transformer_flops_per_token(num_params: int, num_layers: int, d_model: int, 
         d_model: hidden size d.
         seq_len: tokens per sequence T (the context the attention spans).
     """
-    for name, value in (("num_params", num_params), ("num_layers", num_layers), ("d_model", d_model),
-                        ("seq_len", seq_len)):
+    for name, value in (
+        ("num_params", num_params),
+        ("num_layers", num_layers),
+        ("d_model", d_model),
+        ("seq_len", seq_len),
+    ):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"transformer_flops_per_token: {name} must be a positive number, got {value!r}")
     return 6.0 * num_params + 12.0 * num_layers * d_model * seq_len

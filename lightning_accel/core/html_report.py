@@ -61,8 +61,12 @@ def _num(x: float | None, fmt: str = "{:.3g}") -> str:
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> str:
     """An HTML table; cells are already escaped HTML."""
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>"
-                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -71,7 +75,7 @@ def _svg(fig: Any) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg")
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return text[text.index("<svg") :]
 
 
 def _figure() -> Any:
@@ -108,8 +112,11 @@ def _breakdown_plot(timeline: list[dict[str, Any]], bottleneck: str | None) -> s
 
 
 def _throughput_plot(timeline: list[dict[str, Any]], mfu: float | None) -> str | None:
-    points = [(w["batch"], w["samples_per_sec"]) for w in timeline
-              if isinstance(w.get("samples_per_sec"), (int, float)) and w["samples_per_sec"] > 0]
+    points = [
+        (w["batch"], w["samples_per_sec"])
+        for w in timeline
+        if isinstance(w.get("samples_per_sec"), (int, float)) and w["samples_per_sec"] > 0
+    ]
     if not points:
         return None
     x, rate = zip(*points)
@@ -152,8 +159,10 @@ def _bars_plot(title: str, labels: list[str], series: Mapping[str, list[float]],
 def _findings_section(report: DoctorReport) -> str:
     if not report.findings:
         return "<p>No finding: no stage or phase crossed its threshold.</p>"
-    rows = [[_e(f.stage), _e(f.rule), _pct(f.saving), _e(f.evidence), f'<span class="fix">{_e(f.fix)}</span>']
-            for f in report.findings]
+    rows = [
+        [_e(f.stage), _e(f.rule), _pct(f.saving), _e(f.evidence), f'<span class="fix">{_e(f.fix)}</span>']
+        for f in report.findings
+    ]
     return _table(["stage", "finding", "would save", "evidence", "fix"], rows, numeric=[2])
 
 
@@ -163,8 +172,11 @@ def _attribution_section(attribution: Any) -> str:
     if isinstance(attribution, Mapping):
         modules = attribution.get("modules", attribution.get("rows"))
         if modules is None:
-            modules = [{"module": k, **(v if isinstance(v, Mapping) else {"value": v})}
-                       for k, v in attribution.items() if k not in ("notes", "window", "overhead")]
+            modules = [
+                {"module": k, **(v if isinstance(v, Mapping) else {"value": v})}
+                for k, v in attribution.items()
+                if k not in ("notes", "window", "overhead")
+            ]
         extra = {k: v for k, v in attribution.items() if k in ("window", "overhead", "notes")}
     else:
         modules, extra = attribution, {}
@@ -222,47 +234,78 @@ def _fit_section(report: DoctorReport) -> str:
 def _autopilot_section(plan: Mapping[str, Any]) -> str:
     trials = plan.get("trials") or []
     base, final = plan.get("baseline_samples_per_sec"), plan.get("final_samples_per_sec")
-    head = (f"<p>Baseline {_num(base)} samples/s → {_num(final)} samples/s"
-            + (f" ({final / base:.2f}×)" if base and final else "") + f"; noise {_pct(plan.get('noise'))}; "
-            f"search {_num(plan.get('search_seconds'), '{:.1f}')} s"
-            + (f"; stopped: {_e(plan['stopped'])}" if plan.get("stopped") else "") + ".</p>")
+    head = (
+        f"<p>Baseline {_num(base)} samples/s → {_num(final)} samples/s"
+        + (f" ({final / base:.2f}×)" if base and final else "")
+        + f"; noise {_pct(plan.get('noise'))}; "
+        f"search {_num(plan.get('search_seconds'), '{:.1f}')} s"
+        + (f"; stopped: {_e(plan['stopped'])}" if plan.get("stopped") else "")
+        + ".</p>"
+    )
     rows = []
     for t in trials:
         kept = t.get("kept")
-        rows.append([_e(t.get("index", "")), _e(t.get("name", "")), _e(t.get("change", "")),
-                     _num(t.get("samples_per_sec")), _num(t.get("ratio") or t.get("vs_baseline"), "{:.3f}×"),
-                     '<span class="kept">kept</span>' if kept else '<span class="undone">undone</span>',
-                     _e(t.get("reason", ""))])
+        rows.append(
+            [
+                _e(t.get("index", "")),
+                _e(t.get("name", "")),
+                _e(t.get("change", "")),
+                _num(t.get("samples_per_sec")),
+                _num(t.get("ratio") or t.get("vs_baseline"), "{:.3f}×"),
+                '<span class="kept">kept</span>' if kept else '<span class="undone">undone</span>',
+                _e(t.get("reason", "")),
+            ]
+        )
     return head + _table(["#", "fix", "change", "samples/s", "ratio", "", "why"], rows, numeric=[3, 4])
 
 
 def _comparison_section(report: DoctorReport, baseline: DoctorReport) -> str:
     stages = [s for s in STAGES if s in report.stage_seconds or s in baseline.stage_seconds]
-    plot = _bars_plot("ms per batch, before and after", stages,
-                      {"baseline": [1e3 * baseline.stage_seconds.get(s, 0.0) for s in stages],
-                       "this run": [1e3 * report.stage_seconds.get(s, 0.0) for s in stages]}, "ms per batch")
+    plot = _bars_plot(
+        "ms per batch, before and after",
+        stages,
+        {
+            "baseline": [1e3 * baseline.stage_seconds.get(s, 0.0) for s in stages],
+            "this run": [1e3 * report.stage_seconds.get(s, 0.0) for s in stages],
+        },
+        "ms per batch",
+    )
     lines = "".join(f"<li>{_e(line)}</li>" for line in compare(report, baseline))
     return f"<figure>{plot}</figure><ul>{lines}</ul>"
 
 
-def render_html(report: DoctorReport, *, baseline: DoctorReport | None = None,
-                plan: Mapping[str, Any] | None = None, title: str = "lightning-accel run report") -> str:
+def render_html(
+    report: DoctorReport,
+    *,
+    baseline: DoctorReport | None = None,
+    plan: Mapping[str, Any] | None = None,
+    title: str = "lightning-accel run report",
+) -> str:
     """The page as a string (see the module docstring). Needs matplotlib for the plots (``pip install
     'lightning-accel[plots]'``); raises ``ImportError`` naming that install otherwise."""
-    cards = [("bottleneck", _e(report.bottleneck or "—")),
-             ("step time", _num(1e3 * report.step_seconds, "{:.1f} ms") if report.step_seconds else "—"),
-             ("throughput", f"{_num(report.samples_per_sec)} samples/s"),
-             ("MFU", _pct(report.mfu)),
-             ("ranks", _e(report.world_size)),
-             ("batches measured", _e(report.batches))]
-    parts = [f"<h1>{_e(title)}</h1>",
-             f'<p class="sub">{_e(report.context.device_type or "")} · {report.windows} windows</p>',
-             '<div class="cards">' + "".join(f"<div class='card'><b>{v}</b><span>{_e(k)}</span></div>"
-                                             for k, v in cards) + "</div>",
-             "<h2>Findings, largest saving first</h2>", _findings_section(report)]
+    cards = [
+        ("bottleneck", _e(report.bottleneck or "—")),
+        ("step time", _num(1e3 * report.step_seconds, "{:.1f} ms") if report.step_seconds else "—"),
+        ("throughput", f"{_num(report.samples_per_sec)} samples/s"),
+        ("MFU", _pct(report.mfu)),
+        ("ranks", _e(report.world_size)),
+        ("batches measured", _e(report.batches)),
+    ]
+    parts = [
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="sub">{_e(report.context.device_type or "")} · {report.windows} windows</p>',
+        '<div class="cards">'
+        + "".join(f"<div class='card'><b>{v}</b><span>{_e(k)}</span></div>" for k, v in cards)
+        + "</div>",
+        "<h2>Findings, largest saving first</h2>",
+        _findings_section(report),
+    ]
     if report.shares:
-        rows = [[_e(s), _pct(report.shares.get(s)), _num(1e3 * report.stage_seconds.get(s, math.nan), "{:.2f}")]
-                for s in STAGES if s in report.shares]
+        rows = [
+            [_e(s), _pct(report.shares.get(s)), _num(1e3 * report.stage_seconds.get(s, math.nan), "{:.2f}")]
+            for s in STAGES
+            if s in report.shares
+        ]
         parts += ["<h2>Step breakdown</h2>", _table(["stage", "share of step", "ms / batch"], rows, numeric=[1, 2])]
     if report.timeline:
         parts += ["<h2>Over time</h2>", f"<figure>{_breakdown_plot(report.timeline, report.bottleneck)}</figure>"]
@@ -281,11 +324,12 @@ def render_html(report: DoctorReport, *, baseline: DoctorReport | None = None,
     if baseline is not None:
         parts += ["<h2>Against the baseline</h2>", _comparison_section(report, baseline)]
     if report.notes:
-        parts += ["<h2>Notes</h2>", "<ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in report.notes)
-                  + "</ul>"]
-    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+        parts += ["<h2>Notes</h2>", "<ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in report.notes) + "</ul>"]
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
 
 
 def write_html(report: DoctorReport, path: str | os.PathLike[str], **kwargs: Any) -> Path:

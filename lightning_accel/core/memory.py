@@ -112,8 +112,9 @@ class ZeroMemoryEstimate:
     def as_dict(self) -> dict[str, Any]:
         """All fields plus the totals, for logging or JSON."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        out.update(device_total=self.device_total, host_total=self.host_total, nvme_total=self.nvme_total,
-                   label=self.label)
+        out.update(
+            device_total=self.device_total, host_total=self.host_total, nvme_total=self.nvme_total, label=self.label
+        )
         return out
 
 
@@ -192,11 +193,15 @@ def estimate_zero_memory(
     off_opt = _check_offload("offload_optimizer", offload_optimizer)
     off_par = _check_offload("offload_params", offload_params)
     if off_opt and stage == 0:
-        raise ValueError("estimate_zero_memory: offload_optimizer needs ZeRO stage >= 1 (stage 0 has no optimizer "
-                         "partition to offload); use stage=1, 2 or 3")
+        raise ValueError(
+            "estimate_zero_memory: offload_optimizer needs ZeRO stage >= 1 (stage 0 has no optimizer "
+            "partition to offload); use stage=1, 2 or 3"
+        )
     if off_par and stage != 3:
-        raise ValueError(f"estimate_zero_memory: offload_params needs ZeRO stage 3 (got stage={stage}): only "
-                         "stage 3 partitions the parameters")
+        raise ValueError(
+            f"estimate_zero_memory: offload_params needs ZeRO stage 3 (got stage={stage}): only "
+            "stage 3 partitions the parameters"
+        )
 
     # ZeRO paper §3.1 / Figure 1: what each stage shards across the N_d ranks.
     params = p * (psi + frozen) / (nd if stage >= 3 else 1)
@@ -215,12 +220,22 @@ def estimate_zero_memory(
         where["device"][0] = 0.0
         where[off_par][0] = params
     return ZeroMemoryEstimate(
-        stage=stage, num_params=psi, num_frozen_params=frozen, num_devices=nd,
-        offload_optimizer=off_opt, offload_params=off_par,
-        device_params=where["device"][0], device_grads=where["device"][1], device_optimizer=where["device"][2],
+        stage=stage,
+        num_params=psi,
+        num_frozen_params=frozen,
+        num_devices=nd,
+        offload_optimizer=off_opt,
+        offload_params=off_par,
+        device_params=where["device"][0],
+        device_grads=where["device"][1],
+        device_optimizer=where["device"][2],
         device_activations=act * mbs,
-        host_params=where["cpu"][0], host_grads=where["cpu"][1], host_optimizer=where["cpu"][2],
-        nvme_params=where["nvme"][0], nvme_grads=where["nvme"][1], nvme_optimizer=where["nvme"][2],
+        host_params=where["cpu"][0],
+        host_grads=where["cpu"][1],
+        host_optimizer=where["cpu"][2],
+        nvme_params=where["nvme"][0],
+        nvme_grads=where["nvme"][1],
+        nvme_optimizer=where["nvme"][2],
     )
 
 
@@ -258,8 +273,12 @@ def _from_model(model: Any, num_devices: int, stage: int, **kwargs: Any) -> Zero
 estimate_zero_memory.from_model = _from_model  # type: ignore[attr-defined]
 
 
-def zero_memory_table(num_params: float, num_devices: int, *, include_nvme: bool = True,
-                      **kwargs: Any) -> list[ZeroMemoryEstimate]:
+def zero_memory_table(
+    num_params: float, num_devices: int, *, include_nvme: bool = True, **kwargs: Any
+) -> list[ZeroMemoryEstimate]:
     """:func:`estimate_zero_memory` for every configuration of :data:`ZERO_CONFIGS`, in that order."""
-    return [estimate_zero_memory(num_params, num_devices, stage, offload_optimizer=opt, offload_params=par, **kwargs)
-            for stage, opt, par in ZERO_CONFIGS if include_nvme or "nvme" not in (opt, par)]
+    return [
+        estimate_zero_memory(num_params, num_devices, stage, offload_optimizer=opt, offload_params=par, **kwargs)
+        for stage, opt, par in ZERO_CONFIGS
+        if include_nvme or "nvme" not in (opt, par)
+    ]

@@ -80,11 +80,15 @@ class PeakMemoryMeter:
             self.source = "torch.cuda.max_memory_allocated"
         elif self.device.type == "cpu":
             self.exact = _linux_peak_reset_works()
-            self.source = ("process peak RSS (/proc/self/status VmHWM, reset via /proc/self/clear_refs)" if self.exact
-                           else "process RSS sampled after the step (psutil; transient peaks are missed)")
+            self.source = (
+                "process peak RSS (/proc/self/status VmHWM, reset via /proc/self/clear_refs)"
+                if self.exact
+                else "process RSS sampled after the step (psutil; transient peaks are missed)"
+            )
         else:
-            raise ValueError(f"PeakMemoryMeter(device={str(self.device)!r}): only 'cuda' and 'cpu' devices are "
-                             "supported")
+            raise ValueError(
+                f"PeakMemoryMeter(device={str(self.device)!r}): only 'cuda' and 'cpu' devices are supported"
+            )
 
     def reset(self) -> None:
         """Start a new measuring interval (frees nothing)."""

@@ -94,8 +94,10 @@ def nvtx_unavailable() -> str | None:
         return None
     if torch.version.cuda is not None:
         return None
-    return (f"torch {torch.__version__} is a CPU-only build and the nvtx package is not installed: "
-            "pip install nvtx (or install a CUDA build of torch) to get the ranges")
+    return (
+        f"torch {torch.__version__} is a CPU-only build and the nvtx package is not installed: "
+        "pip install nvtx (or install a CUDA build of torch) to get the ranges"
+    )
 
 
 def _default_backend() -> NvtxBackend:

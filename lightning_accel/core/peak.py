@@ -77,43 +77,81 @@ class _Chip:
 
 
 # Dense peaks in FLOP/s. Sources are the vendor datasheets; the sparse (asterisked) figure is halved.
-_H100_SXM = _Chip("H100 SXM5", "NVIDIA H100 datasheet (SXM5): FP32 67 TF, TF32 989*, BF16/FP16 1979*, FP8 3958* TF",
-                  {"fp64": 34 * T, "fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T,
-                   "fp8": 1978.9 * T})
-_H100_PCIE = _Chip("H100 PCIe", "NVIDIA H100 datasheet (PCIe): FP32 51 TF, TF32 756*, BF16/FP16 1513*, FP8 3026* TF",
-                   {"fp64": 26 * T, "fp32": 51.2 * T, "tf32": 378 * T, "bf16": 756 * T, "fp16": 756 * T,
-                    "fp8": 1513 * T})
-_H100_NVL = _Chip("H100 NVL", "NVIDIA H100 datasheet (NVL, per GPU): FP32 60 TF, TF32 835*, BF16/FP16 1671*, FP8 3341*",
-                  {"fp64": 30 * T, "fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T,
-                   "fp8": 1670.5 * T})
-_H200_SXM = _Chip("H200 SXM", "NVIDIA H200 datasheet (SXM): FP32 67 TF, TF32 989*, BF16/FP16 1979*, FP8 3958* TF",
-                  {"fp64": 34 * T, "fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T,
-                   "fp8": 1978.9 * T})
-_H200_NVL = _Chip("H200 NVL", "NVIDIA H200 datasheet (NVL): FP32 60 TF, TF32 835*, BF16/FP16 1671*, FP8 3341* TF",
-                  {"fp64": 30 * T, "fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T,
-                   "fp8": 1670.5 * T})
-_B200 = _Chip("B200", "NVIDIA HGX B200 datasheet (per GPU): FP32 75 TF, TF32 2.2 PF*, BF16/FP16 4.5 PF*, FP8 9 PF*",
-              {"fp64": 37 * T, "fp32": 75 * T, "tf32": 1125 * T, "bf16": 2250 * T, "fp16": 2250 * T,
-               "fp8": 4500 * T})
-_A100 = _Chip("A100", "NVIDIA A100 datasheet (SXM4 and PCIe, 40/80GB): FP32 19.5 TF, TF32 156, BF16/FP16 312 TF",
-              {"fp64": 9.7 * T, "fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T})
-_L40S = _Chip("L40S", "NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183, BF16/FP16 362.05, FP8 733 TF (dense)",
-              {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362.05 * T, "fp16": 362.05 * T, "fp8": 733 * T})
-_L40 = _Chip("L40", "NVIDIA L40 datasheet: FP32 90.5 TF, TF32 181*, BF16/FP16 362.1*, FP8 724* TF",
-             {"fp32": 90.5 * T, "tf32": 90.5 * T, "bf16": 181 * T, "fp16": 181 * T, "fp8": 362 * T})
-_L4 = _Chip("L4", "NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120*, BF16/FP16 242*, FP8 485* TF",
-            {"fp32": 30.3 * T, "tf32": 60 * T, "bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T})
-_A10 = _Chip("A10/A10G", "NVIDIA A10 datasheet (no A10G datasheet is published): FP32 31.2 TF, TF32 62.5, BF16/FP16 125",
-             {"fp32": 31.2 * T, "tf32": 62.5 * T, "bf16": 125 * T, "fp16": 125 * T})
-_V100_SXM = _Chip("V100 SXM2", "NVIDIA V100 datasheet (SXM2): FP32 15.7 TF, FP16 tensor 125 TF; no BF16/TF32",
-                  {"fp64": 7.8 * T, "fp32": 15.7 * T, "fp16": 125 * T})
-_V100_PCIE = _Chip("V100 PCIe", "NVIDIA V100 datasheet (PCIe): FP32 14 TF, FP16 tensor 112 TF; no BF16/TF32",
-                   {"fp64": 7 * T, "fp32": 14 * T, "fp16": 112 * T})
-_T4 = _Chip("T4", "NVIDIA T4 datasheet: FP32 8.1 TF, FP16 mixed-precision 65 TF; no BF16/TF32",
-            {"fp32": 8.1 * T, "fp16": 65 * T})
-_RTX_4090 = _Chip("RTX 4090", "NVIDIA Ada whitepaper, RTX 4090: FP32 82.6 TF, TF32 82.6, FP16/BF16 (FP32 acc.) 165.2, "
-                  "FP8 (FP32 acc.) 330.3 TF", {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T,
-                                             "fp16": 165.2 * T, "fp8": 330.3 * T})
+_H100_SXM = _Chip(
+    "H100 SXM5",
+    "NVIDIA H100 datasheet (SXM5): FP32 67 TF, TF32 989*, BF16/FP16 1979*, FP8 3958* TF",
+    {"fp64": 34 * T, "fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T},
+)
+_H100_PCIE = _Chip(
+    "H100 PCIe",
+    "NVIDIA H100 datasheet (PCIe): FP32 51 TF, TF32 756*, BF16/FP16 1513*, FP8 3026* TF",
+    {"fp64": 26 * T, "fp32": 51.2 * T, "tf32": 378 * T, "bf16": 756 * T, "fp16": 756 * T, "fp8": 1513 * T},
+)
+_H100_NVL = _Chip(
+    "H100 NVL",
+    "NVIDIA H100 datasheet (NVL, per GPU): FP32 60 TF, TF32 835*, BF16/FP16 1671*, FP8 3341*",
+    {"fp64": 30 * T, "fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T, "fp8": 1670.5 * T},
+)
+_H200_SXM = _Chip(
+    "H200 SXM",
+    "NVIDIA H200 datasheet (SXM): FP32 67 TF, TF32 989*, BF16/FP16 1979*, FP8 3958* TF",
+    {"fp64": 34 * T, "fp32": 67 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T},
+)
+_H200_NVL = _Chip(
+    "H200 NVL",
+    "NVIDIA H200 datasheet (NVL): FP32 60 TF, TF32 835*, BF16/FP16 1671*, FP8 3341* TF",
+    {"fp64": 30 * T, "fp32": 60 * T, "tf32": 417.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T, "fp8": 1670.5 * T},
+)
+_B200 = _Chip(
+    "B200",
+    "NVIDIA HGX B200 datasheet (per GPU): FP32 75 TF, TF32 2.2 PF*, BF16/FP16 4.5 PF*, FP8 9 PF*",
+    {"fp64": 37 * T, "fp32": 75 * T, "tf32": 1125 * T, "bf16": 2250 * T, "fp16": 2250 * T, "fp8": 4500 * T},
+)
+_A100 = _Chip(
+    "A100",
+    "NVIDIA A100 datasheet (SXM4 and PCIe, 40/80GB): FP32 19.5 TF, TF32 156, BF16/FP16 312 TF",
+    {"fp64": 9.7 * T, "fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T, "fp16": 312 * T},
+)
+_L40S = _Chip(
+    "L40S",
+    "NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183, BF16/FP16 362.05, FP8 733 TF (dense)",
+    {"fp32": 91.6 * T, "tf32": 183 * T, "bf16": 362.05 * T, "fp16": 362.05 * T, "fp8": 733 * T},
+)
+_L40 = _Chip(
+    "L40",
+    "NVIDIA L40 datasheet: FP32 90.5 TF, TF32 181*, BF16/FP16 362.1*, FP8 724* TF",
+    {"fp32": 90.5 * T, "tf32": 90.5 * T, "bf16": 181 * T, "fp16": 181 * T, "fp8": 362 * T},
+)
+_L4 = _Chip(
+    "L4",
+    "NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120*, BF16/FP16 242*, FP8 485* TF",
+    {"fp32": 30.3 * T, "tf32": 60 * T, "bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T},
+)
+_A10 = _Chip(
+    "A10/A10G",
+    "NVIDIA A10 datasheet (no A10G datasheet is published): FP32 31.2 TF, TF32 62.5, BF16/FP16 125",
+    {"fp32": 31.2 * T, "tf32": 62.5 * T, "bf16": 125 * T, "fp16": 125 * T},
+)
+_V100_SXM = _Chip(
+    "V100 SXM2",
+    "NVIDIA V100 datasheet (SXM2): FP32 15.7 TF, FP16 tensor 125 TF; no BF16/TF32",
+    {"fp64": 7.8 * T, "fp32": 15.7 * T, "fp16": 125 * T},
+)
+_V100_PCIE = _Chip(
+    "V100 PCIe",
+    "NVIDIA V100 datasheet (PCIe): FP32 14 TF, FP16 tensor 112 TF; no BF16/TF32",
+    {"fp64": 7 * T, "fp32": 14 * T, "fp16": 112 * T},
+)
+_T4 = _Chip(
+    "T4",
+    "NVIDIA T4 datasheet: FP32 8.1 TF, FP16 mixed-precision 65 TF; no BF16/TF32",
+    {"fp32": 8.1 * T, "fp16": 65 * T},
+)
+_RTX_4090 = _Chip(
+    "RTX 4090",
+    "NVIDIA Ada whitepaper, RTX 4090: FP32 82.6 TF, TF32 82.6, FP16/BF16 (FP32 acc.) 165.2, FP8 (FP32 acc.) 330.3 TF",
+    {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T, "fp16": 165.2 * T, "fp8": 330.3 * T},
+)
 
 # First match wins: more specific names come before names they contain ("l40s" before "l40" before "l4").
 _NAME_RULES: list[tuple[re.Pattern[str], _Chip]] = [
@@ -295,8 +333,7 @@ def _per_cycle(cpu: dict[str, str], key: str) -> tuple[float, str] | None:
     return None  # bf16/fp16 throughput differs between Arm cores in ways the features do not show: probe
 
 
-def _max_clock_hz(cpus: Iterable[int], blocks: dict[int, dict[str, str]], sysfs_cpu: Path
-                  ) -> tuple[float, str] | None:
+def _max_clock_hz(cpus: Iterable[int], blocks: dict[int, dict[str, str]], sysfs_cpu: Path) -> tuple[float, str] | None:
     """The highest clock the cores reach and where it was read, or ``None``.
 
     cpufreq's ``cpuinfo_max_freq`` (kHz) is the top of the frequency range, turbo included where the driver
@@ -334,9 +371,14 @@ def _physical_cores(cpus: list[int], blocks: dict[int, dict[str, str]]) -> int:
     return len(cpus)
 
 
-def cpu_hardware_peak(dtype: Any = torch.float32, *, threads: int | None = None,
-                      affinity: Iterable[int] | None = None, cpuinfo: Path = _CPUINFO,
-                      sysfs_cpu: Path = _SYSFS_CPU) -> PeakFlops | None:
+def cpu_hardware_peak(
+    dtype: Any = torch.float32,
+    *,
+    threads: int | None = None,
+    affinity: Iterable[int] | None = None,
+    cpuinfo: Path = _CPUINFO,
+    sysfs_cpu: Path = _SYSFS_CPU,
+) -> PeakFlops | None:
     """The CPU's peak FLOP/s for ``dtype`` from the hardware: cores x clock x FLOPs per cycle per core.
 
     * cores: the physical cores under the CPUs this process may run on (affinity; SMT siblings count once), at most
@@ -377,9 +419,12 @@ def cpu_hardware_peak(dtype: Any = torch.float32, *, threads: int | None = None,
     per_cycle, why = rate
     hz, clock_source = clock
     flops = cores * hz * per_cycle
-    return PeakFlops(flops, "hardware",
-                     f"hardware: {cores} core{'s' if cores > 1 else ''} x {hz / 1e9:.2f} GHz ({clock_source}) x "
-                     f"{per_cycle:g} {key} FLOP/cycle ({why}) = {format_flops(flops)}")
+    return PeakFlops(
+        flops,
+        "hardware",
+        f"hardware: {cores} core{'s' if cores > 1 else ''} x {hz / 1e9:.2f} GHz ({clock_source}) x "
+        f"{per_cycle:g} {key} FLOP/cycle ({why}) = {format_flops(flops)}",
+    )
 
 
 _MEASURED: dict[tuple[Any, ...], float] = {}
@@ -427,8 +472,13 @@ def measure_peak_flops(device: Any = "cpu", dtype: Any = torch.float32, *, budge
     if cache_key in _MEASURED:
         return _MEASURED[cache_key]
 
-    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                   "fp16": torch.float16}[key_dtype]
+    torch_dtype = {
+        "fp64": torch.float64,
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }[key_dtype]
     tf32_before = torch.backends.cuda.matmul.allow_tf32
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = key_dtype == "tf32"
@@ -457,8 +507,9 @@ def measure_peak_flops(device: Any = "cpu", dtype: Any = torch.float32, *, budge
     return best
 
 
-def resolve_peak_flops(device: Any, dtype: Any, override: float | None = None, *, measure: bool = True
-                       ) -> PeakFlops | None:
+def resolve_peak_flops(
+    device: Any, dtype: Any, override: float | None = None, *, measure: bool = True
+) -> PeakFlops | None:
     """The peak to divide by: the user's ``override``, else the datasheet table (GPUs), else for a CPU the larger
     of the hardware figure (:func:`cpu_hardware_peak`) and a matmul probe, else (an unknown GPU) the probe.
 
@@ -503,8 +554,13 @@ def _larger_of(hardware: PeakFlops | None, probe: float | None, key: str, device
     if hardware is None:
         return PeakFlops(probe, "measured", measured)
     if probe > hardware.flops:
-        return PeakFlops(probe, "measured", f"{measured}; above the hardware figure "
-                                            f"({hardware.detail.removeprefix('hardware: ')}): the cores ran faster "
-                                            "than the clock read (turbo, or a VM's nominal clock)")
-    return PeakFlops(hardware.flops, "hardware",
-                     f"{hardware.detail}; the probe reached {100 * probe / hardware.flops:.0f} % of it")
+        return PeakFlops(
+            probe,
+            "measured",
+            f"{measured}; above the hardware figure "
+            f"({hardware.detail.removeprefix('hardware: ')}): the cores ran faster "
+            "than the clock read (turbo, or a VM's nominal clock)",
+        )
+    return PeakFlops(
+        hardware.flops, "hardware", f"{hardware.detail}; the probe reached {100 * probe / hardware.flops:.0f} % of it"
+    )

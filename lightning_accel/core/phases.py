@@ -64,11 +64,13 @@ class FitBreakdown:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FitBreakdown:
-        return cls(seconds={str(k): float(v) for k, v in data.get("seconds", {}).items()},
-                   wall=float(data.get("wall", 0.0)),
-                   counts={str(k): int(v) for k, v in data.get("counts", {}).items()},
-                   sanity_seconds=float(data.get("sanity_seconds", 0.0)),
-                   train_batches=int(data.get("train_batches", 0)))
+        return cls(
+            seconds={str(k): float(v) for k, v in data.get("seconds", {}).items()},
+            wall=float(data.get("wall", 0.0)),
+            counts={str(k): int(v) for k, v in data.get("counts", {}).items()},
+            sanity_seconds=float(data.get("sanity_seconds", 0.0)),
+            train_batches=int(data.get("train_batches", 0)),
+        )
 
 
 class FitClock:
@@ -97,8 +99,10 @@ class FitClock:
         """Open ``phase`` (nested inside the open one); ``sanity`` marks the sanity check, ``count=False`` adds time
         without counting a run (e.g. deleting an old checkpoint)."""
         if phase not in FIT_PHASES or phase in ("train", "other"):
-            raise ValueError(f"FitClock.enter({phase!r}): use 'startup', 'validation' or 'checkpoint' ('train' is "
-                             "the step breakdown's wall time, 'other' the rest)")
+            raise ValueError(
+                f"FitClock.enter({phase!r}): use 'startup', 'validation' or 'checkpoint' ('train' is "
+                "the step breakdown's wall time, 'other' the rest)"
+            )
         now = self._charge()
         self._stack.append(phase)
         if phase == "validation" and sanity:
@@ -149,8 +153,13 @@ class FitClock:
         seconds = {p: self._seconds[p] for p in ("startup", "validation", "checkpoint")}
         seconds["train"] = max(0.0, min(train_seconds, wall - sum(seconds.values())))
         seconds["other"] = max(0.0, wall - sum(seconds.values()))
-        return FitBreakdown(seconds={p: seconds[p] for p in FIT_PHASES}, wall=wall, counts=dict(self.counts),
-                            sanity_seconds=self.sanity_seconds, train_batches=train_batches)
+        return FitBreakdown(
+            seconds={p: seconds[p] for p in FIT_PHASES},
+            wall=wall,
+            counts=dict(self.counts),
+            sanity_seconds=self.sanity_seconds,
+            train_batches=train_batches,
+        )
 
 
 def _pct(x: float) -> str:
@@ -181,9 +190,13 @@ def phase_cadences(context: RunContext | None = None, fit: FitBreakdown | None =
     return out
 
 
-def diagnose_fit(fit: FitBreakdown, context: RunContext | None = None,
-                 thresholds: Thresholds | None = None, *,
-                 tails: Mapping[str, tuple[float, int]] | None = None) -> Diagnosis:
+def diagnose_fit(
+    fit: FitBreakdown,
+    context: RunContext | None = None,
+    thresholds: Thresholds | None = None,
+    *,
+    tails: Mapping[str, tuple[float, int]] | None = None,
+) -> Diagnosis:
     """Findings about the fit outside the training step: ``validation_heavy``, ``checkpoint_heavy``.
 
     Shares are of the fit after start-up (wall − ``startup``), so a long compilation does not hide them.
@@ -205,8 +218,10 @@ def diagnose_fit(fit: FitBreakdown, context: RunContext | None = None,
     tails = dict(tails or {})
     for phase, (seconds, batches) in tails.items():
         if phase not in ("validation", "checkpoint") or not seconds >= 0 or batches < 0:
-            raise ValueError(f"tails[{phase!r}] = ({seconds!r}, {batches!r}): give 'validation' or 'checkpoint' "
-                             "with seconds >= 0 and a batch count >= 0")
+            raise ValueError(
+                f"tails[{phase!r}] = ({seconds!r}, {batches!r}): give 'validation' or 'checkpoint' "
+                "with seconds >= 0 and a batch count >= 0"
+            )
     val_tail = tails.get("validation", (0.0, 0))
     val = fit.seconds.get("validation", 0.0) + val_tail[0]
     runs = fit.counts.get("validation", 0)
@@ -223,15 +238,20 @@ def _tail_clause(tail: tuple[float, int], after: str) -> str:
     seconds, batches = tail
     if seconds <= 0:
         return ""
-    return (f"; {seconds:.2f} s of it are the {batches} training batch(es) that ran slow right after {after} "
-            "(counted in the step time)")
+    return (
+        f"; {seconds:.2f} s of it are the {batches} training batch(es) that ran slow right after {after} "
+        "(counted in the step time)"
+    )
 
 
-def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, val: float,
-                        runs: int, tail: tuple[float, int]) -> Finding:
+def _validation_finding(
+    fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, val: float, runs: int, tail: tuple[float, int]
+) -> Finding:
     share = val / base
-    evidence = (f"validation takes {val:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, threshold "
-                f"{_pct(th.validation_share)})")
+    evidence = (
+        f"validation takes {val:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, threshold "
+        f"{_pct(th.validation_share)})"
+    )
     if runs:
         per_run = (val - tail[0] - fit.sanity_seconds) / runs
         evidence += f": {runs} run(s) of {per_run:.2f} s"
@@ -249,12 +269,18 @@ def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
         steps.append(f"validate {k}x less often: Trainer(val_check_interval={int(interval * k)})")
     elif ctx.check_val_every_n_epoch is not None:
         if interval is not None and interval < 1:
-            steps.append(f"validate {k}x less often: Trainer(val_check_interval={min(1.0, interval * k):.2g}"
-                         + (")" if interval * k <= 1 else f", check_val_every_n_epoch="
-                            f"{math.ceil(interval * k * ctx.check_val_every_n_epoch)})"))
+            steps.append(
+                f"validate {k}x less often: Trainer(val_check_interval={min(1.0, interval * k):.2g}"
+                + (
+                    ")"
+                    if interval * k <= 1
+                    else f", check_val_every_n_epoch={math.ceil(interval * k * ctx.check_val_every_n_epoch)})"
+                )
+            )
         else:
-            steps.append(f"validate {k}x less often: Trainer(check_val_every_n_epoch="
-                         f"{ctx.check_val_every_n_epoch * k})")
+            steps.append(
+                f"validate {k}x less often: Trainer(check_val_every_n_epoch={ctx.check_val_every_n_epoch * k})"
+            )
     else:
         steps.append(f"validate {k}x less often (Trainer(val_check_interval=..., check_val_every_n_epoch=...))")
     limit = ctx.limit_val_batches
@@ -265,19 +291,25 @@ def _validation_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
     if fit.sanity_seconds > 0.5 * val:
         steps.append("the sanity check is most of it: Trainer(num_sanity_val_steps=0) skips it")
     if tail[0] > 0:
-        steps.append("the slow batches after each run wait for what Lightning does before on_validation_start: the "
-                     "validation DataLoader's workers starting (keep them: DataLoader(persistent_workers=True)) or "
-                     "the model's on_validation_model_eval")
-    return Finding("validation_heavy", "validation", evidence + ".", "; ".join(steps) + ".", share, kind="fit",
-                   saving=share)
+        steps.append(
+            "the slow batches after each run wait for what Lightning does before on_validation_start: the "
+            "validation DataLoader's workers starting (keep them: DataLoader(persistent_workers=True)) or "
+            "the model's on_validation_model_eval"
+        )
+    return Finding(
+        "validation_heavy", "validation", evidence + ".", "; ".join(steps) + ".", share, kind="fit", saving=share
+    )
 
 
-def _checkpoint_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, ckpt: float,
-                        tail: tuple[float, int]) -> Finding:
+def _checkpoint_finding(
+    fit: FitBreakdown, ctx: RunContext, th: Thresholds, base: float, ckpt: float, tail: tuple[float, int]
+) -> Finding:
     share = ckpt / base
     saves = fit.counts.get("checkpoint", 0)
-    evidence = (f"saving checkpoints takes {ckpt:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, "
-                f"threshold {_pct(th.checkpoint_share)})")
+    evidence = (
+        f"saving checkpoints takes {ckpt:.2f} s of the {base:.2f} s fit after start-up ({_pct(share)}, "
+        f"threshold {_pct(th.checkpoint_share)})"
+    )
     if saves:
         evidence += f": {saves} save(s) of {1e3 * (ckpt - tail[0]) / saves:.0f} ms"
     every = ctx.checkpoint_every_n_train_steps
@@ -292,9 +324,13 @@ def _checkpoint_finding(fit: FitBreakdown, ctx: RunContext, th: Thresholds, base
     else:
         steps.append(f"save {k}x less often: ModelCheckpoint(every_n_train_steps=N) or every_n_epochs")
     if not ctx.async_checkpoint:
-        steps.append("write in a background thread: Trainer(plugins=[AsyncCheckpointIO()]) "
-                     "(lightning.pytorch.plugins.io.AsyncCheckpointIO)")
-    steps.append("keep only what a resume needs (save_top_k, save_weights_only=True when the optimizer state is "
-                 "not needed)")
-    return Finding("checkpoint_heavy", "checkpoint", evidence + ".", "; ".join(steps) + ".", share, kind="fit",
-                   saving=share)
+        steps.append(
+            "write in a background thread: Trainer(plugins=[AsyncCheckpointIO()]) "
+            "(lightning.pytorch.plugins.io.AsyncCheckpointIO)"
+        )
+    steps.append(
+        "keep only what a resume needs (save_top_k, save_weights_only=True when the optimizer state is not needed)"
+    )
+    return Finding(
+        "checkpoint_heavy", "checkpoint", evidence + ".", "; ".join(steps) + ".", share, kind="fit", saving=share
+    )

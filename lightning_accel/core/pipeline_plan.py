@@ -22,8 +22,15 @@ from dataclasses import dataclass
 
 from lightning_accel.core.findings import Finding
 
-__all__ = ["SCHEDULES", "StagePlan", "bubble_finding", "bubble_fraction", "check_schedule", "plan_stages",
-           "stage_ranks"]
+__all__ = [
+    "SCHEDULES",
+    "StagePlan",
+    "bubble_finding",
+    "bubble_fraction",
+    "check_schedule",
+    "plan_stages",
+    "stage_ranks",
+]
 
 #: schedule name -> (torch class name, whether it runs several stages per rank)
 SCHEDULES: dict[str, tuple[str, bool]] = {
@@ -91,31 +98,48 @@ def check_schedule(schedule: str, *, num_stages: int, pipeline_ranks: int, micro
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches={microbatches!r} must be an integer >= 1")
     if num_stages % pipeline_ranks:
-        raise ValueError(f"pipeline stages={num_stages} do not divide over {pipeline_ranks} pipeline ranks; give "
-                         f"a multiple of {pipeline_ranks}")
+        raise ValueError(
+            f"pipeline stages={num_stages} do not divide over {pipeline_ranks} pipeline ranks; give "
+            f"a multiple of {pipeline_ranks}"
+        )
     per_rank = num_stages // pipeline_ranks
     multi = SCHEDULES[schedule][1]
     if multi and per_rank < 2:
-        raise ValueError(f"pipeline schedule={schedule!r} runs several stages per rank, but stages={num_stages} on "
-                         f"{pipeline_ranks} pipeline ranks is {per_rank} per rank; give stages={2 * pipeline_ranks} "
-                         f"(or more), or schedule='1f1b'")
+        raise ValueError(
+            f"pipeline schedule={schedule!r} runs several stages per rank, but stages={num_stages} on "
+            f"{pipeline_ranks} pipeline ranks is {per_rank} per rank; give stages={2 * pipeline_ranks} "
+            f"(or more), or schedule='1f1b'"
+        )
     if not multi and per_rank != 1:
-        raise ValueError(f"pipeline schedule={schedule!r} runs one stage per rank, but stages={num_stages} on "
-                         f"{pipeline_ranks} pipeline ranks is {per_rank} per rank; give stages={pipeline_ranks}, "
-                         f"or schedule='interleaved_1f1b' for {per_rank} stages per rank")
+        raise ValueError(
+            f"pipeline schedule={schedule!r} runs one stage per rank, but stages={num_stages} on "
+            f"{pipeline_ranks} pipeline ranks is {per_rank} per rank; give stages={pipeline_ranks}, "
+            f"or schedule='interleaved_1f1b' for {per_rank} stages per rank"
+        )
     if schedule != "gpipe" and microbatches < pipeline_ranks:
-        raise ValueError(f"pipeline schedule={schedule!r} needs microbatches >= the {pipeline_ranks} pipeline ranks "
-                         f"(got microbatches={microbatches}); give microbatches={pipeline_ranks} or more (the bubble "
-                         f"shrinks with more), or schedule='gpipe'")
+        raise ValueError(
+            f"pipeline schedule={schedule!r} needs microbatches >= the {pipeline_ranks} pipeline ranks "
+            f"(got microbatches={microbatches}); give microbatches={pipeline_ranks} or more (the bubble "
+            f"shrinks with more), or schedule='gpipe'"
+        )
     if multi and microbatches % pipeline_ranks:
         up = pipeline_ranks * -(-microbatches // pipeline_ranks)
-        raise ValueError(f"pipeline schedule={schedule!r}: microbatches={microbatches} must be a multiple of the "
-                         f"{pipeline_ranks} pipeline ranks; give microbatches={up}")
+        raise ValueError(
+            f"pipeline schedule={schedule!r}: microbatches={microbatches} must be a multiple of the "
+            f"{pipeline_ranks} pipeline ranks; give microbatches={up}"
+        )
 
 
-def plan_stages(block_costs: Sequence[float], num_stages: int, *, pipeline_ranks: int | None = None,
-                first_cost: float = 0.0, last_cost: float = 0.0, unit: str = "parameters",
-                blocks_per_stage: Sequence[int] | None = None) -> StagePlan:
+def plan_stages(
+    block_costs: Sequence[float],
+    num_stages: int,
+    *,
+    pipeline_ranks: int | None = None,
+    first_cost: float = 0.0,
+    last_cost: float = 0.0,
+    unit: str = "parameters",
+    blocks_per_stage: Sequence[int] | None = None,
+) -> StagePlan:
     """Divide the blocks into ``num_stages`` contiguous runs with the smallest possible maximum stage cost.
 
     Args:
@@ -134,16 +158,19 @@ def plan_stages(block_costs: Sequence[float], num_stages: int, *, pipeline_ranks
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"pipeline stages={num_stages!r} must be an integer >= 1")
     if num_stages > n:
-        raise ValueError(f"pipeline stages={num_stages} but the model has {n} repeated blocks: every stage needs "
-                         f"at least one block; give stages <= {n} (fewer pipeline ranks), or a deeper model")
+        raise ValueError(
+            f"pipeline stages={num_stages} but the model has {n} repeated blocks: every stage needs "
+            f"at least one block; give stages <= {n} (fewer pipeline ranks), or a deeper model"
+        )
     if any(c < 0 for c in block_costs):
         raise ValueError(f"block costs must be >= 0, got {list(block_costs)}")
     p = num_stages if pipeline_ranks is None else pipeline_ranks
     if blocks_per_stage is not None:
         sizes = list(blocks_per_stage)
         if len(sizes) != num_stages or any(not isinstance(k, int) or k < 1 for k in sizes) or sum(sizes) != n:
-            raise ValueError(f"blocks_per_stage={sizes} must give {num_stages} positive block counts that sum to "
-                             f"the {n} blocks")
+            raise ValueError(
+                f"blocks_per_stage={sizes} must give {num_stages} positive block counts that sum to the {n} blocks"
+            )
     else:
         sizes = _balanced_sizes(list(block_costs), num_stages, first_cost, last_cost)
     blocks, start = [], 0
@@ -188,13 +215,21 @@ def _balanced_sizes(costs: list[float], stages: int, first: float, last: float) 
 def bubble_fraction(pipeline_ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """The idle share of a pipeline step: ``(P - 1) / (V·m + P - 1)`` (see the module docstring)."""
     if pipeline_ranks < 1 or microbatches < 1 or stages_per_rank < 1:
-        raise ValueError(f"bubble_fraction needs positive sizes, got P={pipeline_ranks}, m={microbatches}, "
-                         f"V={stages_per_rank}")
+        raise ValueError(
+            f"bubble_fraction needs positive sizes, got P={pipeline_ranks}, m={microbatches}, V={stages_per_rank}"
+        )
     return (pipeline_ranks - 1) / (stages_per_rank * microbatches + pipeline_ranks - 1)
 
 
-def bubble_finding(bubbles: Sequence[float | None], *, pipeline_ranks: int, microbatches: int,
-                   stages_per_rank: int = 1, schedule: str = "1f1b", threshold: float = 0.2) -> Finding | None:
+def bubble_finding(
+    bubbles: Sequence[float | None],
+    *,
+    pipeline_ranks: int,
+    microbatches: int,
+    stages_per_rank: int = 1,
+    schedule: str = "1f1b",
+    threshold: float = 0.2,
+) -> Finding | None:
     """The ``pipeline_bubble`` finding when the idle share of a pipeline step is above ``threshold`` on any rank.
 
     Args:
@@ -212,17 +247,25 @@ def bubble_finding(bubbles: Sequence[float | None], *, pipeline_ranks: int, micr
         return None
     expected = bubble_fraction(pipeline_ranks, microbatches, stages_per_rank)
     per_rank = ", ".join(f"rank {r}: {b:.0%}" if b is not None else f"rank {r}: ?" for r, b in enumerate(bubbles))
-    evidence = (f"the pipeline bubble (ranks idle waiting for other stages) is {per_rank} of the step; "
-                f"(P-1)/(V·m+P-1) = {expected:.0%} for P={pipeline_ranks} ranks, m={microbatches} micro-batches, "
-                f"V={stages_per_rank} stages per rank.")
-    fixes = [f"more micro-batches: PipelineStrategy(microbatches={2 * microbatches}) (bubble "
-             f"{bubble_fraction(pipeline_ranks, 2 * microbatches, stages_per_rank):.0%}; needs a batch divisible by "
-             f"it: raise the batch size or accumulate less)"]
+    evidence = (
+        f"the pipeline bubble (ranks idle waiting for other stages) is {per_rank} of the step; "
+        f"(P-1)/(V·m+P-1) = {expected:.0%} for P={pipeline_ranks} ranks, m={microbatches} micro-batches, "
+        f"V={stages_per_rank} stages per rank."
+    )
+    fixes = [
+        f"more micro-batches: PipelineStrategy(microbatches={2 * microbatches}) (bubble "
+        f"{bubble_fraction(pipeline_ranks, 2 * microbatches, stages_per_rank):.0%}; needs a batch divisible by "
+        f"it: raise the batch size or accumulate less)"
+    ]
     if stages_per_rank == 1 and schedule != "interleaved_1f1b":
-        fixes.append(f"interleave: schedule='interleaved_1f1b', stages={2 * pipeline_ranks} (bubble "
-                     f"{bubble_fraction(pipeline_ranks, microbatches, 2):.0%})")
+        fixes.append(
+            f"interleave: schedule='interleaved_1f1b', stages={2 * pipeline_ranks} (bubble "
+            f"{bubble_fraction(pipeline_ranks, microbatches, 2):.0%})"
+        )
     if max(known) > expected + 0.15:
-        fixes.append("the measured bubble is well above the formula: balance the stages (blocks_per_stage=...; the "
-                     "slowest stage sets the pace) or the point-to-point sends dominate (larger micro-batches)")
+        fixes.append(
+            "the measured bubble is well above the formula: balance the stages (blocks_per_stage=...; the "
+            "slowest stage sets the pace) or the point-to-point sends dominate (larger micro-batches)"
+        )
     # saving: the idle share itself, the most that the fixes above can take off the step
     return Finding("pipeline_bubble", "forward", evidence, "; ".join(fixes) + ".", max(known), saving=max(known))

@@ -105,8 +105,9 @@ def supported_autocast_dtypes(device: torch.device | str) -> list[str]:
     return out
 
 
-def autocast_speedup(device: torch.device | str, dtype: str, *, size: int = 256, chain: int = 4,
-                     repeats: int = 5, budget_s: float = 0.5) -> float:
+def autocast_speedup(
+    device: torch.device | str, dtype: str, *, size: int = 256, chain: int = 4, repeats: int = 5, budget_s: float = 0.5
+) -> float:
     """fp32 time ÷ autocast-``dtype`` time of a matmul chain on ``device`` (> 1 means autocast is faster).
 
     The probe multiplies ``chain`` fp32 ``size``×``size`` matrices in sequence, once in fp32 and once under
@@ -121,6 +122,7 @@ def autocast_speedup(device: torch.device | str, dtype: str, *, size: int = 256,
     fast = AUTOCAST_DTYPES[dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
     mats = [torch.randn(size, size, generator=gen).to(device) for _ in range(chain + 1)]
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -175,10 +177,15 @@ def choose_autocast_dtype(device: torch.device | str, requested: str = "auto") -
     if requested in AUTOCAST_DTYPES:
         if requested not in supported:
             what = ", ".join(supported) if supported else "no autocast dtype"
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() \
+            name = (
+                torch.cuda.get_device_name(device)
+                if device.type == "cuda" and torch.cuda.is_available()
                 else device.type
-            raise ValueError(f"AutoMixedPrecision(dtype={requested!r}): {name} supports {what} (plus 'fp32'); "
-                             f"use dtype='auto' to pick the best supported one")
+            )
+            raise ValueError(
+                f"AutoMixedPrecision(dtype={requested!r}): {name} supports {what} (plus 'fp32'); "
+                f"use dtype='auto' to pick the best supported one"
+            )
         return DtypeChoice(AUTOCAST_DTYPES[requested], f"{requested} requested")
     if requested != "auto":
         raise ValueError(f"AutoMixedPrecision(dtype={requested!r}): use 'auto', 'bf16', 'fp16' or 'fp32'")
@@ -197,16 +204,20 @@ def choose_autocast_dtype(device: torch.device | str, requested: str = "auto") -
         best = "bf16"  # within 10 % of the fastest: prefer bf16, which needs no GradScaler
     measured = ", ".join(f"{n} {s:.2f}x" for n, s in speedups.items())
     if speedups[best] < CPU_MIN_SPEEDUP:
-        return DtypeChoice(torch.float32, f"CPU probe: no autocast dtype is >= {CPU_MIN_SPEEDUP:.2f}x faster "
-                                          f"than fp32 ({measured} of fp32 speed); staying in fp32", speedups)
-    return DtypeChoice(AUTOCAST_DTYPES[best], f"CPU probe: {best} is {speedups[best]:.2f}x fp32 speed ({measured})",
-                       speedups)
+        return DtypeChoice(
+            torch.float32,
+            f"CPU probe: no autocast dtype is >= {CPU_MIN_SPEEDUP:.2f}x faster "
+            f"than fp32 ({measured} of fp32 speed); staying in fp32",
+            speedups,
+        )
+    return DtypeChoice(
+        AUTOCAST_DTYPES[best], f"CPU probe: {best} is {speedups[best]:.2f}x fp32 speed ({measured})", speedups
+    )
 
 
 # ---------------------------------------------------------------------------------------------- fp32 islands
 def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype in (torch.float16,
-                                                                                          torch.bfloat16):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype in (torch.float16, torch.bfloat16):
         return value.float()
     return value
 
@@ -253,7 +264,8 @@ class Fp32Islands:
             found = False
             for i, target in enumerate(targets):
                 if (isinstance(target, type) and isinstance(module, target)) or (
-                        isinstance(target, str) and name and fnmatch.fnmatchcase(clean_module_name(name), target)):
+                    isinstance(target, str) and name and fnmatch.fnmatchcase(clean_module_name(name), target)
+                ):
                     hits[i] += 1
                     found = True
             if found and not hasattr(module, _ISLAND_ATTR):  # nested islands are harmless; each is set once

@@ -73,7 +73,8 @@ class CudaTransfer:
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self.device.type and (
-            self.device.index is None or tensor.device.index == self.device.index)
+            self.device.index is None or tensor.device.index == self.device.index
+        )
 
     def copy(self, batch: Any) -> tuple[Any, Any, list[torch.Tensor]]:
         """Start copying ``batch``; returns ``(device_batch, ready_event, copied_tensors)``. Runs in the producer."""
@@ -116,7 +117,9 @@ def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading
     return False
 
 
-def _produce(source: Iterator[Any], q: queue.Queue[tuple[str, Any]], stop: threading.Event, transfer: CudaTransfer | None) -> None:
+def _produce(
+    source: Iterator[Any], q: queue.Queue[tuple[str, Any]], stop: threading.Event, transfer: CudaTransfer | None
+) -> None:
     # Holds no reference to the PrefetchIterator, so dropping that object stops this thread (via __del__).
     try:
         while not stop.is_set():
@@ -155,8 +158,12 @@ class PrefetchIterator(Iterator[Any]):
         except Exception as err:  # noqa: BLE001 - delivered by the first next(), like an un-wrapped loader would
             self._first = (_ERROR, err)
             return
-        self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop, transfer),
-                                        name="lightning-accel-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(source, self._queue, self._stop, transfer),
+            name="lightning-accel-prefetch",
+            daemon=True,
+        )
         self._thread.start()
 
     def __iter__(self) -> PrefetchIterator:
@@ -226,16 +233,25 @@ class PrefetchingLoader:
         ValueError: ``depth`` is not a positive int, or ``loader`` is not iterable.
     """
 
-    def __init__(self, loader: Iterable[Any], *, depth: int = 2, device: torch.device | str | None = None,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        depth: int = 2,
+        device: torch.device | str | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
         check_int("PrefetchingLoader", "depth", depth, unit="batches", example=2)
         if not hasattr(loader, "__iter__"):
-            raise ValueError(f"PrefetchingLoader: expected an iterable of batches (e.g. a DataLoader), got "
-                             f"{type(loader).__name__}")
+            raise ValueError(
+                f"PrefetchingLoader: expected an iterable of batches (e.g. a DataLoader), got {type(loader).__name__}"
+            )
         device = torch.device(device) if device is not None else None
         if device is not None and device.type not in ("cpu", "cuda"):
-            raise ValueError(f"PrefetchingLoader(device={str(device)!r}): only 'cpu' and 'cuda' devices are "
-                             "supported; pass device=None to prefetch on the host only")
+            raise ValueError(
+                f"PrefetchingLoader(device={str(device)!r}): only 'cpu' and 'cuda' devices are "
+                "supported; pass device=None to prefetch on the host only"
+            )
         object.__setattr__(self, "_prefetch_loader", loader)
         object.__setattr__(self, "_prefetch_depth", depth)
         object.__setattr__(self, "_prefetch_device", device)
@@ -257,8 +273,11 @@ class PrefetchingLoader:
     @property
     def device(self) -> torch.device | None:
         """The CUDA device batches are copied to, or ``None`` (host-only prefetching)."""
-        return self._prefetch_device if self._prefetch_device is not None and \
-            self._prefetch_device.type == "cuda" else None
+        return (
+            self._prefetch_device
+            if self._prefetch_device is not None and self._prefetch_device.type == "cuda"
+            else None
+        )
 
     def __iter__(self) -> PrefetchIterator:
         # a new pass ends the passes before it first: their producer threads may still be inside the wrapped
@@ -268,8 +287,7 @@ class PrefetchingLoader:
         transfer = None
         if self.device is not None:
             if self._prefetch_transfer is None:  # one side stream per loader, created lazily (no CUDA at init)
-                object.__setattr__(self, "_prefetch_transfer", CudaTransfer(self.device,
-                                                                            pin_memory=self._prefetch_pin))
+                object.__setattr__(self, "_prefetch_transfer", CudaTransfer(self.device, pin_memory=self._prefetch_pin))
             transfer = self._prefetch_transfer
         iterator = PrefetchIterator(self._prefetch_loader, self._prefetch_depth, transfer)
         self._prefetch_iterators.add(iterator)
@@ -303,8 +321,10 @@ class PrefetchingLoader:
             # DataLoader shuts its own workers down when it goes away.
             raise AttributeError(name)
         if name in _NOT_FORWARDED and not getattr(self._prefetch_loader, "state_counts_trained_batches", False):
-            raise AttributeError(f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
-                                 "produced the batches fetched ahead, so its state would skip them on resume")
+            raise AttributeError(
+                f"PrefetchingLoader does not forward {name!r}: the wrapped loader has already "
+                "produced the batches fetched ahead, so its state would skip them on resume"
+            )
         return getattr(self._prefetch_loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -23,20 +23,30 @@ from lightning_accel.core.findings import STAGES, Finding, Thresholds
 __all__ = ["find_stragglers", "own_communication_share", "straggler_shares"]
 
 _STRAGGLER_FIX = {
-    "data": ("give that rank's input pipeline what the others have: check its shard (larger files or samples, "
-             "slower storage or a network mount), raise its DataLoader num_workers / prefetch_factor "
-             "(DataLoaderTuner) and copy the data set to local disk when one rank reads remotely"),
-    "transfer": ("check that rank's host→device path: pin_memory=True + DevicePrefetcher, and its NUMA binding "
-                 "(the process should run on the CPU socket attached to its GPU)"),
-    "forward": ("find why that rank computes slower: a throttled or slower GPU (nvidia-smi -q -d "
-                "PERFORMANCE,CLOCK), another process on its device or cores, or larger batches on it (bucket "
-                "variable-length samples so every rank gets equal shapes)"),
-    "backward": ("find why that rank computes slower: a throttled or slower GPU (nvidia-smi -q -d "
-                 "PERFORMANCE,CLOCK), another process on its device or cores, or larger batches on it (bucket "
-                 "variable-length samples so every rank gets equal shapes)"),
+    "data": (
+        "give that rank's input pipeline what the others have: check its shard (larger files or samples, "
+        "slower storage or a network mount), raise its DataLoader num_workers / prefetch_factor "
+        "(DataLoaderTuner) and copy the data set to local disk when one rank reads remotely"
+    ),
+    "transfer": (
+        "check that rank's host→device path: pin_memory=True + DevicePrefetcher, and its NUMA binding "
+        "(the process should run on the CPU socket attached to its GPU)"
+    ),
+    "forward": (
+        "find why that rank computes slower: a throttled or slower GPU (nvidia-smi -q -d "
+        "PERFORMANCE,CLOCK), another process on its device or cores, or larger batches on it (bucket "
+        "variable-length samples so every rank gets equal shapes)"
+    ),
+    "backward": (
+        "find why that rank computes slower: a throttled or slower GPU (nvidia-smi -q -d "
+        "PERFORMANCE,CLOCK), another process on its device or cores, or larger batches on it (bucket "
+        "variable-length samples so every rank gets equal shapes)"
+    ),
     "optimizer": "check that rank's device and cores for contention (another process, CPU frequency)",
-    "other": ("move per-step host work off that rank (rank-0-only logging, plotting or checkpoint writes: log every "
-              "N steps, AsyncCheckpointIO) and check its cores for contention (OMP_NUM_THREADS per rank)"),
+    "other": (
+        "move per-step host work off that rank (rank-0-only logging, plotting or checkpoint writes: log every "
+        "N steps, AsyncCheckpointIO) and check its cores for contention (OMP_NUM_THREADS per rank)"
+    ),
 }
 
 
@@ -78,8 +88,9 @@ def _straggler_ranks(rank_seconds: Sequence[Mapping[str, float]], th: Thresholds
     return out
 
 
-def straggler_shares(rank_seconds: Sequence[Mapping[str, float]],
-                     thresholds: Thresholds | None = None) -> dict[str, float]:
+def straggler_shares(
+    rank_seconds: Sequence[Mapping[str, float]], thresholds: Thresholds | None = None
+) -> dict[str, float]:
     """Per stage, the share of the mean step that the stragglers account for (empty without a straggler).
 
     A straggler's extra time in a stage is its seconds above the median of the ranks that keep pace (all other
@@ -138,19 +149,26 @@ def find_stragglers(rank_seconds: Sequence[Mapping[str, float]], thresholds: Thr
         seconds = rank_seconds[rank]
         others = [i for i in range(len(rank_seconds)) if i != rank]
         base = statistics.median(own[i] for i in others)
-        deltas = {s: seconds.get(s, 0.0) - statistics.median(rank_seconds[i].get(s, 0.0) for i in others)
-                  for s in STAGES if s != "communication"}
+        deltas = {
+            s: seconds.get(s, 0.0) - statistics.median(rank_seconds[i].get(s, 0.0) for i in others)
+            for s in STAGES
+            if s != "communication"
+        }
         stage = max(deltas, key=lambda s: deltas[s])
         wait = statistics.median(rank_seconds[i].get("communication", 0.0) for i in others)
         ratio = f"{own[rank] / base:.1f}x" if base > 0 else "far longer"
-        evidence = (f"rank {rank} is a straggler: its batch takes {1e3 * own[rank]:.2f} ms outside the all-reduce "
-                    f"against {1e3 * base:.2f} ms on the other ranks (+{1e3 * excess:.2f} ms, {ratio}; threshold "
-                    f"+{100 * th.straggler_share:.0f} % of the {1e3 * mean_step:.2f} ms step), mostly in {stage} "
-                    f"(+{1e3 * deltas[stage]:.2f} ms per batch)")
+        evidence = (
+            f"rank {rank} is a straggler: its batch takes {1e3 * own[rank]:.2f} ms outside the all-reduce "
+            f"against {1e3 * base:.2f} ms on the other ranks (+{1e3 * excess:.2f} ms, {ratio}; threshold "
+            f"+{100 * th.straggler_share:.0f} % of the {1e3 * mean_step:.2f} ms step), mostly in {stage} "
+            f"(+{1e3 * deltas[stage]:.2f} ms per batch)"
+        )
         if wait > seconds.get("communication", 0.0):
-            evidence += (f"; the other ranks wait for it in the all-reduce: {1e3 * wait:.2f} ms per batch against "
-                         f"{1e3 * seconds.get('communication', 0.0):.2f} ms on rank {rank}, which is this "
-                         "straggler's cost, not the network's")
+            evidence += (
+                f"; the other ranks wait for it in the all-reduce: {1e3 * wait:.2f} ms per batch against "
+                f"{1e3 * seconds.get('communication', 0.0):.2f} ms on rank {rank}, which is this "
+                "straggler's cost, not the network's"
+            )
         fix = f"rank {rank}'s {stage} is slow: {_STRAGGLER_FIX[stage]}."
         out.append(Finding("straggler", stage, evidence + ".", fix, excess / mean_step, saving=excess / mean_step))
     return out

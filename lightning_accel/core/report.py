@@ -127,8 +127,9 @@ class DoctorReport:
             raise ValueError(f"{source}: not a BottleneckDoctor report (no 'shares'/'bottleneck' keys)")
         version = data.get("version", REPORT_VERSION)
         if version != REPORT_VERSION:
-            raise ValueError(f"{source}: report version {version!r}; this lightning-accel reads version "
-                             f"{REPORT_VERSION}")
+            raise ValueError(
+                f"{source}: report version {version!r}; this lightning-accel reads version {REPORT_VERSION}"
+            )
         bottleneck = data["bottleneck"]
         if bottleneck is not None and bottleneck not in STAGES:
             raise ValueError(f"{source}: bottleneck {bottleneck!r} is not a stage ({', '.join(STAGES)})")
@@ -152,8 +153,9 @@ class DoctorReport:
                 timeline=list(data.get("timeline", [])),
                 notes=[str(n) for n in data.get("notes", [])],
                 thresholds=dict(data.get("thresholds", {})),
-                rank_stage_seconds=[{str(k): float(v) for k, v in r.items()}
-                                    for r in data.get("rank_stage_seconds", [])],
+                rank_stage_seconds=[
+                    {str(k): float(v) for k, v in r.items()} for r in data.get("rank_stage_seconds", [])
+                ],
                 variability=[{str(k): float(v) for k, v in r.items()} for r in data.get("variability", [])],
                 fit=dict(data.get("fit", {})),
                 fit_findings=[Finding.from_dict(f) for f in data.get("fit_findings", [])],
@@ -212,8 +214,7 @@ class DoctorReport:
         if self.step_seconds is not None:
             table.add_row("step", "100 %", f"{1000 * self.step_seconds:.2f}", "per device, mean over ranks")
         parts.append(table)
-        facts = [f"measured {self.batches} batches per device in {self.windows} windows on {self.world_size} "
-                 f"rank(s)"]
+        facts = [f"measured {self.batches} batches per device in {self.windows} windows on {self.world_size} rank(s)"]
         if self.samples_per_sec is not None:
             facts.append(f"throughput {self.samples_per_sec:,.1f} samples/s (global)")
         if self.mfu is not None:
@@ -222,11 +223,15 @@ class DoctorReport:
         if "gpu_util_pct" in util:
             facts.append(f"GPU utilisation {util['gpu_util_pct']:.0f} %")
         if "cpu_process_pct" in util and self.context.threaded_pipeline:
-            facts.append(f"CPU: process {util['cpu_process_pct']:.0f} % (of one core, per rank; "
-                         f"{self.context.loader}'s threads included)")
+            facts.append(
+                f"CPU: process {util['cpu_process_pct']:.0f} % (of one core, per rank; "
+                f"{self.context.loader}'s threads included)"
+            )
         elif "cpu_process_pct" in util:
-            facts.append(f"CPU: process {util['cpu_process_pct']:.0f} %, DataLoader workers "
-                         f"{util.get('cpu_workers_pct', 0.0):.0f} % (of one core, per rank)")
+            facts.append(
+                f"CPU: process {util['cpu_process_pct']:.0f} %, DataLoader workers "
+                f"{util.get('cpu_workers_pct', 0.0):.0f} % (of one core, per rank)"
+            )
         if "memory_peak_frac" in util:
             facts.append(f"device memory peak {100 * util['memory_peak_frac']:.0f} % of capacity")
         if self.precision:
@@ -242,8 +247,9 @@ class DoctorReport:
         elif self.bottleneck is not None:
             parts.append(Text("No finding: no stage crosses its threshold.", style="green"))
         if self.skipped:
-            parts.append(Text("skipped rules: " + "; ".join(f"{s.rule} ({s.reason})" for s in self.skipped),
-                              style="dim"))
+            parts.append(
+                Text("skipped rules: " + "; ".join(f"{s.rule} ({s.reason})" for s in self.skipped), style="dim")
+            )
         parts.extend(self._fit_parts())
         if self.smells:
             parts.append(Text("code smells (before the first step):", style="bold"))
@@ -267,8 +273,9 @@ class DoctorReport:
             table.add_column(stage, justify="right")
         table.add_column("step", justify="right")
         for rank, seconds in enumerate(self.rank_stage_seconds):
-            table.add_row(str(rank), *[f"{1000 * seconds.get(s, 0.0):.2f}" for s in STAGES],
-                          f"{1000 * sum(seconds.values()):.2f}")
+            table.add_row(
+                str(rank), *[f"{1000 * seconds.get(s, 0.0):.2f}" for s in STAGES], f"{1000 * sum(seconds.values()):.2f}"
+            )
         return [table]
 
     def _fit_parts(self) -> list[Any]:
@@ -285,21 +292,26 @@ class DoctorReport:
             table.add_column("seconds", justify="right")
             table.add_column("share of fit", justify="right")
             table.add_column("")
-            what = {"startup": "set-up + warm-up batches (FLOP counting, compilation)",
-                    "train": f"{self.batches} measured batches",
-                    "validation": f"{counts.get('validation', 0)} run(s)"
-                                  + (" + sanity check" if counts.get("sanity_check") else ""),
-                    "checkpoint": f"{counts.get('checkpoint', 0)} save(s)",
-                    "other": "epoch ends, logging/callbacks between batches, teardown"}
+            what = {
+                "startup": "set-up + warm-up batches (FLOP counting, compilation)",
+                "train": f"{self.batches} measured batches",
+                "validation": f"{counts.get('validation', 0)} run(s)"
+                + (" + sanity check" if counts.get("sanity_check") else ""),
+                "checkpoint": f"{counts.get('checkpoint', 0)} save(s)",
+                "other": "epoch ends, logging/callbacks between batches, teardown",
+            }
             for phase in ("startup", "train", "validation", "checkpoint", "other"):
                 value = seconds.get(phase, 0.0)
                 table.add_row(phase, f"{value:.2f}", f"{100 * value / wall:.1f} %", what[phase])
             parts.append(table)
         stats = [(r, v) for r, v in enumerate(self.variability) if v]
         if stats:
-            text = "; ".join(f"{f'rank {r}: ' if len(stats) > 1 else ''}batch p5 {1e3 * v['step_p5']:.2f} ms, "
-                             f"p50 {1e3 * v['step_p50']:.2f} ms, p95 {1e3 * v['step_p95']:.2f} ms, "
-                             f"{int(v.get('spikes', 0))} spike(s)" for r, v in stats)
+            text = "; ".join(
+                f"{f'rank {r}: ' if len(stats) > 1 else ''}batch p5 {1e3 * v['step_p5']:.2f} ms, "
+                f"p50 {1e3 * v['step_p50']:.2f} ms, p95 {1e3 * v['step_p95']:.2f} ms, "
+                f"{int(v.get('spikes', 0))} spike(s)"
+                for r, v in stats
+            )
             parts.append(Text(f"step-time variability: {text}"))
         listed = [f for f in self.fit_findings if f not in self.findings]  # reports that kept them apart
         for i, f in enumerate(listed, 1):
@@ -321,8 +333,10 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
     lines = []
     if new.bottleneck is None or baseline.bottleneck is None:
         which = "new" if new.bottleneck is None else "baseline"
-        lines.append(f"the {which} report measured too little to compare stages "
-                     f"({'; '.join((new if which == 'new' else baseline).notes) or 'no windows'})")
+        lines.append(
+            f"the {which} report measured too little to compare stages "
+            f"({'; '.join((new if which == 'new' else baseline).notes) or 'no windows'})"
+        )
     width = max(len(s) for s in STAGES)
     for stage in STAGES:
         old_s, new_s = baseline.shares.get(stage), new.shares.get(stage)
@@ -336,33 +350,42 @@ def compare(new: DoctorReport, baseline: DoctorReport) -> list[str]:
     if baseline.step_seconds and new.step_seconds:
         speed = baseline.step_seconds / new.step_seconds
         how = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
-        lines.append(f"{'step':<{width}}  {1000 * baseline.step_seconds:.2f} → {1000 * new.step_seconds:.2f} ms/batch "
-                     f"({how} per batch)")
+        lines.append(
+            f"{'step':<{width}}  {1000 * baseline.step_seconds:.2f} → {1000 * new.step_seconds:.2f} ms/batch "
+            f"({how} per batch)"
+        )
     if baseline.samples_per_sec and new.samples_per_sec:
-        lines.append(f"throughput: {baseline.samples_per_sec:,.1f} → {new.samples_per_sec:,.1f} samples/s "
-                     f"({new.samples_per_sec / baseline.samples_per_sec:.2f}x)")
+        lines.append(
+            f"throughput: {baseline.samples_per_sec:,.1f} → {new.samples_per_sec:,.1f} samples/s "
+            f"({new.samples_per_sec / baseline.samples_per_sec:.2f}x)"
+        )
     else:
         lines.append("throughput: not measured in both reports")
     if baseline.mfu is not None or new.mfu is not None:
         lines.append(f"MFU: {_fmt_pct(baseline.mfu)} → {_fmt_pct(new.mfu)}")
     if new.bottleneck is not None and baseline.bottleneck is not None:
         old_b, new_b = baseline.bottleneck, new.bottleneck
-        headline = (f"{old_b} {_fmt_pct(baseline.shares.get(old_b))} → {_fmt_pct(new.shares.get(old_b))}")
+        headline = f"{old_b} {_fmt_pct(baseline.shares.get(old_b))} → {_fmt_pct(new.shares.get(old_b))}"
         if new_b == old_b:
             kind = f"compute-bound ({new_b})" if new_b in _COMPUTE else f"{new_b}-bound"
             lines.append(f"bottleneck unchanged: {headline}; still {kind}")
         else:
             kind = "compute-bound" if new_b in _COMPUTE else f"{new_b}-bound"
-            lines.append(f"bottleneck moved: {headline}; the run is now {kind} ({new_b} "
-                         f"{_fmt_pct(new.shares.get(new_b))})")
+            lines.append(
+                f"bottleneck moved: {headline}; the run is now {kind} ({new_b} {_fmt_pct(new.shares.get(new_b))})"
+            )
     lines.extend(_compare_fit(new, baseline))
     old_rules = {f.rule: f for f in baseline.findings if f.kind != "fit"}  # the fit's: in _compare_fit
     new_rules = {f.rule for f in new.findings if f.kind != "fit"}
     resolved = [old_rules[r] for r in sorted(set(old_rules) - new_rules)]
     if resolved:
-        lines.append("resolved findings: " + ", ".join(
-            f"{f.rule} ({f.stage} {_fmt_pct(baseline.shares.get(f.stage))} → {_fmt_pct(new.shares.get(f.stage))})"
-            for f in resolved))
+        lines.append(
+            "resolved findings: "
+            + ", ".join(
+                f"{f.rule} ({f.stage} {_fmt_pct(baseline.shares.get(f.stage))} → {_fmt_pct(new.shares.get(f.stage))})"
+                for f in resolved
+            )
+        )
     if new_rules - set(old_rules):
         lines.append("new findings: " + ", ".join(sorted(new_rules - set(old_rules))))
     for f in new.findings:
@@ -376,12 +399,16 @@ def _compare_fit(new: DoctorReport, baseline: DoctorReport) -> list[str]:
     old_wall, new_wall = baseline.fit.get("wall") or 0.0, new.fit.get("wall") or 0.0
     if old_wall > 0 and new_wall > 0:
         old_s, new_s = baseline.fit.get("seconds", {}), new.fit.get("seconds", {})
-        parts = [f"{p} {_fmt_pct(old_s.get(p, 0.0) / old_wall)} → {_fmt_pct(new_s.get(p, 0.0) / new_wall)}"
-                 for p in ("startup", "train", "validation", "checkpoint", "other")
-                 if max(old_s.get(p, 0.0) / old_wall, new_s.get(p, 0.0) / new_wall) >= 0.01]
+        parts = [
+            f"{p} {_fmt_pct(old_s.get(p, 0.0) / old_wall)} → {_fmt_pct(new_s.get(p, 0.0) / new_wall)}"
+            for p in ("startup", "train", "validation", "checkpoint", "other")
+            if max(old_s.get(p, 0.0) / old_wall, new_s.get(p, 0.0) / new_wall) >= 0.01
+        ]
         lines.append(f"whole fit {old_wall:.2f} s → {new_wall:.2f} s: " + ", ".join(parts))
-    for what, old_list, new_list in (("fit findings", baseline.fit_findings, new.fit_findings),
-                                     ("code smells", baseline.smells, new.smells)):
+    for what, old_list, new_list in (
+        ("fit findings", baseline.fit_findings, new.fit_findings),
+        ("code smells", baseline.smells, new.smells),
+    ):
         gone = sorted({f.rule for f in old_list} - {f.rule for f in new_list})
         if gone:
             lines.append(f"resolved {what}: {', '.join(gone)}")

@@ -98,11 +98,12 @@ class Interconnect:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ValueError(f"Interconnect({self.name!r}): bandwidth={self.bandwidth!r} must be a positive number "
-                             "of bytes/s, e.g. 50e9 for InfiniBand NDR")
+            raise ValueError(
+                f"Interconnect({self.name!r}): bandwidth={self.bandwidth!r} must be a positive number "
+                "of bytes/s, e.g. 50e9 for InfiniBand NDR"
+            )
         if not (isinstance(self.latency, (int, float)) and self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"Interconnect({self.name!r}): latency={self.latency!r} must be >= 0 seconds, "
-                             "e.g. 5e-6")
+            raise ValueError(f"Interconnect({self.name!r}): latency={self.latency!r} must be >= 0 seconds, e.g. 5e-6")
 
 
 #: Presets: bandwidth per GPU and direction from the datasheets; latencies are typical NCCL per-step figures
@@ -119,8 +120,19 @@ INTERCONNECTS: dict[str, Interconnect] = {
 }
 
 #: Strategies :func:`project_scaling` models.
-STRATEGIES = ("ddp", "ddp_fp16_compress", "ddp_bf16_compress", "ddp_powersgd", "ddp_topk", "ddp_qsgd", "zero1",
-              "zero2", "zero3", "tp", "pp")
+STRATEGIES = (
+    "ddp",
+    "ddp_fp16_compress",
+    "ddp_bf16_compress",
+    "ddp_powersgd",
+    "ddp_topk",
+    "ddp_qsgd",
+    "zero1",
+    "zero2",
+    "zero3",
+    "tp",
+    "pp",
+)
 
 
 def get_interconnect(name: str | Interconnect) -> Interconnect:
@@ -128,13 +140,22 @@ def get_interconnect(name: str | Interconnect) -> Interconnect:
     if isinstance(name, Interconnect):
         return name
     key = str(name).lower().replace("-", "_").replace(" ", "_")
-    aliases = {"ib": "infiniband_ndr", "ndr": "infiniband_ndr", "infiniband": "infiniband_ndr",
-               "100g": "100gbe", "25g": "25gbe", "100_gbe": "100gbe", "25_gbe": "25gbe"}
+    aliases = {
+        "ib": "infiniband_ndr",
+        "ndr": "infiniband_ndr",
+        "infiniband": "infiniband_ndr",
+        "100g": "100gbe",
+        "25g": "25gbe",
+        "100_gbe": "100gbe",
+        "25_gbe": "25gbe",
+    }
     key = aliases.get(key, key)
     if key not in INTERCONNECTS:
-        raise ValueError(f"unknown interconnect {name!r}: use one of {', '.join(INTERCONNECTS)}, or give bandwidth "
-                         "and latency (Interconnect(name, bandwidth_bytes_per_s, latency_s); CLI: --bandwidth-gbs "
-                         "and --latency-us)")
+        raise ValueError(
+            f"unknown interconnect {name!r}: use one of {', '.join(INTERCONNECTS)}, or give bandwidth "
+            "and latency (Interconnect(name, bandwidth_bytes_per_s, latency_s); CLI: --bandwidth-gbs "
+            "and --latency-us)"
+        )
     return INTERCONNECTS[key]
 
 
@@ -186,8 +207,9 @@ def scaling_efficiency(throughput_1: float, throughput_n: float, n: int) -> floa
     return throughput_n / (n * throughput_1)
 
 
-def powersgd_compression_ratio(shapes: Iterable[Sequence[int]], *, rank: int = 1,
-                               min_compression_rate: float = 2.0) -> float:
+def powersgd_compression_ratio(
+    shapes: Iterable[Sequence[int]], *, rank: int = 1, min_compression_rate: float = 2.0
+) -> float:
     """Uncompressed ÷ sent elements of torch's PowerSGD hook for parameters of these shapes (Vogels et al. 2019).
 
     As ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``: a tensor of ≥ 2 dims is viewed as an
@@ -249,15 +271,18 @@ class ScalingWorkload:
 
     def __post_init__(self) -> None:
         if not self.compute_s > 0:
-            raise ValueError(f"ScalingWorkload(compute_s={self.compute_s!r}): give the measured 1-device step "
-                             "time in seconds (> 0)")
+            raise ValueError(
+                f"ScalingWorkload(compute_s={self.compute_s!r}): give the measured 1-device step time in seconds (> 0)"
+            )
         if not (isinstance(self.params, int) and self.params > 0):
             raise ValueError(f"ScalingWorkload(params={self.params!r}): give the parameter count (> 0)")
         if not 0 <= self.backward_fraction <= 1:
             raise ValueError(f"ScalingWorkload(backward_fraction={self.backward_fraction!r}): a share in [0, 1]")
         if not self.bucket_bytes > 0 or not self.powersgd_ratio >= 1:
-            raise ValueError(f"ScalingWorkload: bucket_bytes={self.bucket_bytes!r} must be > 0 and "
-                             f"powersgd_ratio={self.powersgd_ratio!r} >= 1")
+            raise ValueError(
+                f"ScalingWorkload: bucket_bytes={self.bucket_bytes!r} must be > 0 and "
+                f"powersgd_ratio={self.powersgd_ratio!r} >= 1"
+            )
 
     @property
     def shard_units(self) -> int:
@@ -309,8 +334,13 @@ class ScalingPoint:
         return self.efficiency * self.n
 
 
-def _bucketed_allreduce(size: float, n: int, link: Interconnect, bucket: float, calls_per_bucket: int = 1,
-                        ) -> tuple[float, float]:
+def _bucketed_allreduce(
+    size: float,
+    n: int,
+    link: Interconnect,
+    bucket: float,
+    calls_per_bucket: int = 1,
+) -> tuple[float, float]:
     """(total seconds, seconds of the last bucket) of ``size`` bytes all-reduced in buckets of ``bucket`` bytes,
     each sent as ``calls_per_bucket`` equal all-reduces."""
     if n == 1 or size <= 0:
@@ -323,12 +353,15 @@ def _bucketed_allreduce(size: float, n: int, link: Interconnect, bucket: float, 
     return full * one(bucket) + one(rest), one(min(bucket, size))
 
 
-def _pp_point(w: ScalingWorkload, n: int, link: Interconnect, t: int, p: int, m: int,
-              tp_link: Interconnect) -> ScalingPoint:
+def _pp_point(
+    w: ScalingWorkload, n: int, link: Interconnect, t: int, p: int, m: int, tp_link: Interconnect
+) -> ScalingPoint:
     """PP x TP x DP (the ``pp`` row of the module table)."""
     if n % (t * p):
-        raise ValueError(f"project_scaling: pp_size={p} x tp_size={t} does not divide n={n}; use device counts "
-                         f"that are multiples of {t * p}")
+        raise ValueError(
+            f"project_scaling: pp_size={p} x tp_size={t} does not divide n={n}; use device counts "
+            f"that are multiples of {t * p}"
+        )
     dp = n // (t * p)
     slot_compute = w.compute_s / (t * p * m)  # one micro-batch through one stage
     act = w.tokens_per_step / m * w.hidden_size * w.activation_bytes  # one micro-batch's activations
@@ -341,14 +374,24 @@ def _pp_point(w: ScalingWorkload, n: int, link: Interconnect, t: int, p: int, m:
     dp_exposed = 0.0 if dp == 1 else max(dp_comm - slot_compute * w.backward_fraction, last)
     ideal = w.compute_s / (t * p)
     step = pipeline + dp_exposed
-    return ScalingPoint(strategy="pp", n=n, tp_size=t, step_s=step, compute_s=ideal,
-                        comm_s=slots * (tp_slot + p2p_slot) + dp_comm, exposed_s=step - ideal,
-                        efficiency=ideal / step, pp_size=p, bubble_s=(p - 1) * slot_compute,
-                        p2p_s=slots * p2p_slot)
+    return ScalingPoint(
+        strategy="pp",
+        n=n,
+        tp_size=t,
+        step_s=step,
+        compute_s=ideal,
+        comm_s=slots * (tp_slot + p2p_slot) + dp_comm,
+        exposed_s=step - ideal,
+        efficiency=ideal / step,
+        pp_size=p,
+        bubble_s=(p - 1) * slot_compute,
+        p2p_s=slots * p2p_slot,
+    )
 
 
-def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_size: int,
-           tp_link: Interconnect) -> ScalingPoint:
+def _point(
+    strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_size: int, tp_link: Interconnect
+) -> ScalingPoint:
     grads = w.params * w.grad_bytes
     params = w.params * w.param_bytes
     compute, t_bwd, t_fwd = w.compute_s, w.backward_s, w.forward_s
@@ -363,8 +406,11 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
         exposed = 0.0 if n == 1 else max(comm - t_bwd, last)
     elif strategy in ("ddp_topk", "ddp_qsgd"):
         # bytes each rank contributes per gradient byte; the all-gather delivers every rank's contribution
-        per_grad_byte = (w.topk_density * 8 / w.grad_bytes if strategy == "ddp_topk"
-                         else (w.qsgd_bits / 8 + 4 / w.qsgd_chunk) / w.grad_bytes)
+        per_grad_byte = (
+            w.topk_density * 8 / w.grad_bytes
+            if strategy == "ddp_topk"
+            else (w.qsgd_bits / 8 + 4 / w.qsgd_chunk) / w.grad_bytes
+        )
         buckets, rest = int(grads // w.bucket_bytes), grads % w.bucket_bytes
         one = allgather_seconds(n * w.bucket_bytes * per_grad_byte, n, link)
         comm = buckets * one + (allgather_seconds(n * rest * per_grad_byte, n, link) if rest else 0.0)
@@ -388,8 +434,9 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
     elif strategy == "tp":
         t = tp_size
         if n % t:
-            raise ValueError(f"project_scaling: tp_size={t} does not divide n={n}; use device counts that are "
-                             f"multiples of {t}")
+            raise ValueError(
+                f"project_scaling: tp_size={t} does not divide n={n}; use device counts that are multiples of {t}"
+            )
         dp = n // t
         # Megatron-LM (Shoeybi et al. 2019, §3): 2 all-reduces forward + 2 backward per layer, of one replica's
         # activations (tokens × hidden), on the critical path
@@ -401,15 +448,29 @@ def _point(strategy: str, w: ScalingWorkload, n: int, link: Interconnect, tp_siz
     else:
         raise ValueError(f"project_scaling: unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     step = compute / t + exposed
-    return ScalingPoint(strategy=strategy, n=n, tp_size=t, step_s=step, compute_s=compute / t, comm_s=comm,
-                        exposed_s=exposed, efficiency=compute / (t * step))
+    return ScalingPoint(
+        strategy=strategy,
+        n=n,
+        tp_size=t,
+        step_s=step,
+        compute_s=compute / t,
+        comm_s=comm,
+        exposed_s=exposed,
+        efficiency=compute / (t * step),
+    )
 
 
-def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect, *,
-                    n: Iterable[int] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                    strategies: Iterable[str] = ("ddp", "ddp_bf16_compress", "zero2", "zero3"),
-                    tp_size: int = 8, tp_interconnect: str | Interconnect = "nvlink", pp_size: int = 4,
-                    microbatches: int | None = None) -> list[ScalingPoint]:
+def project_scaling(
+    workload: ScalingWorkload,
+    interconnect: str | Interconnect,
+    *,
+    n: Iterable[int] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    strategies: Iterable[str] = ("ddp", "ddp_bf16_compress", "zero2", "zero3"),
+    tp_size: int = 8,
+    tp_interconnect: str | Interconnect = "nvlink",
+    pp_size: int = 4,
+    microbatches: int | None = None,
+) -> list[ScalingPoint]:
     """Project step time and efficiency of ``workload`` at each device count under each strategy.
 
     Args:
@@ -437,8 +498,10 @@ def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect,
     _check_n(pp_size, "pp_size")
     for s in ("tp", "pp"):
         if s in names and not (workload.n_layers > 0 and workload.hidden_size > 0 and workload.tokens_per_step > 0):
-            raise ValueError(f"project_scaling: {s!r} needs the workload's n_layers, hidden_size and tokens_per_step "
-                             f"(got {workload.n_layers}, {workload.hidden_size}, {workload.tokens_per_step})")
+            raise ValueError(
+                f"project_scaling: {s!r} needs the workload's n_layers, hidden_size and tokens_per_step "
+                f"(got {workload.n_layers}, {workload.hidden_size}, {workload.tokens_per_step})"
+            )
     out = []
     for s in names:
         for x in counts:
@@ -452,8 +515,9 @@ def project_scaling(workload: ScalingWorkload, interconnect: str | Interconnect,
     return out
 
 
-def fit_interconnect(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int, *,
-                     name: str = "measured") -> Interconnect:
+def fit_interconnect(
+    sizes_bytes: Sequence[float], seconds: Sequence[float], n: int, *, name: str = "measured"
+) -> Interconnect:
     """α and B from measured all-reduce times (least squares of ``t = 2(n−1)α + 2(n−1)/n · S/B``).
 
     Args:
@@ -464,8 +528,10 @@ def fit_interconnect(sizes_bytes: Sequence[float], seconds: Sequence[float], n: 
     """
     _check_n(n)
     if n < 2 or len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
-        raise ValueError("fit_interconnect: give >= 2 distinct sizes with one time each, measured on n >= 2 ranks "
-                         f"(got n={n}, {len(sizes_bytes)} sizes, {len(seconds)} times)")
+        raise ValueError(
+            "fit_interconnect: give >= 2 distinct sizes with one time each, measured on n >= 2 ranks "
+            f"(got n={n}, {len(sizes_bytes)} sizes, {len(seconds)} times)"
+        )
     xs = [2 * (n - 1) / n * s for s in sizes_bytes]
     k = len(xs)
     mx, my = sum(xs) / k, sum(seconds) / k
@@ -474,4 +540,3 @@ def fit_interconnect(sizes_bytes: Sequence[float], seconds: Sequence[float], n: 
     if slope <= 0:
         raise ValueError(f"fit_interconnect: times do not grow with size ({list(seconds)}); measure larger messages")
     return Interconnect(name, 1.0 / slope, max(0.0, intercept) / (2 * (n - 1)))
-

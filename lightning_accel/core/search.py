@@ -50,9 +50,17 @@ def is_oom_error(err: BaseException) -> bool:
     if not isinstance(err, RuntimeError) or not err.args:
         return False
     msg = str(err.args[0])
-    return any(s in msg for s in (
-        "CUDA out of memory", "out of memory", "CUDNN_STATUS_NOT_SUPPORTED", "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
-        "DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory"))
+    return any(
+        s in msg
+        for s in (
+            "CUDA out of memory",
+            "out of memory",
+            "CUDNN_STATUS_NOT_SUPPORTED",
+            "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+            "DefaultCPUAllocator: can't allocate memory",
+            "MPS backend out of memory",
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -143,8 +151,14 @@ class BatchSizeSearch:
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-def _validate(budget_bytes: float, init_batch_size: int, max_batch_size: int | None, multiple_of: int | None,
-              max_probes: int, tolerance: float) -> None:
+def _validate(
+    budget_bytes: float,
+    init_batch_size: int,
+    max_batch_size: int | None,
+    multiple_of: int | None,
+    max_probes: int,
+    tolerance: float,
+) -> None:
     if not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0 or math.isinf(budget_bytes):
         raise ValueError(f"find_batch_size(budget_bytes={budget_bytes!r}): give a positive, finite number of bytes")
     check_int("find_batch_size", "init_batch_size", init_batch_size, example=2)
@@ -158,8 +172,9 @@ def _validate(budget_bytes: float, init_batch_size: int, max_batch_size: int | N
 class _Search:
     """Book-keeping shared by both modes: runs probes, classifies them, knows the bracket [lo, hi)."""
 
-    def __init__(self, probe: Callable[[int], object], budget: float, max_batch_size: int | None,
-                 multiple_of: int | None) -> None:
+    def __init__(
+        self, probe: Callable[[int], object], budget: float, max_batch_size: int | None, multiple_of: int | None
+    ) -> None:
         self.probe_fn = probe
         self.budget = float(budget)
         self.cap = max_batch_size
@@ -176,8 +191,9 @@ class _Search:
         else:
             peak, seconds = out if isinstance(out, tuple) else (out, None)
             peak = float(peak)
-            rec = ProbeRecord(size, OK if peak <= self.budget else OVER_BUDGET, peak,
-                              None if seconds is None else float(seconds))
+            rec = ProbeRecord(
+                size, OK if peak <= self.budget else OVER_BUDGET, peak, None if seconds is None else float(seconds)
+            )
         self.records.append(rec)
         return rec
 
@@ -227,11 +243,13 @@ class _Search:
                 if rec.outcome == OOM:
                     raise BatchSizeSearchError(
                         "batch size 1 already runs out of memory: the model, its gradients and optimizer state do "
-                        "not fit. Free memory, use a smaller model, or shard it (e.g. strategy='deepspeed_zero3').")
+                        "not fit. Free memory, use a smaller model, or shard it (e.g. strategy='deepspeed_zero3')."
+                    )
                 raise BatchSizeSearchError(
                     f"the memory budget ({_fmt_bytes(self.budget)}) is smaller than one sample: batch size 1 peaks at "
                     f"{_fmt_bytes(rec.peak_bytes or 0)}. Raise the budget (memory_fraction / memory_budget) or make "
-                    "the model smaller.")
+                    "the model smaller."
+                )
             size = max(1, size // 2)
 
     def result(self, reason: str, mode: str) -> BatchSizeSearch:
@@ -239,9 +257,15 @@ class _Search:
         best = self.best()
         if self.multiple > 1 and best % self.multiple:
             notes.append(f"no multiple of {self.multiple} fitted; {best} is the largest size that did")
-        return BatchSizeSearch(batch_size=best, budget_bytes=self.budget, probes=tuple(self.records),
-                               model=MemoryModel.fit(self.measured()), stop_reason=reason, mode=mode,
-                               notes=tuple(notes))
+        return BatchSizeSearch(
+            batch_size=best,
+            budget_bytes=self.budget,
+            probes=tuple(self.records),
+            model=MemoryModel.fit(self.measured()),
+            stop_reason=reason,
+            mode=mode,
+            notes=tuple(notes),
+        )
 
 
 def _fmt_bytes(n: float) -> str:
@@ -319,8 +343,11 @@ def find_batch_size(
         lo, hi = search.lo, search.hi
         step = search.multiple if lo >= search.multiple else 1
         if hi - lo <= step or (hi != math.inf and hi - lo <= tolerance * hi):
-            reason = ("max_batch_size reached" if search.cap is not None and lo >= search.cap
-                      else f"bracketed: {lo} fits, {int(hi)} does not")
+            reason = (
+                "max_batch_size reached"
+                if search.cap is not None and lo >= search.cap
+                else f"bracketed: {lo} fits, {int(hi)} does not"
+            )
             break
         candidate = _next_candidate(search, lo, hi, tolerance)
         if candidate is None:
@@ -404,20 +431,31 @@ def find_throughput_batch_size(
             nxt = limit
         nxt = search.round_down(nxt)
         if nxt <= chosen:
-            reason = "max_batch_size reached" if search.cap is not None and chosen >= search.cap else \
-                "memory budget reached"
+            reason = (
+                "max_batch_size reached" if search.cap is not None and chosen >= search.cap else "memory budget reached"
+            )
             break
         rec = search.run(nxt)
         if rec.outcome != OK:
             reason = f"batch size {nxt} does not fit ({rec.outcome})"
             break
-        gain_ok = (rec.samples_per_sec is not None and prev.samples_per_sec is not None
-                   and rec.samples_per_sec >= prev.samples_per_sec * (1 + threshold))
+        gain_ok = (
+            rec.samples_per_sec is not None
+            and prev.samples_per_sec is not None
+            and rec.samples_per_sec >= prev.samples_per_sec * (1 + threshold)
+        )
         if not gain_ok:
             reason = f"batch size {nxt} gains less than {threshold:.0%} samples/s over {chosen}"
             break
         chosen = nxt
     result = search.result(reason, "throughput")
     # `result` picks the largest success; throughput mode keeps the rung that last paid off.
-    return BatchSizeSearch(batch_size=chosen, budget_bytes=result.budget_bytes, probes=result.probes,
-                           model=result.model, stop_reason=reason, mode="throughput", notes=result.notes)
+    return BatchSizeSearch(
+        batch_size=chosen,
+        budget_bytes=result.budget_bytes,
+        probes=result.probes,
+        model=result.model,
+        stop_reason=reason,
+        mode="throughput",
+        notes=result.notes,
+    )

@@ -33,5 +33,6 @@ class ShardedFlopCounterMode(FlopCounterMode):
     def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
         # FlopCounterMode._count_flops(func_packet, out, args, kwargs) is private API, checked on torch 2.13
         super()._count_flops(  # type: ignore[no-untyped-call]  # torch leaves this private method untyped
-            func_packet, tree_map(_local, out), tree_map(_local, args), tree_map(_local, kwargs))
+            func_packet, tree_map(_local, out), tree_map(_local, args), tree_map(_local, kwargs)
+        )
         return out

@@ -39,14 +39,21 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_accel.core.findings import Diagnosis, Finding, SkippedRule
 
-__all__ = ["LIVE_SMELL_MIN_SHARE", "SMELLS", "find_smells", "gate_smells", "loader_settings", "preview_optimizer_step",
-           "smell_share"]
+__all__ = [
+    "LIVE_SMELL_MIN_SHARE",
+    "SMELLS",
+    "find_smells",
+    "gate_smells",
+    "loader_settings",
+    "preview_optimizer_step",
+    "smell_share",
+]
 
 # BatchNorm statistics degrade below ~32 samples per device and sharply below 16 (Wu & He, "Group Normalization",
 # ECCV 2018, Fig. 1).
@@ -98,10 +105,14 @@ def loader_settings(loader: Any, *, time_batch: bool = False, budget_s: float = 
     if not isinstance(loader, DataLoader):
         return None
     dataset = loader.dataset
-    out: dict[str, Any] = {"num_workers": loader.num_workers, "pin_memory": bool(loader.pin_memory),
-                           "persistent_workers": bool(loader.persistent_workers), "batch_size": loader.batch_size,
-                           "in_memory": isinstance(dataset, TensorDataset),
-                           "iterable": isinstance(dataset, IterableDataset)}
+    out: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "pin_memory": bool(loader.pin_memory),
+        "persistent_workers": bool(loader.persistent_workers),
+        "batch_size": loader.batch_size,
+        "in_memory": isinstance(dataset, TensorDataset),
+        "iterable": isinstance(dataset, IterableDataset),
+    }
     if time_batch and not out["iterable"] and not out["in_memory"]:
         try:
             load = _time_one_batch(loader, dataset, budget_s)
@@ -142,10 +153,14 @@ def _tf32_off(x: _Inputs) -> Finding | None:
     if x.device_capability[0] < 8 or x.compute_dtype != "fp32" or x.float32_matmul_precision != "highest":
         return None
     major, minor = x.device_capability
-    evidence = (f"fp32 matmuls run in full fp32 on a compute-capability {major}.{minor} GPU: "
-                "torch.get_float32_matmul_precision() is 'highest', so the TF32 tensor cores stay unused.")
-    fix = ("torch.set_float32_matmul_precision('high') before fit (TF32 matmuls: 10-bit mantissa, fp32 range; "
-           "several times the fp32 matmul rate), or train in mixed precision (AutoMixedPrecision).")
+    evidence = (
+        f"fp32 matmuls run in full fp32 on a compute-capability {major}.{minor} GPU: "
+        "torch.get_float32_matmul_precision() is 'highest', so the TF32 tensor cores stay unused."
+    )
+    fix = (
+        "torch.set_float32_matmul_precision('high') before fit (TF32 matmuls: 10-bit mantissa, fp32 range; "
+        "several times the fp32 matmul rate), or train in mixed precision (AutoMixedPrecision)."
+    )
     return Finding("tf32_off", "forward", evidence, fix, 1.0, kind="smell")
 
 
@@ -161,7 +176,7 @@ def _impl_in_use(opt: Any, device_type: str | None) -> str:
 
 
 def _candidate(cls: type, device_type: str) -> dict[str, bool] | None:
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cast(Any, cls).__init__).parameters
     from lightning_accel._compat import fused_optimizer_devices
 
     if "fused" in params and device_type in fused_optimizer_devices():
@@ -171,8 +186,9 @@ def _candidate(cls: type, device_type: str) -> dict[str, bool] | None:
     return None
 
 
-def preview_optimizer_step(optimizer: Any, candidate: Mapping[str, bool], *, budget_s: float = 0.1,
-                           max_numel: int = _PREVIEW_MAX_NUMEL) -> tuple[float, float]:
+def preview_optimizer_step(
+    optimizer: Any, candidate: Mapping[str, bool], *, budget_s: float = 0.1, max_numel: int = _PREVIEW_MAX_NUMEL
+) -> tuple[float, float]:
     """Seconds of one ``step`` of the optimizer's for-loop implementation and of ``candidate`` (e.g.
     ``{"fused": True}``), on clones of its parameters with random gradients: the real parameters and state are not
     touched. Each arm runs two warm-up steps; then the arms step in turn (A B A B: machine noise hits both) until
@@ -193,8 +209,11 @@ def preview_optimizer_step(optimizer: Any, candidate: Mapping[str, bool], *, bud
         raise ValueError(f"{numel:,} parameters exceed the preview's limit of {max_numel:,}")
     accepted = inspect.signature(cls.__init__).parameters
     group = optimizer.param_groups[0]
-    hyper = {k: v for k, v in group.items() if k in accepted and k not in ("params", "foreach", "fused",
-                                                                             "differentiable", "capturable")}
+    hyper = {
+        k: v
+        for k, v in group.items()
+        if k in accepted and k not in ("params", "foreach", "fused", "differentiable", "capturable")
+    }
     device = params[0].device if params else torch.device("cpu")
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -252,8 +271,9 @@ def _optimizer_not_foreach(x: _Inputs) -> Finding | None:
                 if device != "cuda":
                     raise _Skip(f"{cls.__name__}: the {name} preview failed ({err!r})") from None
         if gain is None and device != "cuda":
-            raise _Skip(f"{cls.__name__} runs its for-loop on {device}; the gain of {name}=True is unknown without "
-                        "the preview")
+            raise _Skip(
+                f"{cls.__name__} runs its for-loop on {device}; the gain of {name}=True is unknown without the preview"
+            )
         if gain is not None and gain < _PREVIEW_MIN_GAIN:
             continue
         flags = ", ".join(f"{k}={v}" for k, v in (opt.defaults or {}).items() if k in ("foreach", "fused"))
@@ -261,10 +281,11 @@ def _optimizer_not_foreach(x: _Inputs) -> Finding | None:
         if gain is not None:
             numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
             evidence += f"; a {name}=True step on clones of the {numel:,} parameters measured {gain:.2f}x faster"
-        fix = (f"torch.optim.{cls.__name__}(params, ..., {name}=True): one multi-tensor "
-               f"{'kernel' if name == 'fused' else 'launch'} for all parameters.")
-        return Finding("optimizer_not_foreach", "optimizer", evidence + ".", fix, gain or 0.0, gain=gain,
-                       kind="smell")
+        fix = (
+            f"torch.optim.{cls.__name__}(params, ..., {name}=True): one multi-tensor "
+            f"{'kernel' if name == 'fused' else 'launch'} for all parameters."
+        )
+        return Finding("optimizer_not_foreach", "optimizer", evidence + ".", fix, gain or 0.0, gain=gain, kind="smell")
     return None
 
 
@@ -277,11 +298,15 @@ def _find_unused(x: _Inputs) -> Finding | None:
         raise _Skip("needs one backward pass to see which parameters get a gradient")
     if not x.every_param_got_grad:
         return None
-    evidence = ("DDP runs with find_unused_parameters=True, but every parameter got a gradient in the first "
-                "backward: DDP walks the autograd graph after every forward for nothing, and cannot start the "
-                "all-reduce of a bucket early.")
-    fix = ("strategy='ddp' (find_unused_parameters=False, Lightning's default) or "
-           "DDPStrategy(find_unused_parameters=False); keep it only for models that skip layers on some steps.")
+    evidence = (
+        "DDP runs with find_unused_parameters=True, but every parameter got a gradient in the first "
+        "backward: DDP walks the autograd graph after every forward for nothing, and cannot start the "
+        "all-reduce of a bucket early."
+    )
+    fix = (
+        "strategy='ddp' (find_unused_parameters=False, Lightning's default) or "
+        "DDPStrategy(find_unused_parameters=False); keep it only for models that skip layers on some steps."
+    )
     return Finding("ddp_find_unused_parameters", "backward", evidence, fix, 1.0, kind="smell")
 
 
@@ -300,14 +325,18 @@ def _batchnorm(x: _Inputs) -> Finding | None:
     if batch >= _BN_SMALL_BATCH:
         return None
     effective = batch * x.accumulate_grad_batches
-    evidence = (f"{len(layers)} BatchNorm layer(s) ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) "
-                f"normalise each micro-batch of {batch} samples, while gradient accumulation "
-                f"(accumulate_grad_batches={x.accumulate_grad_batches}) makes the effective batch {effective}: the "
-                f"statistics are those of {batch} samples (noisy below {_BN_SMALL_BATCH}).")
-    fix = ("replace BatchNorm with GroupNorm (torch.nn.GroupNorm(32, channels): batch-independent), or freeze the "
-           "BatchNorm statistics of a pre-trained model (m.eval() for the BatchNorm layers during training), or "
-           "grow the micro-batch (BatchSizeTuner) and accumulate less; under DDP Trainer(sync_batchnorm=True) "
-           "pools the ranks' micro-batches.")
+    evidence = (
+        f"{len(layers)} BatchNorm layer(s) ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) "
+        f"normalise each micro-batch of {batch} samples, while gradient accumulation "
+        f"(accumulate_grad_batches={x.accumulate_grad_batches}) makes the effective batch {effective}: the "
+        f"statistics are those of {batch} samples (noisy below {_BN_SMALL_BATCH})."
+    )
+    fix = (
+        "replace BatchNorm with GroupNorm (torch.nn.GroupNorm(32, channels): batch-independent), or freeze the "
+        "BatchNorm statistics of a pre-trained model (m.eval() for the BatchNorm layers during training), or "
+        "grow the micro-batch (BatchSizeTuner) and accumulate less; under DDP Trainer(sync_batchnorm=True) "
+        "pools the ranks' micro-batches."
+    )
     return Finding("batchnorm_accumulation", "forward", evidence, fix, float(batch), kind="smell")
 
 
@@ -339,11 +368,15 @@ def _dims(x: _Inputs) -> Finding | None:
         return None
     share = sum(n for *_, n in bad) / total
     shown = ", ".join(f"{name} {'x'.join(map(str, dims))}" for name, dims, _ in bad[:3])
-    evidence = (f"{len(bad)} layer(s) holding {100 * share:.0f} % of the weights have sizes that are not multiples "
-                f"of 8 ({shown}{', ...' if len(bad) > 3 else ''}): {x.compute_dtype} tensor-core kernels need "
-                "multiples of 8 and fall back to slower tiles or padding otherwise.")
-    fix = ("pad the sizes to multiples of 8 (64 for a vocabulary: e.g. 50257 → 50304 tokens, with the extra "
-           "logits unused), hidden and head sizes to multiples of 64 where the design allows.")
+    evidence = (
+        f"{len(bad)} layer(s) holding {100 * share:.0f} % of the weights have sizes that are not multiples "
+        f"of 8 ({shown}{', ...' if len(bad) > 3 else ''}): {x.compute_dtype} tensor-core kernels need "
+        "multiples of 8 and fall back to slower tiles or padding otherwise."
+    )
+    fix = (
+        "pad the sizes to multiples of 8 (64 for a vocabulary: e.g. 50257 → 50304 tokens, with the extra "
+        "logits unused), hidden and head sizes to multiples of 64 where the design allows."
+    )
     return Finding("dims_not_multiple_of_8", "forward", evidence, fix, share, kind="smell")
 
 
@@ -368,12 +401,16 @@ def _num_workers_zero(x: _Inputs) -> Finding | None:
     if load is not None and load < _LOAD_MATTERS_S:
         return None  # loading is cheap here: workers would not pay for their start-up and IPC
     suggest = max(1, min(cores - 1, 4 if x.device_type == "cuda" else max(1, cores // 2)))
-    evidence = ("DataLoader(num_workers=0): every batch is loaded, decoded and collated in the training process, "
-                f"between steps, with {cores} cores available")
+    evidence = (
+        "DataLoader(num_workers=0): every batch is loaded, decoded and collated in the training process, "
+        f"between steps, with {cores} cores available"
+    )
     if load is not None:
         evidence += f"; loading one batch of {loader.get('batch_size')} took {1e3 * load:.1f} ms here"
-    fix = (f"DataLoader(num_workers={suggest}, persistent_workers=True, prefetch_factor=4) loads batches in "
-           "parallel while the step runs (DataLoaderTuner searches the values).")
+    fix = (
+        f"DataLoader(num_workers={suggest}, persistent_workers=True, prefetch_factor=4) loads batches in "
+        "parallel while the step runs (DataLoaderTuner searches the values)."
+    )
     return Finding("num_workers_zero", "data", evidence + ".", fix, load or 0.0, kind="smell")
 
 
@@ -383,8 +420,10 @@ def _pin_memory_off(x: _Inputs) -> Finding | None:
     loader = _dataloader(x)
     if loader.get("pin_memory") is not False:
         return None
-    evidence = ("DataLoader(pin_memory=False) while training on a GPU: each batch is copied through a pageable "
-                "staging buffer and the copy cannot overlap compute.")
+    evidence = (
+        "DataLoader(pin_memory=False) while training on a GPU: each batch is copied through a pageable "
+        "staging buffer and the copy cannot overlap compute."
+    )
     fix = "DataLoader(pin_memory=True) (+ DevicePrefetcher to copy the next batch on a side stream)."
     return Finding("pin_memory_off", "transfer", evidence, fix, 0.0, kind="smell")
 
@@ -394,8 +433,10 @@ def _persistent_workers_off(x: _Inputs) -> Finding | None:
     workers = loader.get("num_workers") or 0
     if workers == 0 or loader.get("persistent_workers") is not False:
         return None
-    evidence = (f"DataLoader(num_workers={workers}, persistent_workers=False): the {workers} worker processes are "
-                "started again (and the data set sent to them) for every epoch and every validation run.")
+    evidence = (
+        f"DataLoader(num_workers={workers}, persistent_workers=False): the {workers} worker processes are "
+        "started again (and the data set sent to them) for every epoch and every validation run."
+    )
     fix = "DataLoader(..., persistent_workers=True) keeps the workers alive across epochs."
     return Finding("persistent_workers_off", "data", evidence, fix, float(workers), kind="smell")
 
@@ -408,11 +449,15 @@ def _hf_eager(x: _Inputs) -> Finding | None:
 
         if hf_attn_implementation(m) != "eager" or not hf_supports_sdpa(m):
             continue
-        evidence = (f"the Hugging Face model {type(m).__name__}{f' ({name})' if name else ''} runs attention with "
-                    "attn_implementation='eager' (explicit softmax(QK^T)V, the full attention matrix in memory), "
-                    "though it supports 'sdpa'.")
-        fix = ("load it with from_pretrained(..., attn_implementation='sdpa') (or model.set_attn_implementation("
-               "'sdpa')): PyTorch's fused scaled_dot_product_attention kernels (flash / memory-efficient on a GPU).")
+        evidence = (
+            f"the Hugging Face model {type(m).__name__}{f' ({name})' if name else ''} runs attention with "
+            "attn_implementation='eager' (explicit softmax(QK^T)V, the full attention matrix in memory), "
+            "though it supports 'sdpa'."
+        )
+        fix = (
+            "load it with from_pretrained(..., attn_implementation='sdpa') (or model.set_attn_implementation("
+            "'sdpa')): PyTorch's fused scaled_dot_product_attention kernels (flash / memory-efficient on a GPU)."
+        )
         return Finding("hf_eager_attention", "forward", evidence, fix, 1.0, kind="smell")
     return None
 
@@ -432,12 +477,23 @@ _SMELLS: dict[str, Callable[[_Inputs], Finding | None]] = {
 SMELLS: tuple[str, ...] = tuple(_SMELLS)
 
 
-def find_smells(model: Any, optimizers: Iterable[Any] = (), *, loader: Any = None, device_type: str | None = None,
-                device_capability: tuple[int, int] | None = None, compute_dtype: str | None = None,
-                float32_matmul_precision: str | None = None, accumulate_grad_batches: int = 1,
-                find_unused_parameters: bool | None = None, every_param_got_grad: bool | None = None,
-                cpu_count: int | None = None, preview: bool = True, preview_budget_s: float = 0.1,
-                rules: Iterable[str] | None = None) -> Diagnosis:
+def find_smells(
+    model: Any,
+    optimizers: Iterable[Any] = (),
+    *,
+    loader: Any = None,
+    device_type: str | None = None,
+    device_capability: tuple[int, int] | None = None,
+    compute_dtype: str | None = None,
+    float32_matmul_precision: str | None = None,
+    accumulate_grad_batches: int = 1,
+    find_unused_parameters: bool | None = None,
+    every_param_got_grad: bool | None = None,
+    cpu_count: int | None = None,
+    preview: bool = True,
+    preview_budget_s: float = 0.1,
+    rules: Iterable[str] | None = None,
+) -> Diagnosis:
     """Look for the smells of :data:`SMELLS`; each is a finding with ``kind="smell"`` or a skipped rule.
 
     Args:
@@ -467,12 +523,21 @@ def find_smells(model: Any, optimizers: Iterable[Any] = (), *, loader: Any = Non
         raise ValueError(f"find_smells(rules={unknown}): unknown smell(s); known: {list(SMELLS)}")
     if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
         raise ValueError(f"find_smells(accumulate_grad_batches={accumulate_grad_batches!r}): use an integer >= 1")
-    inputs = _Inputs(model=model, optimizers=list(optimizers), loader=loader_settings(loader, time_batch=preview),
-                     device_type=device_type, device_capability=device_capability, compute_dtype=compute_dtype,
-                     float32_matmul_precision=float32_matmul_precision or torch.get_float32_matmul_precision(),
-                     accumulate_grad_batches=accumulate_grad_batches, find_unused_parameters=find_unused_parameters,
-                     every_param_got_grad=every_param_got_grad, cpu_count=cpu_count, preview=preview,
-                     preview_budget_s=preview_budget_s)
+    inputs = _Inputs(
+        model=model,
+        optimizers=list(optimizers),
+        loader=loader_settings(loader, time_batch=preview),
+        device_type=device_type,
+        device_capability=device_capability,
+        compute_dtype=compute_dtype,
+        float32_matmul_precision=float32_matmul_precision or torch.get_float32_matmul_precision(),
+        accumulate_grad_batches=accumulate_grad_batches,
+        find_unused_parameters=find_unused_parameters,
+        every_param_got_grad=every_param_got_grad,
+        cpu_count=cpu_count,
+        preview=preview,
+        preview_budget_s=preview_budget_s,
+    )
     out = Diagnosis()
     for name in selected:
         try:
@@ -496,9 +561,15 @@ LIVE_SMELL_MIN_SHARE = 0.03
 #: What the fix of each smell removes of its stage when no preview measured it (the Autopilot's priors,
 #: ``core.autopilot.EXPECTED_REMOVAL``); ``None``: not a speed smell (BatchNorm statistics), always warned.
 _REMOVABLE: dict[str, float | None] = {
-    "tf32_off": 0.3, "optimizer_not_foreach": 0.5, "ddp_find_unused_parameters": 0.1,
-    "batchnorm_accumulation": None, "dims_not_multiple_of_8": 0.1, "num_workers_zero": 0.9,
-    "pin_memory_off": 0.5, "persistent_workers_off": 0.1, "hf_eager_attention": 0.25,
+    "tf32_off": 0.3,
+    "optimizer_not_foreach": 0.5,
+    "ddp_find_unused_parameters": 0.1,
+    "batchnorm_accumulation": None,
+    "dims_not_multiple_of_8": 0.1,
+    "num_workers_zero": 0.9,
+    "pin_memory_off": 0.5,
+    "persistent_workers_off": 0.1,
+    "hf_eager_attention": 0.25,
 }
 
 
@@ -513,8 +584,9 @@ def smell_share(finding: Finding, shares: Mapping[str, float]) -> float | None:
     return float(shares[finding.stage]) * removable
 
 
-def gate_smells(findings: Iterable[Finding], shares: Mapping[str, float],
-                min_share: float = LIVE_SMELL_MIN_SHARE) -> tuple[list[Finding], list[Finding]]:
+def gate_smells(
+    findings: Iterable[Finding], shares: Mapping[str, float], min_share: float = LIVE_SMELL_MIN_SHARE
+) -> tuple[list[Finding], list[Finding]]:
     """Split smells into those worth a live warning and those for the report only (expected saving below
     ``min_share`` of the step); each carries its expected saving in its evidence."""
     from dataclasses import replace
@@ -526,7 +598,10 @@ def gate_smells(findings: Iterable[Finding], shares: Mapping[str, float],
         if share is None:
             live.append(finding)
             continue
-        finding = replace(finding, evidence=f"{finding.evidence} (fixing it is expected to save ~{share:.1%} of the "
-                                            f"step: {finding.stage} is {shares[finding.stage]:.1%} of it)")
+        finding = replace(
+            finding,
+            evidence=f"{finding.evidence} (fixing it is expected to save ~{share:.1%} of the "
+            f"step: {finding.stage} is {shares[finding.stage]:.1%} of it)",
+        )
         (report_only if share < min_share else live).append(finding)
     return live, report_only

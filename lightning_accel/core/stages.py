@@ -98,8 +98,15 @@ class StageMachine:
             switch below (None: no NVTX, no cost but one test per switch).
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, warmup_batches: int = 0,
-                 device: Any = None, timer: StageTimer | None = None, ranges: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        warmup_batches: int = 0,
+        device: Any = None,
+        timer: StageTimer | None = None,
+        ranges: Any = None,
+    ) -> None:
         check_int("StageMachine", "warmup_batches", warmup_batches, minimum=0, unit="batches")
         self.clock = clock
         self.timer = timer if timer is not None else StageTimer(device, clock=clock)
@@ -150,8 +157,10 @@ class StageMachine:
     def stage_start(self, stage: str) -> None:
         """Open ``stage`` (closing the open one; closes the data wait when the batch was awaited)."""
         if stage not in _KNOWN:
-            raise ValueError(f"StageMachine.stage_start({stage!r}): use one of {sorted(_KNOWN)} ('communication' "
-                             "is timed by a comm hook and added with add_seconds, 'other' is derived)")
+            raise ValueError(
+                f"StageMachine.stage_start({stage!r}): use one of {sorted(_KNOWN)} ('communication' "
+                "is timed by a comm hook and added with add_seconds, 'other' is derived)"
+            )
         self._switch(stage)
 
     def stage_end(self, stage: str | None = None) -> None:
@@ -251,10 +260,15 @@ class StageMachine:
         for stage, value in self._extra.items():
             seconds[stage] = seconds.get(stage, 0.0) + value
         seconds["data"] = self._data_seconds
-        window = StageWindow(wall=max(0.0, now - self._window_start - self._paused_total),
-                        seconds={s: float(seconds.get(s, 0.0)) for s in MEASURED_STAGES},
-                        batches=self.window_batches, samples=self.window_samples,
-                        step_times=self._step_times, data_times=self._data_times, first_batch=self._first_batch)
+        window = StageWindow(
+            wall=max(0.0, now - self._window_start - self._paused_total),
+            seconds={s: float(seconds.get(s, 0.0)) for s in MEASURED_STAGES},
+            batches=self.window_batches,
+            samples=self.window_samples,
+            step_times=self._step_times,
+            data_times=self._data_times,
+            first_batch=self._first_batch,
+        )
         self._window_start, self._paused_total = now, 0.0
         self.window_batches, self.window_samples = 0, 0.0
         self._step_times, self._data_times = [], []

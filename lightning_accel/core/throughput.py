@@ -44,8 +44,9 @@ class Rates:
 
     def to_dict(self) -> dict[str, float | int | None]:
         out = asdict(self)
-        out.update(samples_per_sec=self.samples_per_sec, tokens_per_sec=self.tokens_per_sec,
-                   flops_per_sec=self.flops_per_sec)
+        out.update(
+            samples_per_sec=self.samples_per_sec, tokens_per_sec=self.tokens_per_sec, flops_per_sec=self.flops_per_sec
+        )
         return out
 
 

@@ -14,8 +14,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["PEAK_FIELDS", "CpuUtilisation", "GpuUtilisation", "reduce_utilisation", "usable_cores_per_rank",
-           "usable_cpu_count"]
+__all__ = [
+    "PEAK_FIELDS",
+    "CpuUtilisation",
+    "GpuUtilisation",
+    "reduce_utilisation",
+    "usable_cores_per_rank",
+    "usable_cpu_count",
+]
 
 
 def usable_cpu_count() -> int:
@@ -52,8 +58,9 @@ class CpuUtilisation:
             DataLoader has no workers (``cpu_workers_pct`` is then 0).
     """
 
-    def __init__(self, process: Any = None, clock: Callable[[], float] = time.perf_counter, *,
-                 track_workers: bool = True) -> None:
+    def __init__(
+        self, process: Any = None, clock: Callable[[], float] = time.perf_counter, *, track_workers: bool = True
+    ) -> None:
         import psutil
 
         self.track_workers = track_workers
@@ -110,8 +117,7 @@ class CpuUtilisation:
         workers = self._scan_children()
         out = None
         if wall > 0:
-            out = {"cpu_process_pct": 100.0 * (own - self._last_self) / wall,
-                   "cpu_workers_pct": 100.0 * workers / wall}
+            out = {"cpu_process_pct": 100.0 * (own - self._last_self) / wall, "cpu_workers_pct": 100.0 * workers / wall}
         self._last_wall, self._last_self = self._clock(), own
         return out
 

@@ -32,9 +32,19 @@ from lightning_accel.core.phases import phase_cadences
 __all__ = ["VARIABILITY_FIELDS", "merge_windows", "spike_phase", "summarise_window", "variability_finding"]
 
 #: The summary of one window of one rank (gathered with the stage row).
-VARIABILITY_FIELDS: tuple[str, ...] = ("step_p5", "step_p50", "step_p95", "spikes", "spike_excess",
-                                       "spike_data_excess", "spike_first", "spike_last", "spike_gap",
-                                       "spike_gap_agree", "seconds")
+VARIABILITY_FIELDS: tuple[str, ...] = (
+    "step_p5",
+    "step_p50",
+    "step_p95",
+    "spikes",
+    "spike_excess",
+    "spike_data_excess",
+    "spike_first",
+    "spike_last",
+    "spike_gap",
+    "spike_gap_agree",
+    "seconds",
+)
 _SPIKE = 2.0
 _SPIKE_SHARE = 0.05  # spikes whose extra time is >= 5 % of the measured time are a finding even with a calm p95
 
@@ -78,15 +88,26 @@ def summarise_window(step_times: Sequence[float], data_times: Sequence[float], f
     gap = Counter(gaps).most_common(1)[0][0] if gaps else 0
     agree = sum(1 for g in gaps if abs(g - gap) <= 1)
     first, last = (first_batch + spikes[0], first_batch + spikes[-1]) if spikes else (-1, -1)
-    return [_quantile(ordered, 0.05), median, _quantile(ordered, 0.95), float(len(spikes)), excess, data_excess,
-            float(first), float(last), float(gap), float(agree), float(sum(step_times))]
+    return [
+        _quantile(ordered, 0.05),
+        median,
+        _quantile(ordered, 0.95),
+        float(len(spikes)),
+        excess,
+        data_excess,
+        float(first),
+        float(last),
+        float(gap),
+        float(agree),
+        float(sum(step_times)),
+    ]
 
 
 def merge_windows(rows: Sequence[Sequence[float]]) -> dict[str, float] | None:
     """Pool one rank's window summaries (in order): mean p5/p50/p95, summed spikes and excess, and the spike period:
     the gap that 3/4 of the gaps between spikes share, within windows (each window's most common gap) and across
     window edges (0: no period)."""
-    rows = [r for r in rows if all(math.isfinite(v) for v in r[:len(VARIABILITY_FIELDS)])]
+    rows = [r for r in rows if all(math.isfinite(v) for v in r[: len(VARIABILITY_FIELDS)])]
     if not rows:
         return None
     cols = {f: [r[i] for r in rows] for i, f in enumerate(VARIABILITY_FIELDS)}
@@ -133,9 +154,14 @@ def spike_phase(stats: Mapping[str, float], cadences: Mapping[str, int]) -> str 
     return next((phase for phase in ("checkpoint", "validation") if phase in matched), None)
 
 
-def variability_finding(stats: Mapping[str, float], context: RunContext | None = None,
-                        thresholds: Thresholds | None = None, *, rank: int | None = None,
-                        cadences: Mapping[str, int] | None = None) -> Finding | None:
+def variability_finding(
+    stats: Mapping[str, float],
+    context: RunContext | None = None,
+    thresholds: Thresholds | None = None,
+    *,
+    rank: int | None = None,
+    cadences: Mapping[str, int] | None = None,
+) -> Finding | None:
     """The ``step_variability`` finding when p95 ÷ p5 of the batch times exceeds ``thresholds.variability`` or at
     least 3 spikes at a fixed interval add >= 5 % to the measured time.
 
@@ -162,25 +188,33 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
         return None
     where = f" on rank {rank}" if rank is not None else ""
     ratio = p95 / p5
-    evidence = (f"batch times vary{where}: p5 {1e3 * p5:.2f} ms, median {1e3 * p50:.2f} ms, p95 {1e3 * p95:.2f} ms "
-                f"(p95/p5 {ratio:.1f}, threshold {th.variability:.1f})")
+    evidence = (
+        f"batch times vary{where}: p5 {1e3 * p5:.2f} ms, median {1e3 * p50:.2f} ms, p95 {1e3 * p95:.2f} ms "
+        f"(p95/p5 {ratio:.1f}, threshold {th.variability:.1f})"
+    )
     period = int(stats.get("spike_period", 0))
     data_frac = stats.get("spike_data_excess", 0.0) / excess if excess > 0 else 0.0
     matched = _matching(stats, phase_cadences(ctx) if cadences is None else cadences)
     if spikes:
-        evidence += (f"; {spikes} batch(es) took over {_SPIKE:.0f}x the median, {1e3 * excess:.1f} ms extra in all "
-                     f"({100 * spike_share:.1f} % of the measured time)")
+        evidence += (
+            f"; {spikes} batch(es) took over {_SPIKE:.0f}x the median, {1e3 * excess:.1f} ms extra in all "
+            f"({100 * spike_share:.1f} % of the measured time)"
+        )
     # spikes at a checkpoint's or validation's cadence are that phase's, even when they are data wait
     if spikes and data_frac >= 0.5 and not {"checkpoint", "validation"} & set(matched):
         stage = "data"
         evidence += f", {100 * data_frac:.0f} % of it waiting for data: bursty data stalls."
         steps = []
         if ctx.num_workers == 0:
-            steps.append("load in background workers: DataLoader(num_workers=4, persistent_workers=True, "
-                         "prefetch_factor=4)")
+            steps.append(
+                "load in background workers: DataLoader(num_workers=4, persistent_workers=True, prefetch_factor=4)"
+            )
         else:
-            steps.append("prefetch deeper so the queue absorbs slow batches: DataLoader(prefetch_factor=4 or more"
-                         + (", persistent_workers=True" if ctx.persistent_workers is False else "") + ")")
+            steps.append(
+                "prefetch deeper so the queue absorbs slow batches: DataLoader(prefetch_factor=4 or more"
+                + (", persistent_workers=True" if ctx.persistent_workers is False else "")
+                + ")"
+            )
             steps.append("add workers (DataLoaderTuner searches num_workers/prefetch_factor)")
         steps.append("find the slow samples (very large files, remote reads) and pre-process them once")
         fix = "; ".join(steps) + "."
@@ -188,27 +222,37 @@ def variability_finding(stats: Mapping[str, float], context: RunContext | None =
         stage = "data" if data_frac >= 0.5 else "other"
         causes = []
         if "logging" in matched:
-            causes.append(f"logging (Trainer(log_every_n_steps={ctx.log_every_n_steps})): log less often or "
-                          "keep .item()/host syncs out of the logged values")
+            causes.append(
+                f"logging (Trainer(log_every_n_steps={ctx.log_every_n_steps})): log less often or "
+                "keep .item()/host syncs out of the logged values"
+            )
         if "checkpoint" in matched:
             every = ctx.checkpoint_every_n_train_steps
-            causes.append(f"checkpoints ({f'ModelCheckpoint(every_n_train_steps={every})' if every else 'the saves'}"
-                          "): save less often, or in the background with Trainer(plugins=[AsyncCheckpointIO()])")
+            causes.append(
+                f"checkpoints ({f'ModelCheckpoint(every_n_train_steps={every})' if every else 'the saves'}"
+                "): save less often, or in the background with Trainer(plugins=[AsyncCheckpointIO()])"
+            )
         if "validation" in matched:
             interval = ctx.val_check_interval
-            causes.append(f"validation ({f'Trainer(val_check_interval={interval})' if interval else 'its runs'}): "
-                          "the set-up before each run (its DataLoader's workers starting) lands in the next batch; "
-                          "DataLoader(persistent_workers=True) for validation, or validate less often")
+            causes.append(
+                f"validation ({f'Trainer(val_check_interval={interval})' if interval else 'its runs'}): "
+                "the set-up before each run (its DataLoader's workers starting) lands in the next batch; "
+                "DataLoader(persistent_workers=True) for validation, or validate less often"
+            )
         if not causes:
-            causes.append(f"work that runs every {period} batches: a callback or logger with that cadence, or "
-                          "Python's garbage collector (gc.freeze() after set-up, or gc.disable() and gc.collect() "
-                          "every N steps)")
+            causes.append(
+                f"work that runs every {period} batches: a callback or logger with that cadence, or "
+                "Python's garbage collector (gc.freeze() after set-up, or gc.disable() and gc.collect() "
+                "every N steps)"
+            )
         evidence += f", every {period} batches: periodic work on the step."
         fix = "; ".join(causes) + "."
     else:
         stage = "other"
         evidence += "." if not spikes else ", at no fixed interval."
-        fix = ("look for work outside the model: Python's garbage collector (gc.freeze() after set-up), other "
-               "processes on the machine's cores or GPU, variable-length batches (bucket by length); a "
-               "ProfileWindow trace of the slow steps shows which.")
+        fix = (
+            "look for work outside the model: Python's garbage collector (gc.freeze() after set-up), other "
+            "processes on the machine's cores or GPU, variable-length batches (bucket by length); a "
+            "ProfileWindow trace of the slow steps shows which."
+        )
     return Finding("step_variability", stage, evidence, fix, ratio, saving=spike_share)

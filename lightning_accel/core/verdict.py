@@ -67,18 +67,31 @@ def _fold(step: list[Finding], extra: Finding, rank: int | None) -> list[Finding
             continue
         if f.rule == "straggler" and not f.evidence.startswith(f"rank {rank if rank is not None else 0} "):
             continue
-        joined = replace(f, evidence=f"{f.evidence} Its batch times vary too: {extra.evidence}",
-                         fix=f"{f.fix} For the slow batches: {extra.fix}")
-        return [*step[:i], joined, *step[i + 1:]]
+        joined = replace(
+            f,
+            evidence=f"{f.evidence} Its batch times vary too: {extra.evidence}",
+            fix=f"{f.fix} For the slow batches: {extra.fix}",
+        )
+        return [*step[:i], joined, *step[i + 1 :]]
     return None
 
 
-def build_report(breakdown: Breakdown, *, context: RunContext, thresholds: Thresholds, world_size: int = 1,
-                 fit: FitBreakdown | None = None, smells: Diagnosis | None = None,
-                 variability_rows: Sequence[Sequence[Sequence[float]]] = (),
-                 utilisation: Mapping[str, Sequence[float]] | None = None, window: int | None = None,
-                 timeline: Sequence[dict[str, Any]] = (), precision: Mapping[str, Any] | None = None,
-                 notes: Sequence[str] = (), empty_note: str = "too little data to diagnose") -> DoctorReport:
+def build_report(
+    breakdown: Breakdown,
+    *,
+    context: RunContext,
+    thresholds: Thresholds,
+    world_size: int = 1,
+    fit: FitBreakdown | None = None,
+    smells: Diagnosis | None = None,
+    variability_rows: Sequence[Sequence[Sequence[float]]] = (),
+    utilisation: Mapping[str, Sequence[float]] | None = None,
+    window: int | None = None,
+    timeline: Sequence[dict[str, Any]] = (),
+    precision: Mapping[str, Any] | None = None,
+    notes: Sequence[str] = (),
+    empty_note: str = "too little data to diagnose",
+) -> DoctorReport:
     """The report of a run; ``report.findings`` holds the step, variability and fit findings reconciled (see the
     module docstring), largest saving first, and ``report.fit_findings`` the fit ones among them.
 
@@ -96,9 +109,16 @@ def build_report(breakdown: Breakdown, *, context: RunContext, thresholds: Thres
         empty_note: the note when no window was measured.
     """
     notes = list(notes)
-    report = DoctorReport(world_size=world_size, context=context, thresholds=vars(thresholds).copy(),
-                          precision=dict(precision or {}), notes=notes, timeline=list(timeline),
-                          windows=len(breakdown.windows), batches=breakdown.batches)
+    report = DoctorReport(
+        world_size=world_size,
+        context=context,
+        thresholds=vars(thresholds).copy(),
+        precision=dict(precision or {}),
+        notes=notes,
+        timeline=list(timeline),
+        windows=len(breakdown.windows),
+        batches=breakdown.batches,
+    )
     if fit is not None:
         report.fit = fit.to_dict()
     if smells is not None:
@@ -123,8 +143,11 @@ def build_report(breakdown: Breakdown, *, context: RunContext, thresholds: Thres
         notes.append(f"only {breakdown.batches} batches measured (window={window}): the shares are noisy")
 
     report.variability = [merge_windows(rows) or {} for rows in variability_rows]
-    spread = [(stats["step_p95"] / stats["step_p5"], rank) for rank, stats in enumerate(report.variability)
-              if stats and stats["step_p5"] > 0]
+    spread = [
+        (stats["step_p95"] / stats["step_p5"], rank)
+        for rank, stats in enumerate(report.variability)
+        if stats and stats["step_p5"] > 0
+    ]
     worst = max(spread)[1] if spread else None
     stats = report.variability[worst] if worst is not None else {}
     cadences = phase_cadences(context, fit)
@@ -137,17 +160,22 @@ def build_report(breakdown: Breakdown, *, context: RunContext, thresholds: Thres
     phase = spike_phase(stats, cadences) if stats else None
     if phase is not None and varied is not None and stats.get("seconds", 0.0) > 0:
         data_share = stats.get("spike_data_excess", 0.0) / stats["seconds"]
-        with_tail = diagnose_fit(fit, context, thresholds,
-                                 tails={phase: (stats["spike_excess"], int(stats["spikes"]))}).findings \
-            if fit is not None else []
+        with_tail = (
+            diagnose_fit(
+                fit, context, thresholds, tails={phase: (stats["spike_excess"], int(stats["spikes"]))}
+            ).findings
+            if fit is not None
+            else []
+        )
         if any(f.stage == phase for f in with_tail):
             fit_findings, varied = with_tail, None
             accounted.append(("data", data_share, f"the {phase} finding"))
         else:
             accounted.append(("data", data_share, "the step_variability finding"))
 
-    diagnosis = diagnose(shares, context, thresholds, rank_seconds=rank_seconds if world_size > 1 else None,
-                         accounted=accounted)
+    diagnosis = diagnose(
+        shares, context, thresholds, rank_seconds=rank_seconds if world_size > 1 else None, accounted=accounted
+    )
     report.skipped = diagnosis.skipped
     # the verdict comes from the step rules; variability is a finding beside it, not a stage that holds back
     report.bottleneck = holding_back(shares, diagnosis.findings)

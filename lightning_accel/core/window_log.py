@@ -25,8 +25,7 @@ from typing import IO, Any
 
 from lightning_accel.core.findings import STAGES
 
-__all__ = ["WINDOW_LOG_SUFFIX", "LiveState", "WindowLogReader", "WindowLogWriter", "find_window_log",
-           "render_live"]
+__all__ = ["WINDOW_LOG_SUFFIX", "LiveState", "WindowLogReader", "WindowLogWriter", "find_window_log", "render_live"]
 
 #: a window log's file name ends with this (``bottleneck_report.json`` → ``bottleneck_report.windows.jsonl``)
 WINDOW_LOG_SUFFIX = ".windows.jsonl"
@@ -124,8 +123,10 @@ def find_window_log(where: str | os.PathLike[str]) -> Path | None:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise FileNotFoundError(f"{where}: no such folder or window log (give the fit's log folder, e.g. "
-                                "lightning_logs/, or a *.windows.jsonl file)")
+        raise FileNotFoundError(
+            f"{where}: no such folder or window log (give the fit's log folder, e.g. "
+            "lightning_logs/, or a *.windows.jsonl file)"
+        )
     logs = [p for p in path.rglob(f"*{WINDOW_LOG_SUFFIX}") if p.is_file()]
     return max(logs, key=lambda p: p.stat().st_mtime) if logs else None
 
@@ -154,8 +155,9 @@ def render_live(state: LiveState, source: str) -> Any:
     line = f"step {step:.1f} ms" if isinstance(step, (int, float)) else "step —"
     line += f" · {rate:.1f} samples/s" if isinstance(rate, (int, float)) else ""
     line += f" · MFU {100 * mfu:.1f} %" if isinstance(mfu, (int, float)) else ""
-    rates = [float(w["samples_per_sec"]) for w in state.windows[-20:]
-             if isinstance(w.get("samples_per_sec"), (int, float))]
+    rates = [
+        float(w["samples_per_sec"]) for w in state.windows[-20:] if isinstance(w.get("samples_per_sec"), (int, float))
+    ]
     if len(rates) > 1:
         line += " · recent windows " + _sparkline(rates)
     parts: list[Any] = [table, Text(line)]
@@ -167,8 +169,7 @@ def render_live(state: LiveState, source: str) -> Any:
     else:
         parts.append(Text("no finding in this window"))
     if state.ended:
-        parts.append(Text(f"fit {state.status}" + (f"; report: {state.report}" if state.report else ""),
-                          style="bold"))
+        parts.append(Text(f"fit {state.status}" + (f"; report: {state.report}" if state.report else ""), style="bold"))
     return Group(*parts)
 
 

@@ -20,8 +20,14 @@ from lightning_accel.core.variability import VARIABILITY_FIELDS
 __all__ = ["UTIL_FIELDS", "RankWindow"]
 
 #: Utilisation fields sampled when a window closes (NaN where a rank has no value).
-UTIL_FIELDS: tuple[str, ...] = ("cpu_process_pct", "cpu_workers_pct", "gpu_util_pct", "gpu_mem_used_frac",
-                                "gpu_sm_clock_mhz", "memory_peak_frac")
+UTIL_FIELDS: tuple[str, ...] = (
+    "cpu_process_pct",
+    "cpu_workers_pct",
+    "gpu_util_pct",
+    "gpu_mem_used_frac",
+    "gpu_sm_clock_mhz",
+    "memory_peak_frac",
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,12 @@ class RankWindow:
 
     def to_floats(self) -> list[float]:
         """The flat vector exchanged across ranks: stages, utilisation, passes, variability, in field order."""
-        return ([float(self.stages[f]) for f in ROW_FIELDS] + [float(self.utilisation[f]) for f in UTIL_FIELDS]
-                + [float(self.comm_passes)] + [float(self.variability[f]) for f in VARIABILITY_FIELDS])
+        return (
+            [float(self.stages[f]) for f in ROW_FIELDS]
+            + [float(self.utilisation[f]) for f in UTIL_FIELDS]
+            + [float(self.comm_passes)]
+            + [float(self.variability[f]) for f in VARIABILITY_FIELDS]
+        )
 
     @property
     def measured(self) -> bool:

@@ -8,11 +8,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DALIImageDataModule", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap",
-           "pack_webdataset"]
+__all__ = [
+    "DALIImageDataModule",
+    "MemmapDataModule",
+    "MemmapDataset",
+    "TokenMemmapDataset",
+    "pack_memmap",
+    "pack_webdataset",
+]
 
-_MODULES = {"DALIImageDataModule": "dali", "MemmapDataModule": "memmap", "MemmapDataset": "memmap",
-            "TokenMemmapDataset": "memmap", "pack_memmap": "memmap", "pack_webdataset": "webdataset"}
+_MODULES = {
+    "DALIImageDataModule": "dali",
+    "MemmapDataModule": "memmap",
+    "MemmapDataset": "memmap",
+    "TokenMemmapDataset": "memmap",
+    "pack_memmap": "memmap",
+    "pack_webdataset": "webdataset",
+}
 
 
 def __getattr__(name: str) -> Any:

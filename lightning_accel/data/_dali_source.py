@@ -51,8 +51,11 @@ class _BatchSource:
     def mark_bad(self, sample: int, reason: str) -> None:
         if sample not in self.bad:
             self.bad[sample] = reason
-            warnings.warn(f"DALIImageDataModule: skipping corrupt image {self.index.names[sample]} ({reason}); "
-                          f"it is replaced by another image of the same source", stacklevel=2)
+            warnings.warn(
+                f"DALIImageDataModule: skipping corrupt image {self.index.names[sample]} ({reason}); "
+                f"it is replaced by another image of the same source",
+                stacklevel=2,
+            )
 
     def _read_checked(self, sample: int) -> tuple[bytes | None, str]:
         try:
@@ -77,8 +80,11 @@ class _BatchSource:
                     self.substitutions += 1
                 return data, candidate
             if not self.skip_corrupt:
-                raise CorruptImageError(f"{self.index.names[candidate]}: {reason}. Remove or replace the file, or "
-                                        f"pass skip_corrupt=True to skip such files", [self.index.names[candidate]])
+                raise CorruptImageError(
+                    f"{self.index.names[candidate]}: {reason}. Remove or replace the file, or "
+                    f"pass skip_corrupt=True to skip such files",
+                    [self.index.names[candidate]],
+                )
             self.mark_bad(candidate, reason)
         raise CorruptImageError(f"no readable image left in {self.index.description}", [])
 

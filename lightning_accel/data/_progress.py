@@ -29,8 +29,9 @@ class _RichProgress:
     def __init__(self, total: int, description: str) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), transient=False)
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=False
+        )
         self._task = self._progress.add_task(description, total=total or None)  # None: unknown length
 
     def __enter__(self) -> _RichProgress:

@@ -53,9 +53,19 @@ def _dali() -> ModuleType:
 class _DALILoader:
     """An iterable of ``(images, labels)`` torch batches for one split; ``len()`` is the batches per rank."""
 
-    def __init__(self, module: DALIImageDataModule, index: ImageIndex, *, train: bool, batch_size: int,
-                 rank: int, world_size: int, decode_device: str, device_id: int | None,
-                 epoch_fn: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        module: DALIImageDataModule,
+        index: ImageIndex,
+        *,
+        train: bool,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        decode_device: str,
+        device_id: int | None,
+        epoch_fn: Callable[[], int],
+    ) -> None:
         self.module, self.index, self.train = module, index, train
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.decode_device, self.device_id, self.epoch_fn = decode_device, device_id, epoch_fn
@@ -64,8 +74,7 @@ class _DALILoader:
         self._pipe: Any = None
         self._iter: Any = None
         self._open = False  # an epoch was started and not run to its end
-        self._len = num_batches(len(index), batch_size=batch_size, world_size=world_size,
-                                last_batch=self.last_batch)
+        self._len = num_batches(len(index), batch_size=batch_size, world_size=world_size, last_batch=self.last_batch)
         self._epoch: int | None = None  # the epoch last started, and the batches of it handed out (or skipped)
         self._yielded = 0
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, applied when its epoch starts
@@ -104,8 +113,12 @@ class _DALILoader:
 
     def _order(self) -> dict[str, Any]:
         """What an epoch's global order depends on (besides the epoch): equal orders map positions exactly."""
-        return {"num_samples": len(self.index), "seed": self.module.seed, "shuffle": self.shuffle,
-                "last_batch": self.last_batch}
+        return {
+            "num_samples": len(self.index),
+            "seed": self.module.seed,
+            "shuffle": self.shuffle,
+            "last_batch": self.last_batch,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the epoch, saved in Lightning checkpoints so that a mid-epoch resume sees only unseen
@@ -113,15 +126,23 @@ class _DALILoader:
         epoch and the number of samples only, so a resume with another world size or batch size stays exact."""
         if self._epoch is None:
             return {}
-        return {"epoch": self._epoch, "samples_done": self._batches_done() * self.batch_size * self.world_size,
-                "batch_size": self.batch_size, "world_size": self.world_size, **self._order()}
+        return {
+            "epoch": self._epoch,
+            "samples_done": self._batches_done() * self.batch_size * self.world_size,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            **self._order(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = {"epoch", "samples_done", "batch_size", "world_size", *self._order()}  # what state_dict writes
         missing = sorted(keys - set(state or {}))
         if state and missing:
-            warnings.warn(f"DALIImageDataModule: the checkpoint's loader state lacks {missing} (written by another "
-                          f"loader or version), so the interrupted epoch is read from its start", stacklevel=2)
+            warnings.warn(
+                f"DALIImageDataModule: the checkpoint's loader state lacks {missing} (written by another "
+                f"loader or version), so the interrupted epoch is read from its start",
+                stacklevel=2,
+            )
         self._resume = dict(state) if state and not missing else None
 
     def _resume_skip(self, epoch: int) -> int:
@@ -132,17 +153,23 @@ class _DALILoader:
         now = self._order()
         then = {key: state[key] for key in now}
         if then != now:
-            warnings.warn(f"DALIImageDataModule: the checkpoint was taken mid-epoch with other data or settings "
-                          f"({then}; now {now}), so its position cannot be mapped: epoch {epoch} is read from its "
-                          f"start", stacklevel=3)
+            warnings.warn(
+                f"DALIImageDataModule: the checkpoint was taken mid-epoch with other data or settings "
+                f"({then}; now {now}), so its position cannot be mapped: epoch {epoch} is read from its "
+                f"start",
+                stacklevel=3,
+            )
             return 0
         done, per_batch = int(state["samples_done"]), self.batch_size * self.world_size
         skip = -(-done // per_batch)  # ceil: never show a sample twice in one epoch
         if skip * per_batch != done:
-            warnings.warn(f"DALIImageDataModule: resuming epoch {epoch} with {self.world_size} rank(s) x batch "
-                          f"{self.batch_size} from a checkpoint taken with {state['world_size']} x "
-                          f"{state['batch_size']}: {skip * per_batch - done} sample(s) of this epoch are skipped "
-                          f"so that none is seen twice", stacklevel=3)
+            warnings.warn(
+                f"DALIImageDataModule: resuming epoch {epoch} with {self.world_size} rank(s) x batch "
+                f"{self.batch_size} from a checkpoint taken with {state['world_size']} x "
+                f"{state['batch_size']}: {skip * per_batch - done} sample(s) of this epoch are skipped "
+                f"so that none is seen twice",
+                stacklevel=3,
+            )
         return min(skip, self._len)
 
     @property
@@ -150,16 +177,30 @@ class _DALILoader:
         return self.train and self.module.shuffle
 
     def plan(self, epoch: int) -> list[np.ndarray]:
-        return epoch_plan(len(self.index), batch_size=self.batch_size, rank=self.rank, world_size=self.world_size,
-                          shuffle=self.shuffle, seed=self.module.seed, epoch=epoch, last_batch=self.last_batch)
+        return epoch_plan(
+            len(self.index),
+            batch_size=self.batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=self.shuffle,
+            seed=self.module.seed,
+            epoch=epoch,
+            last_batch=self.last_batch,
+        )
 
     def _build(self) -> None:
         dali = _dali()
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-        pipe = self.module._pipeline(self.source, train=self.train, batch_size=self.batch_size,
-                                     decode_device=self.decode_device, device_id=self.device_id,
-                                     seed=self.module.seed + 7919 * self.rank, dali=dali)
+        pipe = self.module._pipeline(
+            self.source,
+            train=self.train,
+            batch_size=self.batch_size,
+            decode_device=self.decode_device,
+            device_id=self.device_id,
+            seed=self.module.seed + 7919 * self.rank,
+            dali=dali,
+        )
         # size=-1: the epoch ends when the source raises StopIteration (the plan decides the batch count)
         self._iter = DALIGenericIterator(pipe, ["images", "labels"], auto_reset=False, prepare_first_batch=False)
         self._pipe = pipe
@@ -222,15 +263,19 @@ class _DALILoader:
         if not culprits:
             names = [self.index.names[s] for _, batch in self.source.inflight for s in batch]
             self._discard()
-            raise RuntimeError(f"DALI failed while processing a batch from {self.index.description}; every image "
-                               f"in flight decodes with PIL, so the cause is not a corrupt file. Images in flight: "
-                               f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}") from err
+            raise RuntimeError(
+                f"DALI failed while processing a batch from {self.index.description}; every image "
+                f"in flight decodes with PIL, so the cause is not a corrupt file. Images in flight: "
+                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            ) from err
         names = [f"{self.index.names[s]} ({reason})" for s, reason in culprits.items()]
         if not self.source.skip_corrupt:
             self._discard()  # a pipeline that raised cannot be reused
-            raise CorruptImageError(f"corrupt image(s) that cannot be decoded: {'; '.join(names)}. Remove or "
-                                    f"replace them, or pass skip_corrupt=True to skip them",
-                                    [self.index.names[s] for s in culprits]) from err
+            raise CorruptImageError(
+                f"corrupt image(s) that cannot be decoded: {'; '.join(names)}. Remove or "
+                f"replace them, or pass skip_corrupt=True to skip them",
+                [self.index.names[s] for s in culprits],
+            ) from err
         for sample, reason in culprits.items():
             self.source.mark_bad(sample, reason)
         self.source.rewind()
@@ -281,47 +326,75 @@ class DALIImageDataModule(pl.LightningDataModule):
             that names the file.
     """
 
-    def __init__(self, *, train: ImageSource | None = None, val: ImageSource | None = None, image_size: int = 224,
-                 batch_size: int = 64, val_batch_size: int | None = None, val_resize: int | None = None,
-                 num_threads: int | None = None, prefetch_queue_depth: int = 2, seed: int = 0,
-                 decode_device: str = "auto", mean: Sequence[float] = IMAGENET_MEAN,
-                 std: Sequence[float] = IMAGENET_STD, dtype: str | torch.dtype = "float32", layout: str = "NCHW",
-                 last_batch: str = "drop", shuffle: bool = True,
-                 random_area: tuple[float, float] = (0.08, 1.0),
-                 random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3), mirror_probability: float = 0.5,
-                 skip_corrupt: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        train: ImageSource | None = None,
+        val: ImageSource | None = None,
+        image_size: int = 224,
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        val_resize: int | None = None,
+        num_threads: int | None = None,
+        prefetch_queue_depth: int = 2,
+        seed: int = 0,
+        decode_device: str = "auto",
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        dtype: str | torch.dtype = "float32",
+        layout: str = "NCHW",
+        last_batch: str = "drop",
+        shuffle: bool = True,
+        random_area: tuple[float, float] = (0.08, 1.0),
+        random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        mirror_probability: float = 0.5,
+        skip_corrupt: bool = False,
+    ) -> None:
         super().__init__()
         if train is None and val is None:
             raise ValueError("DALIImageDataModule: pass train=... and/or val=... (a folder, .tar shards or a list)")
-        for name, value in (("image_size", image_size), ("batch_size", batch_size),
-                            ("prefetch_queue_depth", prefetch_queue_depth)):
+        for name, value in (
+            ("image_size", image_size),
+            ("batch_size", batch_size),
+            ("prefetch_queue_depth", prefetch_queue_depth),
+        ):
             check_int("DALIImageDataModule", name, value)
-        for name, value in (("val_batch_size", val_batch_size), ("val_resize", val_resize),
-                            ("num_threads", num_threads)):
+        for name, value in (
+            ("val_batch_size", val_batch_size),
+            ("val_resize", val_resize),
+            ("num_threads", num_threads),
+        ):
             check_int("DALIImageDataModule", name, value, optional=True)
         if val_resize is not None and val_resize < image_size:
-            raise ValueError(f"DALIImageDataModule: val_resize={val_resize} is smaller than image_size="
-                             f"{image_size}; the centre crop needs val_resize >= image_size")
+            raise ValueError(
+                f"DALIImageDataModule: val_resize={val_resize} is smaller than image_size="
+                f"{image_size}; the centre crop needs val_resize >= image_size"
+            )
         if decode_device not in ("auto", "cpu", "mixed"):
-            raise ValueError(f"DALIImageDataModule: decode_device must be 'auto', 'cpu' or 'mixed', "
-                             f"got {decode_device!r}")
+            raise ValueError(
+                f"DALIImageDataModule: decode_device must be 'auto', 'cpu' or 'mixed', got {decode_device!r}"
+            )
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
-            raise ValueError(f"DALIImageDataModule: mean and std need 3 values (RGB, [0, 1] scale) and std > 0, "
-                             f"got mean={tuple(mean)}, std={tuple(std)}")
+            raise ValueError(
+                f"DALIImageDataModule: mean and std need 3 values (RGB, [0, 1] scale) and std > 0, "
+                f"got mean={tuple(mean)}, std={tuple(std)}"
+            )
         dtype_name = str(dtype).replace("torch.", "")
         if dtype_name not in _DTYPES:
             raise ValueError(f"DALIImageDataModule: dtype must be 'float32' or 'float16', got {dtype!r}")
         if layout not in ("NCHW", "NHWC"):
             raise ValueError(f"DALIImageDataModule: layout must be 'NCHW' or 'NHWC', got {layout!r}")
         if last_batch not in ("drop", "pad"):
-            raise ValueError(f"DALIImageDataModule: last_batch must be 'drop' or 'pad' (validation always reads "
-                             f"every sample once), got {last_batch!r}")
+            raise ValueError(
+                f"DALIImageDataModule: last_batch must be 'drop' or 'pad' (validation always reads "
+                f"every sample once), got {last_batch!r}"
+            )
         if not (0 < random_area[0] <= random_area[1] <= 1):
-            raise ValueError(f"DALIImageDataModule: random_area must satisfy 0 < low <= high <= 1, "
-                             f"got {random_area}")
+            raise ValueError(f"DALIImageDataModule: random_area must satisfy 0 < low <= high <= 1, got {random_area}")
         if not (0 < random_aspect_ratio[0] <= random_aspect_ratio[1]):
-            raise ValueError(f"DALIImageDataModule: random_aspect_ratio must satisfy 0 < low <= high, "
-                             f"got {random_aspect_ratio}")
+            raise ValueError(
+                f"DALIImageDataModule: random_aspect_ratio must satisfy 0 < low <= high, got {random_aspect_ratio}"
+            )
         if not 0 <= mirror_probability <= 1:
             raise ValueError(f"DALIImageDataModule: mirror_probability must be in [0, 1], got {mirror_probability}")
         self.train_source, self.val_source = train, val
@@ -369,8 +442,12 @@ class DALIImageDataModule(pl.LightningDataModule):
     def pipeline_settings(self) -> dict[str, Any]:
         """This is a DALI pipeline, not a DataLoader: ``DataLoaderTuner`` steps aside and ``BottleneckDoctor``
         names these knobs (``decode_device`` is the configured one; the train loader reports the resolved one)."""
-        return {"loader": "DALIImageDataModule", "decode_device": self.decode_device,
-                "loader_threads": self._threads(), "prefetch_queue_depth": self.prefetch_queue_depth}
+        return {
+            "loader": "DALIImageDataModule",
+            "decode_device": self.decode_device,
+            "loader_threads": self._threads(),
+            "prefetch_queue_depth": self.prefetch_queue_depth,
+        }
 
     @property
     def num_skipped(self) -> int:
@@ -380,8 +457,9 @@ class DALIImageDataModule(pl.LightningDataModule):
     @property
     def skipped_files(self) -> list[str]:
         """Names of the corrupt images skipped on this rank, with the reason."""
-        return [f"{loader.index.names[s]} ({r})" for loader in self._loaders.values()
-                for s, r in loader.source.bad.items()]
+        return [
+            f"{loader.index.names[s]} ({r})" for loader in self._loaders.values() for s, r in loader.source.bad.items()
+        ]
 
     def _distributed(self) -> tuple[int, int]:
         trainer = self._trainer_or_none()
@@ -403,10 +481,11 @@ class DALIImageDataModule(pl.LightningDataModule):
             choice = "mixed" if device.type == "cuda" else "cpu"
         if choice == "mixed":
             if not torch.cuda.is_available():
-                raise ValueError("DALIImageDataModule: decode_device='mixed' decodes on the GPU but CUDA is not "
-                                 "available; use decode_device='cpu' or 'auto'")
-            index = device.index if device.type == "cuda" and device.index is not None else \
-                torch.cuda.current_device()
+                raise ValueError(
+                    "DALIImageDataModule: decode_device='mixed' decodes on the GPU but CUDA is not "
+                    "available; use decode_device='cpu' or 'auto'"
+                )
+            index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
             return "mixed", index
         if device.type == "cuda":
             return "cpu", device.index if device.index is not None else torch.cuda.current_device()
@@ -443,9 +522,16 @@ class DALIImageDataModule(pl.LightningDataModule):
             decode_device, device_id = self._resolve_decode_device()
             train = split == "train"
             self._loaders[split] = _DALILoader(
-                self, self._index[split], train=train, batch_size=batch_size,
-                rank=rank, world_size=world_size, decode_device=decode_device, device_id=device_id,
-                epoch_fn=self._epoch if train else (lambda: 0))
+                self,
+                self._index[split],
+                train=train,
+                batch_size=batch_size,
+                rank=rank,
+                world_size=world_size,
+                decode_device=decode_device,
+                device_id=device_id,
+                epoch_fn=self._epoch if train else (lambda: 0),
+            )
         return self._loaders[split]
 
     @override
@@ -463,14 +549,29 @@ class DALIImageDataModule(pl.LightningDataModule):
         self._loaders.clear()
 
     # ----------------------------------------------------------------------------------------------- pipeline
-    def _pipeline(self, source: _BatchSource, *, train: bool, batch_size: int, decode_device: str,
-                  device_id: int | None, seed: int, dali: ModuleType) -> Any:
+    def _pipeline(
+        self,
+        source: _BatchSource,
+        *,
+        train: bool,
+        batch_size: int,
+        decode_device: str,
+        device_id: int | None,
+        seed: int,
+        dali: ModuleType,
+    ) -> Any:
         fn, types = dali.fn, dali.types
-        pipe = dali.pipeline.Pipeline(batch_size=batch_size, num_threads=self._threads(), device_id=device_id,
-                                      seed=seed, prefetch_queue_depth=self.prefetch_queue_depth)
+        pipe = dali.pipeline.Pipeline(
+            batch_size=batch_size,
+            num_threads=self._threads(),
+            device_id=device_id,
+            seed=seed,
+            prefetch_queue_depth=self.prefetch_queue_depth,
+        )
         with pipe:
-            encoded, labels = fn.external_source(source=source, num_outputs=2, batch=True, batch_info=True,
-                                                 dtype=[types.UINT8, types.INT32], ndim=[1, 0])
+            encoded, labels = fn.external_source(
+                source=source, num_outputs=2, batch=True, batch_info=True, dtype=[types.UINT8, types.INT32], ndim=[1, 0]
+            )
             images = self._decode_and_augment(encoded, train=train, decode_device=decode_device, dali=dali)
             if device_id is not None:  # deliver on the GPU (after CPU decoding: copied from DALI's pinned buffers)
                 images = images if decode_device == "mixed" else images.gpu()
@@ -484,13 +585,16 @@ class DALIImageDataModule(pl.LightningDataModule):
         fn, types = dali.fn, dali.types
         decoder_args: dict[str, Any] = {"device": decode_device, "output_type": types.RGB}
         if decode_device == "mixed":
-            decoder_args.update(device_memory_padding=_DEVICE_MEMORY_PADDING,
-                                host_memory_padding=_HOST_MEMORY_PADDING)
+            decoder_args.update(device_memory_padding=_DEVICE_MEMORY_PADDING, host_memory_padding=_HOST_MEMORY_PADDING)
         size = self.image_size
         if train:
-            images = fn.decoders.image_random_crop(encoded, random_area=list(self.random_area),
-                                                   random_aspect_ratio=list(self.random_aspect_ratio),
-                                                   num_attempts=10, **decoder_args)
+            images = fn.decoders.image_random_crop(
+                encoded,
+                random_area=list(self.random_area),
+                random_aspect_ratio=list(self.random_aspect_ratio),
+                num_attempts=10,
+                **decoder_args,
+            )
             images = fn.resize(images, resize_x=size, resize_y=size)
             mirror = fn.random.coin_flip(probability=self.mirror_probability)
             crop_args: dict[str, Any] = {"mirror": mirror}
@@ -499,8 +603,13 @@ class DALIImageDataModule(pl.LightningDataModule):
             images = fn.resize(images, resize_shorter=self.val_resize)
             crop_args = {"crop": (size, size), "crop_pos_x": 0.5, "crop_pos_y": 0.5}
         return fn.crop_mirror_normalize(
-            images, dtype=getattr(types, _DTYPES[self.dtype]), output_layout="CHW" if self.layout == "NCHW" else "HWC",
-            mean=[m * 255.0 for m in self.mean], std=[s * 255.0 for s in self.std], **crop_args)
+            images,
+            dtype=getattr(types, _DTYPES[self.dtype]),
+            output_layout="CHW" if self.layout == "NCHW" else "HWC",
+            mean=[m * 255.0 for m in self.mean],
+            std=[s * 255.0 for s in self.std],
+            **crop_args,
+        )
 
     def expected_batches(self, split: str = "train") -> int:
         """Batches per rank per epoch for ``split`` with the current world size (after :meth:`setup`)."""

@@ -17,12 +17,31 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageIndex", "ImageSource", "CorruptImageError", "resolve_image_source",
-           "sniff_image_format"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ImageIndex",
+    "ImageSource",
+    "CorruptImageError",
+    "resolve_image_source",
+    "sniff_image_format",
+]
 
 #: extensions DALI's image decoders read (``fn.decoders.image``: JPEG, JPEG 2000, PNG, BMP, TIFF, PNM, WebP)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".pnm", ".ppm", ".pgm", ".pbm",
-                    ".jp2", ".j2k")
+IMAGE_EXTENSIONS = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".bmp",
+    ".tif",
+    ".tiff",
+    ".webp",
+    ".pnm",
+    ".ppm",
+    ".pgm",
+    ".pbm",
+    ".jp2",
+    ".j2k",
+)
 #: label member of a WebDataset sample (``key.cls`` holds the class index as ASCII), the WebDataset convention
 LABEL_EXTENSION = "cls"
 #: the class-index file written by :func:`lightning_accel.data.webdataset.pack_webdataset` next to the shards
@@ -91,8 +110,11 @@ class ImageIndex:
             fd = self._handles[fid] = os.open(path, os.O_RDONLY)
         data = os.pread(fd, size, int(self.offsets[i]))
         if len(data) != size:
-            raise CorruptImageError(f"{self.names[i]}: expected {size} bytes at offset {int(self.offsets[i])}, "
-                                    f"read {len(data)}: the shard {path} is truncated", [self.names[i]])
+            raise CorruptImageError(
+                f"{self.names[i]}: expected {size} bytes at offset {int(self.offsets[i])}, "
+                f"read {len(data)}: the shard {path} is truncated",
+                [self.names[i]],
+            )
         return data
 
     def close(self) -> None:
@@ -107,11 +129,26 @@ class ImageIndex:
             pass
 
 
-def _from_lists(files: list[str], file_ids: list[int], offsets: list[int], sizes: list[int], labels: list[int],
-                names: list[str], classes: list[str] | None, description: str) -> ImageIndex:
-    return ImageIndex(files=files, file_ids=np.asarray(file_ids, np.int64), offsets=np.asarray(offsets, np.int64),
-                      sizes=np.asarray(sizes, np.int64), labels=np.asarray(labels, np.int64), names=names,
-                      classes=classes, description=description)
+def _from_lists(
+    files: list[str],
+    file_ids: list[int],
+    offsets: list[int],
+    sizes: list[int],
+    labels: list[int],
+    names: list[str],
+    classes: list[str] | None,
+    description: str,
+) -> ImageIndex:
+    return ImageIndex(
+        files=files,
+        file_ids=np.asarray(file_ids, np.int64),
+        offsets=np.asarray(offsets, np.int64),
+        sizes=np.asarray(sizes, np.int64),
+        labels=np.asarray(labels, np.int64),
+        names=names,
+        classes=classes,
+        description=description,
+    )
 
 
 def index_image_folder(root: str | os.PathLike) -> ImageIndex:
@@ -123,8 +160,10 @@ def index_image_folder(root: str | os.PathLike) -> ImageIndex:
     root = Path(root)
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise FileNotFoundError(f"{root} has no class sub-folders: expected an ImageFolder layout "
-                                f"{root}/<class name>/<image>.jpg, WebDataset .tar shards, or a file list")
+        raise FileNotFoundError(
+            f"{root} has no class sub-folders: expected an ImageFolder layout "
+            f"{root}/<class name>/<image>.jpg, WebDataset .tar shards, or a file list"
+        )
     files: list[str] = []
     names: list[str] = []
     labels: list[int] = []
@@ -141,15 +180,26 @@ def index_image_folder(root: str | os.PathLike) -> ImageIndex:
                 labels.append(label)
                 found += 1
         if not found:
-            raise FileNotFoundError(f"class folder {root / cls} has no image files (extensions "
-                                    f"{', '.join(IMAGE_EXTENSIONS)}): remove it or add its images")
+            raise FileNotFoundError(
+                f"class folder {root / cls} has no image files (extensions "
+                f"{', '.join(IMAGE_EXTENSIONS)}): remove it or add its images"
+            )
     n = len(files)
-    return _from_lists(files, list(range(n)), [0] * n, [-1] * n, labels, names, classes,
-                       f"ImageFolder {root} ({n} images, {len(classes)} classes)")
+    return _from_lists(
+        files,
+        list(range(n)),
+        [0] * n,
+        [-1] * n,
+        labels,
+        names,
+        classes,
+        f"ImageFolder {root} ({n} images, {len(classes)} classes)",
+    )
 
 
-def index_file_list(entries: str | os.PathLike | Sequence[tuple[str, int]],
-                    root: str | os.PathLike | None = None) -> ImageIndex:
+def index_file_list(
+    entries: str | os.PathLike | Sequence[tuple[str, int]], root: str | os.PathLike | None = None
+) -> ImageIndex:
     """A text file of ``<path> <label>`` lines (DALI's ``file_list`` format) or a sequence of ``(path, label)``.
 
     Relative paths are taken from ``root``, by default the folder holding the list file (DALI's convention).
@@ -175,8 +225,16 @@ def index_file_list(entries: str | os.PathLike | Sequence[tuple[str, int]],
         raise ValueError(f"{description} has no entries")
     files = [str(base / p) for p, _ in pairs]
     n = len(files)
-    return _from_lists(files, list(range(n)), [0] * n, [-1] * n, [lbl for _, lbl in pairs], [p for p, _ in pairs],
-                       None, f"{description} ({n} images)")
+    return _from_lists(
+        files,
+        list(range(n)),
+        [0] * n,
+        [-1] * n,
+        [lbl for _, lbl in pairs],
+        [p for p, _ in pairs],
+        None,
+        f"{description} ({n} images)",
+    )
 
 
 def _split_key(member_name: str) -> tuple[str, str]:
@@ -206,8 +264,10 @@ def index_webdataset(shards: Sequence[str | os.PathLike]) -> ImageIndex:
         try:
             tar = tarfile.open(path, "r:")  # uncompressed only: samples are read by offset
         except tarfile.ReadError as err:
-            raise ValueError(f"{path} is not an uncompressed tar ({err}); compressed shards cannot be read by "
-                             f"offset: repack them with `lightning-accel pack webdataset`") from err
+            raise ValueError(
+                f"{path} is not an uncompressed tar ({err}); compressed shards cannot be read by "
+                f"offset: repack them with `lightning-accel pack webdataset`"
+            ) from err
         with tar:
             samples: dict[str, dict[str, tarfile.TarInfo]] = {}
             for member in tar:
@@ -224,22 +284,33 @@ def index_webdataset(shards: Sequence[str | os.PathLike]) -> ImageIndex:
                 try:
                     label = int(raw.decode().strip())
                 except ValueError:
-                    raise ValueError(f"{path}:{key}.{LABEL_EXTENSION} holds {raw[:40]!r}, not an integer "
-                                     f"label") from None
+                    raise ValueError(
+                        f"{path}:{key}.{LABEL_EXTENSION} holds {raw[:40]!r}, not an integer label"
+                    ) from None
                 file_ids.append(fid)
                 offsets.append(image.offset_data)
                 sizes.append(image.size)
                 labels.append(label)
                 names.append(f"{path}:{image.name}")
     if not labels:
-        raise FileNotFoundError(f"no image samples (image member + .{LABEL_EXTENSION} label) in the shards "
-                                f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}")
+        raise FileNotFoundError(
+            f"no image samples (image member + .{LABEL_EXTENSION} label) in the shards "
+            f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}"
+        )
     classes = None
     classes_file = Path(files[0]).parent / CLASSES_FILE
     if classes_file.is_file():
         classes = list(json.loads(classes_file.read_text())["classes"])
-    return _from_lists(files, file_ids, offsets, sizes, labels, names, classes,
-                       f"WebDataset ({len(files)} shards, {len(labels)} images)")
+    return _from_lists(
+        files,
+        file_ids,
+        offsets,
+        sizes,
+        labels,
+        names,
+        classes,
+        f"WebDataset ({len(files)} shards, {len(labels)} images)",
+    )
 
 
 def resolve_image_source(source: ImageSource) -> ImageIndex:
@@ -258,15 +329,19 @@ def resolve_image_source(source: ImageSource) -> ImageIndex:
         if path.is_dir():
             entries = [e for e in os.scandir(path) if not e.name.startswith(".")]
             if not entries:
-                raise FileNotFoundError(f"image folder {path} is empty: expected class sub-folders "
-                                        f"({path}/<class>/<image>.jpg) or WebDataset .tar shards")
+                raise FileNotFoundError(
+                    f"image folder {path} is empty: expected class sub-folders "
+                    f"({path}/<class>/<image>.jpg) or WebDataset .tar shards"
+                )
             if any(e.is_dir() for e in entries):
                 return index_image_folder(path)
             tars = sorted(e.path for e in entries if e.name.endswith(".tar"))
             if tars:
                 return index_webdataset(tars)
-            raise FileNotFoundError(f"{path} has neither class sub-folders nor .tar shards (it holds "
-                                    f"{', '.join(sorted(e.name for e in entries)[:5])} ...)")
+            raise FileNotFoundError(
+                f"{path} has neither class sub-folders nor .tar shards (it holds "
+                f"{', '.join(sorted(e.name for e in entries)[:5])} ...)"
+            )
         if path.suffix == ".tar":
             return index_webdataset([path])
         return index_file_list(path)
@@ -274,5 +349,6 @@ def resolve_image_source(source: ImageSource) -> ImageIndex:
         if all(isinstance(s, (str, os.PathLike)) for s in source):
             return index_webdataset(list(source))
         return index_file_list(source)  # type: ignore[arg-type]
-    raise ValueError(f"image source must be a folder, .tar shard(s), a file list or (path, label) pairs; "
-                     f"got {source!r}")
+    raise ValueError(
+        f"image source must be a folder, .tar shard(s), a file list or (path, label) pairs; got {source!r}"
+    )

@@ -34,8 +34,7 @@ from lightning_accel._checks import check_int
 from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data._progress import progress
 
-__all__ = ["INDEX_FILE", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap",
-           "read_memmap_index"]
+__all__ = ["INDEX_FILE", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap", "read_memmap_index"]
 
 INDEX_FILE = "index.json"
 FORMAT = "lightning-accel-memmap"
@@ -58,10 +57,18 @@ def _write_npy(path: Path, array: np.ndarray) -> None:
         del mm
 
 
-def pack_memmap(data: np.ndarray | Iterable[Any], out_dir: str | os.PathLike, *, kind: str = "samples",
-                labels: np.ndarray | Iterable[int] | None = None, dtype: Any = None,
-                shard_bytes: int = DEFAULT_SHARD_BYTES, eos: int | None = None, prefix: str = "shard",
-                progress_bar: bool = True) -> dict:
+def pack_memmap(
+    data: np.ndarray | Iterable[Any],
+    out_dir: str | os.PathLike,
+    *,
+    kind: str = "samples",
+    labels: np.ndarray | Iterable[int] | None = None,
+    dtype: Any = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    eos: int | None = None,
+    prefix: str = "shard",
+    progress_bar: bool = True,
+) -> dict:
     """Write ``data`` as numpy memmap shards plus ``index.json`` into ``out_dir``.
 
     Args:
@@ -91,11 +98,13 @@ def pack_memmap(data: np.ndarray | Iterable[Any], out_dir: str | os.PathLike, *,
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_FILE).unlink(missing_ok=True)  # until the new index is written, the folder reads as incomplete
     if kind == "tokens":
-        meta = _pack_tokens(data, out, dtype=dtype, shard_bytes=shard_bytes, eos=eos, prefix=prefix,
-                            progress_bar=progress_bar)
+        meta = _pack_tokens(
+            data, out, dtype=dtype, shard_bytes=shard_bytes, eos=eos, prefix=prefix, progress_bar=progress_bar
+        )
     else:
-        meta = _pack_samples(data, out, labels=labels, dtype=dtype, shard_bytes=shard_bytes, prefix=prefix,
-                             progress_bar=progress_bar)
+        meta = _pack_samples(
+            data, out, labels=labels, dtype=dtype, shard_bytes=shard_bytes, prefix=prefix, progress_bar=progress_bar
+        )
     keep = {f for s in meta["shards"] for f in (s["file"], s.get("labels")) if f}
     for old in out.glob(f"{prefix}-*.npy"):  # shards of an earlier, larger pack into the same folder
         if old.name not in keep:
@@ -104,8 +113,9 @@ def pack_memmap(data: np.ndarray | Iterable[Any], out_dir: str | os.PathLike, *,
     return meta
 
 
-def _pack_samples(data: Any, out: Path, *, labels: Any, dtype: Any, shard_bytes: int, prefix: str,
-                  progress_bar: bool) -> dict:
+def _pack_samples(
+    data: Any, out: Path, *, labels: Any, dtype: Any, shard_bytes: int, prefix: str, progress_bar: bool
+) -> dict:
     total = len(data) if hasattr(data, "__len__") else 0
     label_iter = iter(labels) if labels is not None else None
     shards: list[dict] = []
@@ -138,8 +148,10 @@ def _pack_samples(data: Any, out: Path, *, labels: Any, dtype: Any, shard_bytes:
                 buffer = np.empty((per_shard, *shape), dtype=store)
                 label_buffer = np.empty(per_shard, dtype=np.int64) if label_iter is not None else None
             elif array.shape != shape:
-                raise ValueError(f"pack_memmap: sample {count} has shape {array.shape}, the first had {shape}; "
-                                 f"MemmapDataset needs fixed-shape samples")
+                raise ValueError(
+                    f"pack_memmap: sample {count} has shape {array.shape}, the first had {shape}; "
+                    f"MemmapDataset needs fixed-shape samples"
+                )
             assert buffer is not None
             buffer[filled] = array
             if label_iter is not None:
@@ -159,12 +171,21 @@ def _pack_samples(data: Any, out: Path, *, labels: Any, dtype: Any, shard_bytes:
     if label_iter is not None and next(label_iter, None) is not None:
         raise ValueError(f"pack_memmap: more labels than the {count} samples")
     assert shape is not None and store is not None
-    return {"format": FORMAT, "version": 1, "kind": "samples", "dtype": store.str, "sample_shape": list(shape),
-            "num_samples": count, "has_labels": labels is not None, "shards": shards}
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "kind": "samples",
+        "dtype": store.str,
+        "sample_shape": list(shape),
+        "num_samples": count,
+        "has_labels": labels is not None,
+        "shards": shards,
+    }
 
 
-def _pack_tokens(data: Any, out: Path, *, dtype: Any, shard_bytes: int, eos: int | None, prefix: str,
-                 progress_bar: bool) -> dict:
+def _pack_tokens(
+    data: Any, out: Path, *, dtype: Any, shard_bytes: int, eos: int | None, prefix: str, progress_bar: bool
+) -> dict:
     if isinstance(data, np.ndarray) or torch.is_tensor(data):
         array = np.asarray(data)
         if array.ndim != 1:
@@ -203,12 +224,14 @@ def _pack_tokens(data: Any, out: Path, *, dtype: Any, shard_bytes: int, eos: int
             if eos is not None:
                 tokens = np.concatenate([tokens, np.asarray([eos], dtype=tokens.dtype)])
             if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):
-                raise ValueError(f"pack_memmap: document {doc_number} has token ids in [{tokens.min()}, "
-                                 f"{tokens.max()}], outside {store}'s range; pass dtype=np.uint32 (or wider)")
+                raise ValueError(
+                    f"pack_memmap: document {doc_number} has token ids in [{tokens.min()}, "
+                    f"{tokens.max()}], outside {store}'s range; pass dtype=np.uint32 (or wider)"
+                )
             start = 0
             while start < tokens.size:
                 take = min(per_shard - filled, tokens.size - start)
-                buffer[filled: filled + take] = tokens[start: start + take]
+                buffer[filled : filled + take] = tokens[start : start + take]
                 filled += take
                 start += take
                 if filled == per_shard:
@@ -218,8 +241,7 @@ def _pack_tokens(data: Any, out: Path, *, dtype: Any, shard_bytes: int, eos: int
         flush()
     if count == 0:
         raise ValueError("pack_memmap: no tokens to pack")
-    return {"format": FORMAT, "version": 1, "kind": "tokens", "dtype": store.str, "num_tokens": count,
-            "shards": shards}
+    return {"format": FORMAT, "version": 1, "kind": "tokens", "dtype": store.str, "num_tokens": count, "shards": shards}
 
 
 def read_memmap_index(path: str | os.PathLike, kind: str | None = None) -> dict:
@@ -360,8 +382,10 @@ class TokenMemmapDataset(Dataset):
         self.seq_len, self.stride = seq_len, stride or seq_len
         self.num_tokens = int(meta["num_tokens"])
         if self.num_tokens < seq_len + 1:
-            raise ValueError(f"TokenMemmapDataset: {self.path} holds {self.num_tokens} tokens, fewer than one "
-                             f"window of seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"TokenMemmapDataset: {self.path} holds {self.num_tokens} tokens, fewer than one "
+                f"window of seq_len + 1 = {seq_len + 1}"
+            )
         counts = np.asarray([s["count"] for s in meta["shards"]], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         self._shards = _Shards(self.path, [s["file"] for s in meta["shards"]])
@@ -420,10 +444,19 @@ class MemmapDataModule(pl.LightningDataModule):
         drop_last: drop the ragged last training batch.
     """
 
-    def __init__(self, *, train: str | os.PathLike | None = None, val: str | os.PathLike | None = None,
-                 seq_len: int | None = None, batch_size: int = 32, num_workers: int | None = None,
-                 pin_memory: bool | None = None, persistent_workers: bool | None = None, prefetch_factor: int = 4,
-                 drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        train: str | os.PathLike | None = None,
+        val: str | os.PathLike | None = None,
+        seq_len: int | None = None,
+        batch_size: int = 32,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int = 4,
+        drop_last: bool = True,
+    ) -> None:
         super().__init__()
         if train is None and val is None:
             raise ValueError("MemmapDataModule: pass train=... and/or val=... (folders written by pack_memmap)")
@@ -456,7 +489,8 @@ class MemmapDataModule(pl.LightningDataModule):
         local_ranks = trainer.num_devices if trainer is not None else 1
         workers = self.num_workers if self.num_workers is not None else default_num_workers(local_ranks)
         settings: dict[str, Any] = {
-            "batch_size": self.batch_size, "num_workers": workers,
+            "batch_size": self.batch_size,
+            "num_workers": workers,
             "pin_memory": self.pin_memory if self.pin_memory is not None else on_cuda,
         }
         if workers > 0:
@@ -469,8 +503,9 @@ class MemmapDataModule(pl.LightningDataModule):
             self.setup("fit")
         if split not in self.datasets:
             raise ValueError(f"MemmapDataModule: no {split}=... folder was given")
-        return DataLoader(self.datasets[split], shuffle=train, drop_last=train and self.drop_last,
-                          **self.loader_settings())
+        return DataLoader(
+            self.datasets[split], shuffle=train, drop_last=train and self.drop_last, **self.loader_settings()
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -42,7 +42,8 @@ def _check(num_samples: int, batch_size: int, rank: int, world_size: int, last_b
     if last_batch == "drop" and num_samples // world_size < batch_size:
         raise ValueError(
             f"{num_samples} samples over {world_size} rank(s) do not fill one batch of {batch_size} per rank, so "
-            f"last_batch='drop' leaves nothing to train on: lower the batch size or use last_batch='pad'")
+            f"last_batch='drop' leaves nothing to train on: lower the batch size or use last_batch='pad'"
+        )
     if last_batch == "partial" and num_samples < world_size:
         raise ValueError(f"{num_samples} samples cannot give each of {world_size} ranks at least one sample")
 
@@ -55,8 +56,17 @@ def num_batches(num_samples: int, *, batch_size: int, world_size: int, last_batc
     return math.ceil(math.ceil(num_samples / world_size) / batch_size)
 
 
-def epoch_plan(num_samples: int, *, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int,
-               epoch: int, last_batch: str) -> list[np.ndarray]:
+def epoch_plan(
+    num_samples: int,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    last_batch: str,
+) -> list[np.ndarray]:
     """The batches (arrays of sample indices) ``rank`` reads in ``epoch``.
 
     Rank ``r`` takes every ``world_size``-th sample of the epoch's order starting at ``r`` (as
@@ -80,5 +90,5 @@ def epoch_plan(num_samples: int, *, batch_size: int, rank: int, world_size: int,
     while len(sizes) < n_batches and max(sizes) > 1:
         largest = sizes.index(max(sizes))
         half = sizes[largest] // 2
-        sizes[largest: largest + 1] = [sizes[largest] - half, half]
+        sizes[largest : largest + 1] = [sizes[largest] - half, half]
     return np.split(mine, np.cumsum(sizes)[:-1])

@@ -31,9 +31,17 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def pack_webdataset(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, shard_size: int = 1000,
-                    shuffle: bool = True, seed: int = 0, prefix: str = "shard", verify: bool = True,
-                    progress_bar: bool = True) -> dict:
+def pack_webdataset(
+    src_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    shard_size: int = 1000,
+    shuffle: bool = True,
+    seed: int = 0,
+    prefix: str = "shard",
+    verify: bool = True,
+    progress_bar: bool = True,
+) -> dict:
     """Pack an ImageFolder tree (``src_dir/<class>/<image>``) into WebDataset tar shards in ``out_dir``.
 
     Each shard is written to a temporary file in ``out_dir``, fsynced and renamed into place, so an interrupted
@@ -71,14 +79,16 @@ def pack_webdataset(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, s
     with progress(len(index), f"packing {src.name} -> {out}", progress_bar) as bar:
         for start in range(0, len(order), shard_size):
             name = f"{prefix}-{len(shards):06d}.tar"
-            chunk = order[start: start + shard_size]
+            chunk = order[start : start + shard_size]
             with atomic_path(out / name) as tmp, tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
                 for key_num, sample in zip(range(start, start + len(chunk)), chunk):
                     path = index.files[int(sample)]
                     data = Path(path).read_bytes()
                     if verify and sniff_image_format(data) is None:
-                        raise ValueError(f"pack_webdataset: {path} is not an image ({len(data)} bytes starting "
-                                         f"{data[:8]!r}); remove it from {src}")
+                        raise ValueError(
+                            f"pack_webdataset: {path} is not an image ({len(data)} bytes starting "
+                            f"{data[:8]!r}); remove it from {src}"
+                        )
                     ext = Path(path).suffix.lower().lstrip(".")
                     key = f"{key_num:0{digits}d}"
                     _add_member(tar, f"{key}.{ext}", data)

@@ -58,15 +58,27 @@ def _one_run(cfg: DemoConfig) -> dict[str, Any]:
     result = run_demo(cfg)
     summary, report = result["mfu_monitor"], result["doctor"]
     plan = result.get("autopilot")
-    return {"samples_per_sec": summary.get("samples_per_sec") or 0.0, "mfu": summary.get("mfu"),
-            "shares": dict(report.shares) if report is not None else {}, "peak": float(meter.peak_bytes()),
-            "search_seconds": plan.search_seconds if plan is not None else None,
-            "kept": [k["change"] for k in plan.kept] if plan is not None else []}
+    return {
+        "samples_per_sec": summary.get("samples_per_sec") or 0.0,
+        "mfu": summary.get("mfu"),
+        "shares": dict(report.shares) if report is not None else {},
+        "peak": float(meter.peak_bytes()),
+        "search_seconds": plan.search_seconds if plan is not None else None,
+        "kept": [k["change"] for k in plan.kept] if plan is not None else [],
+    }
 
 
-def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", batch_size: int = 32,
-              compile_backend: str = "inductor", seed: int = 0, autopilot: bool = True,
-              autopilot_budget: float = 30.0) -> list[BenchResult]:
+def run_bench(
+    *,
+    steps: int = 120,
+    rounds: int = 2,
+    accelerator: str = "cpu",
+    batch_size: int = 32,
+    compile_backend: str = "inductor",
+    seed: int = 0,
+    autopilot: bool = True,
+    autopilot_budget: float = 30.0,
+) -> list[BenchResult]:
     """Run vanilla, the recommended stack and (with ``autopilot``) the Autopilot ``rounds`` times each,
     alternating (A B C, C B A, ...); medians. The Autopilot's search runs before training and is not in its
     samples/s (``MFUMonitor`` measures the training); its seconds are reported beside it.
@@ -84,14 +96,26 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
     """
     for name, value in (("steps", steps), ("rounds", rounds), ("batch_size", batch_size)):
         check_int("bench", name, value, flag=True)
-    base = DemoConfig(steps=steps, accelerator=accelerator, batch_size=batch_size, seed=seed, window=10,
-                      val_every=steps, progress_bar=False, quiet=True, compile_backend=compile_backend)
-    variants = {"vanilla Lightning": base,
-                "recommended stack": dataclasses.replace(base, **recommended_stack(accelerator))}
+    base = DemoConfig(
+        steps=steps,
+        accelerator=accelerator,
+        batch_size=batch_size,
+        seed=seed,
+        window=10,
+        val_every=steps,
+        progress_bar=False,
+        quiet=True,
+        compile_backend=compile_backend,
+    )
+    variants = {
+        "vanilla Lightning": base,
+        "recommended stack": dataclasses.replace(base, **recommended_stack(accelerator)),
+    }
     if autopilot:
         # AutoMixedPrecision in fp32: vanilla's numbers, and the plugin the Autopilot needs to trial the dtype
-        variants["Autopilot"] = dataclasses.replace(base, autopilot=True, autopilot_budget=autopilot_budget,
-                                                    precision="amp:fp32")
+        variants["Autopilot"] = dataclasses.replace(
+            base, autopilot=True, autopilot_budget=autopilot_budget, precision="amp:fp32"
+        )
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
@@ -101,16 +125,22 @@ def run_bench(*, steps: int = 120, rounds: int = 2, accelerator: str = "cpu", ba
     for name, rs in runs.items():
         mfus = [x["mfu"] for x in rs if x["mfu"] is not None]
         stages = {s for x in rs for s in x["shares"]}
-        results.append(BenchResult(
-            name=name,
-            samples_per_sec=statistics.median(x["samples_per_sec"] for x in rs),
-            mfu=statistics.median(mfus) if mfus else None,
-            shares={s: statistics.median(x["shares"].get(s, 0.0) for x in rs) for s in stages},
-            peak_memory_bytes=statistics.median(x["peak"] for x in rs),
-            rounds=[x["samples_per_sec"] for x in rs],
-            search_seconds=(statistics.median(x["search_seconds"] for x in rs)
-                            if all(x["search_seconds"] is not None for x in rs) else None),
-            kept=rs[-1]["kept"]))
+        results.append(
+            BenchResult(
+                name=name,
+                samples_per_sec=statistics.median(x["samples_per_sec"] for x in rs),
+                mfu=statistics.median(mfus) if mfus else None,
+                shares={s: statistics.median(x["shares"].get(s, 0.0) for x in rs) for s in stages},
+                peak_memory_bytes=statistics.median(x["peak"] for x in rs),
+                rounds=[x["samples_per_sec"] for x in rs],
+                search_seconds=(
+                    statistics.median(x["search_seconds"] for x in rs)
+                    if all(x["search_seconds"] is not None for x in rs)
+                    else None
+                ),
+                kept=rs[-1]["kept"],
+            )
+        )
     return results
 
 
@@ -119,14 +149,20 @@ def bench_table(results: list[BenchResult], *, title: str) -> Any:
     from rich.table import Table
 
     base = results[0].samples_per_sec or float("nan")
-    stages = sorted({s for r in results for s, v in r.shares.items() if v >= 0.02},
-                    key=lambda s: -max(r.shares.get(s, 0.0) for r in results))
+    stages = sorted(
+        {s for r in results for s, v in r.shares.items() if v >= 0.02},
+        key=lambda s: -max(r.shares.get(s, 0.0) for r in results),
+    )
     table = Table(title=title, header_style="bold")
     for col in ("variant", "samples/s (median)", "× vanilla", "MFU", *[f"{s} %" for s in stages], "peak memory"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in results:
-        table.add_row(r.name, f"{r.samples_per_sec:,.1f}", f"{r.samples_per_sec / base:.2f}",
-                      "n/a" if r.mfu is None else f"{100 * r.mfu:.1f} %",
-                      *[f"{100 * r.shares.get(s, 0.0):.1f}" for s in stages],
-                      "n/a" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 1e6:,.0f} MB")
+        table.add_row(
+            r.name,
+            f"{r.samples_per_sec:,.1f}",
+            f"{r.samples_per_sec / base:.2f}",
+            "n/a" if r.mfu is None else f"{100 * r.mfu:.1f} %",
+            *[f"{100 * r.shares.get(s, 0.0):.1f}" for s in stages],
+            "n/a" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 1e6:,.0f} MB",
+        )
     return table

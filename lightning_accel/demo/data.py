@@ -14,8 +14,10 @@ __all__ = ["markov_tokens"]
 def markov_tokens(num_tokens: int, vocab_size: int = 256, *, branching: int = 4, seed: int = 0) -> np.ndarray:
     """A stream of ``num_tokens`` tokens from a seeded Markov chain with ``branching`` successors per token."""
     if num_tokens < 2 or vocab_size < 2 or not 1 <= branching <= vocab_size:
-        raise ValueError(f"markov_tokens: need num_tokens >= 2, vocab_size >= 2, 1 <= branching <= vocab_size; got "
-                         f"num_tokens={num_tokens}, vocab_size={vocab_size}, branching={branching}")
+        raise ValueError(
+            f"markov_tokens: need num_tokens >= 2, vocab_size >= 2, 1 <= branching <= vocab_size; got "
+            f"num_tokens={num_tokens}, vocab_size={vocab_size}, branching={branching}"
+        )
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, branching))
     choices = rng.integers(0, branching, size=num_tokens)

@@ -26,14 +26,26 @@ __all__ = ["DemoImageDataModule", "ImageTask", "SmallCNN", "make_image_folder"]
 _DONE = ".complete.json"
 
 
-def make_image_folder(root: str | Path, *, num_classes: int = 10, images_per_class: int = 64, size: int = 64,
-                      seed: int = 0, quality: int = 90) -> Path:
+def make_image_folder(
+    root: str | Path,
+    *,
+    num_classes: int = 10,
+    images_per_class: int = 64,
+    size: int = 64,
+    seed: int = 0,
+    quality: int = 90,
+) -> Path:
     """Write ``root/<class>/<i>.jpg`` (``class_00`` ...); skipped when ``root`` already holds the same set."""
     from PIL import Image
 
     root = Path(root)
-    spec = {"num_classes": num_classes, "images_per_class": images_per_class, "size": size, "seed": seed,
-            "quality": quality}
+    spec = {
+        "num_classes": num_classes,
+        "images_per_class": images_per_class,
+        "size": size,
+        "seed": seed,
+        "quality": quality,
+    }
     marker = root / _DONE
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return root
@@ -47,7 +59,7 @@ def make_image_folder(root: str | Path, *, num_classes: int = 10, images_per_cla
             img = base + rng.normal(0, 25, size=(size, size, 3))
             h, w = rng.integers(size // 4, size // 2, size=2)
             y, x = rng.integers(0, size - h), rng.integers(0, size - w)
-            img[y: y + h, x: x + w] = rng.integers(0, 256, size=3)
+            img[y : y + h, x : x + w] = rng.integers(0, 256, size=3)
             Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=quality)
     atomic_write_text(marker, json.dumps(spec))  # the marker says the folder is complete: never half-written
     return root
@@ -56,8 +68,17 @@ def make_image_folder(root: str | Path, *, num_classes: int = 10, images_per_cla
 class DemoImageDataModule(DALIImageDataModule):
     """``DALIImageDataModule`` over generated folders ``root/train`` and ``root/val`` (written on local rank 0)."""
 
-    def __init__(self, root: str | Path, *, num_classes: int = 10, train_per_class: int = 64,
-                 val_per_class: int = 16, source_size: int = 64, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        num_classes: int = 10,
+        train_per_class: int = 64,
+        val_per_class: int = 16,
+        source_size: int = 64,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         root = Path(root)
         super().__init__(train=root / "train", val=root / "val", seed=seed, **kwargs)
         self.root, self.num_classes_, self.source_size = root, num_classes, source_size
@@ -65,10 +86,20 @@ class DemoImageDataModule(DALIImageDataModule):
 
     @override
     def prepare_data(self) -> None:
-        make_image_folder(self.root / "train", num_classes=self.num_classes_, images_per_class=self.train_per_class,
-                          size=self.source_size, seed=self.seed)
-        make_image_folder(self.root / "val", num_classes=self.num_classes_, images_per_class=self.val_per_class,
-                          size=self.source_size, seed=self.seed + 1)
+        make_image_folder(
+            self.root / "train",
+            num_classes=self.num_classes_,
+            images_per_class=self.train_per_class,
+            size=self.source_size,
+            seed=self.seed,
+        )
+        make_image_folder(
+            self.root / "val",
+            num_classes=self.num_classes_,
+            images_per_class=self.val_per_class,
+            size=self.source_size,
+            seed=self.seed + 1,
+        )
 
 
 class SmallCNN(nn.Module):
@@ -79,8 +110,12 @@ class SmallCNN(nn.Module):
         layers: list[nn.Module] = []
         channels = 3
         for out in (width, 2 * width, 4 * width):
-            layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(channels, out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
             channels = out
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(channels, num_classes)
@@ -110,8 +145,13 @@ class ImageTask(pl.LightningModule):
         images, labels = batch
         logits = self(images).float()
         self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, batch_size=len(labels), sync_dist=True)
-        self.log("val_acc", (logits.argmax(-1) == labels).float().mean(), prog_bar=True, batch_size=len(labels),
-                 sync_dist=True)
+        self.log(
+            "val_acc",
+            (logits.argmax(-1) == labels).float().mean(),
+            prog_bar=True,
+            batch_size=len(labels),
+            sync_dist=True,
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=1e-4)

@@ -64,8 +64,10 @@ class DemoConfig:
             import lightning_accel  # noqa: F401  (registers the strategy strings)
 
             if self.strategy not in StrategyRegistry and self.strategy not in ("auto", "ddp_spawn"):
-                raise ValueError(f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
-                                 "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the DDP compression and ZeRO pages of the docs)")
+                raise ValueError(
+                    f"demo: --strategy {self.strategy!r} is not a registered strategy; use e.g. ddp, "
+                    "ddp_bf16_compress, ddp_powersgd, deepspeed_zero2 (see the DDP compression and ZeRO pages of the docs)"
+                )
         if self.precision.startswith("amp:") and self.precision[4:] not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"demo: --precision {self.precision!r}: use amp:auto, amp:fp32, amp:bf16 or amp:fp16")
         if self.num_workers < 0:
@@ -85,17 +87,28 @@ class DemoConfig:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to train (default %(default)s)")
-    parser.add_argument("--devices", type=int, default=d.devices,
-                        help="processes/devices; >1 runs Lightning DDP (on CPU: gloo) (default %(default)s)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=d.devices,
+        help="processes/devices; >1 runs Lightning DDP (on CPU: gloo) (default %(default)s)",
+    )
     parser.add_argument("--accelerator", default=d.accelerator, help="cpu, gpu or auto (default %(default)s)")
-    parser.add_argument("--precision", default=d.precision,
-                        help="Lightning precision string (32-true, bf16-mixed, 16-mixed), 'auto': AutoMixedPrecision "
-                             "picks the dtype for the device, or amp:<dtype> for AutoMixedPrecision(dtype=...) "
-                             "(amp:fp32 lets --autopilot trial the dtype) (default %(default)s)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model (TorchCompile callback, inductor)")
-    parser.add_argument("--checkpointing", action="store_true",
-                        help="activation checkpointing of every transformer block (ActivationCheckpointing)")
+    parser.add_argument(
+        "--precision",
+        default=d.precision,
+        help="Lightning precision string (32-true, bf16-mixed, 16-mixed), 'auto': AutoMixedPrecision "
+        "picks the dtype for the device, or amp:<dtype> for AutoMixedPrecision(dtype=...) "
+        "(amp:fp32 lets --autopilot trial the dtype) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (TorchCompile callback, inductor)"
+    )
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation checkpointing of every transformer block (ActivationCheckpointing)",
+    )
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="per-device batch (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--n-layer", type=int, default=d.n_layer, help="transformer blocks (default %(default)s)")
@@ -104,42 +117,83 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=d.window, help="batches per measuring window (default 10)")
     parser.add_argument("--val-every", type=int, default=d.val_every, help="validate every N steps (default 50)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for data, weights and order (default 0)")
-    parser.add_argument("--tune-batch-size", choices=("max_fit", "throughput"), default=None,
-                        help="pick the per-device batch with BatchSizeTuner before training (throughput suits CPUs)")
-    parser.add_argument("--tune-dataloader", action="store_true",
-                        help="pick num_workers with DataLoaderTuner before training")
+    parser.add_argument(
+        "--tune-batch-size",
+        choices=("max_fit", "throughput"),
+        default=None,
+        help="pick the per-device batch with BatchSizeTuner before training (throughput suits CPUs)",
+    )
+    parser.add_argument(
+        "--tune-dataloader", action="store_true", help="pick num_workers with DataLoaderTuner before training"
+    )
     parser.add_argument("--output-dir", default=None, help="where logs (CSV) go; none are written by default")
-    parser.add_argument("--strategy", default=None,
-                        help="Lightning strategy string, e.g. ddp_bf16_compress, ddp_powersgd, deepspeed_zero2, "
-                             "deepspeed_auto (with --devices 2 on CPU); default: ddp if --devices > 1")
+    parser.add_argument(
+        "--strategy",
+        default=None,
+        help="Lightning strategy string, e.g. ddp_bf16_compress, ddp_powersgd, deepspeed_zero2, "
+        "deepspeed_auto (with --devices 2 on CPU); default: ddp if --devices > 1",
+    )
     parser.add_argument("--no-progress-bar", dest="progress_bar", action="store_false", help="hide the progress bar")
-    parser.add_argument("--data", choices=("tokens", "images"), default=d.data,
-                        help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
-                             "TokenMemmapDataset); images: a small CNN on generated JPEGs through "
-                             "DALIImageDataModule (needs the dali extra) (default %(default)s)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="DevicePrefetcher: fetch (and on GPU copy) the next batches while the step runs")
-    parser.add_argument("--profile-at-step", type=int, default=None,
-                        help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or "
-                             "cwd>/profile)")
-    parser.add_argument("--autopilot", action="store_true",
-                        help="Autopilot: before training, trial the fixes for the slowest stage on this run and keep "
-                             "the measured gains (table, plan and config printed)")
-    parser.add_argument("--autopilot-budget", type=float, default=d.autopilot_budget, metavar="SECONDS",
-                        help="seconds the Autopilot may search (default %(default)s; the demo's fit is too short "
-                             "for the default 5 %% share)")
-    parser.add_argument("--autopilot-plan", default=None, metavar="PATH",
-                        help="replay an Autopilot plan (JSON) instead of searching; with --autopilot the plan is "
-                             "written to OUTPUT_DIR/autopilot_plan.json")
-    parser.add_argument("--doctor", action=argparse.BooleanOptionalAction, default=d.doctor,
-                        help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)")
-    parser.add_argument("--slow-data", action="store_true",
-                        help="plant a data bottleneck (the dataset sleeps 2 ms per sample) to see the doctor's "
-                             "finding; then try --num-workers 2")
-    parser.add_argument("--doctor-report", default=None, metavar="PATH",
-                        help="write the doctor's JSON report (and PNG) here (default: OUTPUT_DIR/"
-                             "bottleneck_report.json with --output-dir, else no file); compare two runs with "
-                             "`lightning-accel report NEW.json --baseline OLD.json`")
+    parser.add_argument(
+        "--data",
+        choices=("tokens", "images"),
+        default=d.data,
+        help="tokens: the GPT on a Markov token stream (packed with pack_memmap, read with "
+        "TokenMemmapDataset); images: a small CNN on generated JPEGs through "
+        "DALIImageDataModule (needs the dali extra) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="DevicePrefetcher: fetch (and on GPU copy) the next batches while the step runs",
+    )
+    parser.add_argument(
+        "--profile-at-step",
+        type=int,
+        default=None,
+        help="ProfileWindow: torch.profiler trace of 3 steps from this step (into <output-dir or cwd>/profile)",
+    )
+    parser.add_argument(
+        "--autopilot",
+        action="store_true",
+        help="Autopilot: before training, trial the fixes for the slowest stage on this run and keep "
+        "the measured gains (table, plan and config printed)",
+    )
+    parser.add_argument(
+        "--autopilot-budget",
+        type=float,
+        default=d.autopilot_budget,
+        metavar="SECONDS",
+        help="seconds the Autopilot may search (default %(default)s; the demo's fit is too short "
+        "for the default 5 %% share)",
+    )
+    parser.add_argument(
+        "--autopilot-plan",
+        default=None,
+        metavar="PATH",
+        help="replay an Autopilot plan (JSON) instead of searching; with --autopilot the plan is "
+        "written to OUTPUT_DIR/autopilot_plan.json",
+    )
+    parser.add_argument(
+        "--doctor",
+        action=argparse.BooleanOptionalAction,
+        default=d.doctor,
+        help="run BottleneckDoctor: stage breakdown, findings with fixes, report (default on)",
+    )
+    parser.add_argument(
+        "--slow-data",
+        action="store_true",
+        help="plant a data bottleneck (the dataset sleeps 2 ms per sample) to see the doctor's "
+        "finding; then try --num-workers 2",
+    )
+    parser.add_argument(
+        "--doctor-report",
+        default=None,
+        metavar="PATH",
+        help="write the doctor's JSON report (and PNG) here (default: OUTPUT_DIR/"
+        "bottleneck_report.json with --output-dir, else no file); compare two runs with "
+        "`lightning-accel report NEW.json --baseline OLD.json`",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -155,8 +209,14 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
         from lightning_accel.callbacks.autopilot import Autopilot
 
         plan_out: Any = str(Path(cfg.output_dir) / "autopilot_plan.json") if cfg.output_dir else False
-        callbacks.append(Autopilot(budget_seconds=cfg.autopilot_budget, plan=cfg.autopilot_plan, save_plan=plan_out,
-                                   print_summary=not cfg.quiet))
+        callbacks.append(
+            Autopilot(
+                budget_seconds=cfg.autopilot_budget,
+                plan=cfg.autopilot_plan,
+                save_plan=plan_out,
+                print_summary=not cfg.quiet,
+            )
+        )
     if cfg.tune_batch_size is not None:  # before DataLoaderTuner: the loader is tuned for the new batch size
         from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
 
@@ -182,15 +242,18 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
     if cfg.profile_at_step is not None:
         from lightning_accel.callbacks.profile_window import ProfileWindow
 
-        callbacks.append(ProfileWindow(at_step=cfg.profile_at_step,
-                                       dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None))
+        callbacks.append(
+            ProfileWindow(at_step=cfg.profile_at_step, dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None)
+        )
     if cfg.doctor:  # last: its report prints after MFUMonitor's summary
         from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 
-        report: Any = cfg.doctor_report or (str(Path(cfg.output_dir) / "bottleneck_report.json")
-                                            if cfg.output_dir else False)
-        callbacks.append(BottleneckDoctor(window=cfg.window, report_path=report, print_report=not cfg.quiet,
-                                          warn=not cfg.quiet))
+        report: Any = cfg.doctor_report or (
+            str(Path(cfg.output_dir) / "bottleneck_report.json") if cfg.output_dir else False
+        )
+        callbacks.append(
+            BottleneckDoctor(window=cfg.window, report_path=report, print_report=not cfg.quiet, warn=not cfg.quiet)
+        )
     return [*callbacks, *cfg.extra_callbacks]
 
 
@@ -250,8 +313,13 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
 
     doctor = next((cb for cb in trainer.callbacks if isinstance(cb, BottleneckDoctor)), None)
     autopilot = next((cb for cb in trainer.callbacks if isinstance(cb, Autopilot)), None)
-    return {"mfu_monitor": monitor.summary, "doctor": doctor.report if doctor is not None else None, **metrics,
-            "autopilot": autopilot.plan if autopilot is not None else None, "trainer": trainer}
+    return {
+        "mfu_monitor": monitor.summary,
+        "doctor": doctor.report if doctor is not None else None,
+        **metrics,
+        "autopilot": autopilot.plan if autopilot is not None else None,
+        "trainer": trainer,
+    }
 
 
 def _data_dir(cfg: DemoConfig, name: str) -> Path | None:
@@ -266,8 +334,14 @@ def _token_task(cfg: DemoConfig) -> tuple[Any, Any]:
     task = GPTTask(model_cfg)
     # enough windows for every step of every rank, without repeating data within the run
     tokens = max(400_000, (cfg.steps + 1) * cfg.batch_size * cfg.devices * (cfg.seq_len + 1))
-    data_kwargs = dict(seq_len=cfg.seq_len, batch_size=cfg.batch_size, train_tokens=tokens,
-                       num_workers=cfg.num_workers, seed=cfg.seed, data_dir=_data_dir(cfg, "tokens"))
+    data_kwargs = dict(
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        train_tokens=tokens,
+        num_workers=cfg.num_workers,
+        seed=cfg.seed,
+        data_dir=_data_dir(cfg, "tokens"),
+    )
     if cfg.slow_data:
         from lightning_accel.demo.slow_data import SlowDemoDataModule
 

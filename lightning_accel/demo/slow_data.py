@@ -43,6 +43,11 @@ class SlowDemoDataModule(DemoDataModule):
 
     def train_dataloader(self) -> DataLoader:
         loader = super().train_dataloader()
-        return DataLoader(SlowDataset(loader.dataset, self.seconds_per_sample), batch_size=loader.batch_size,
-                          shuffle=True, drop_last=loader.drop_last, num_workers=loader.num_workers,
-                          persistent_workers=loader.persistent_workers)
+        return DataLoader(
+            SlowDataset(loader.dataset, self.seconds_per_sample),
+            batch_size=loader.batch_size,
+            shuffle=True,
+            drop_last=loader.drop_last,
+            num_workers=loader.num_workers,
+            persistent_workers=loader.persistent_workers,
+        )

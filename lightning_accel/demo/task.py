@@ -47,8 +47,11 @@ class GPTTask(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=(0.9, 0.95),
+        )
 
 
 class DemoDataModule(pl.LightningDataModule):
@@ -59,17 +62,27 @@ class DemoDataModule(pl.LightningDataModule):
     system temp directory named after the stream's parameters, and reused by later runs with the same parameters.
     """
 
-    def __init__(self, *, seq_len: int = 64, vocab_size: int = 256, batch_size: int = 32,
-                 train_tokens: int = 400_000, val_tokens: int = 40_000, num_workers: int = 0, seed: int = 0,
-                 data_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        seq_len: int = 64,
+        vocab_size: int = 256,
+        batch_size: int = 32,
+        train_tokens: int = 400_000,
+        val_tokens: int = 40_000,
+        num_workers: int = 0,
+        seed: int = 0,
+        data_dir: str | Path | None = None,
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"DemoDataModule: batch_size must be >= 1, got {batch_size}")
         self.seq_len, self.vocab_size, self.batch_size = seq_len, vocab_size, batch_size
         self.train_tokens, self.val_tokens, self.num_workers, self.seed = train_tokens, val_tokens, num_workers, seed
         name = f"tokens-v{vocab_size}-n{train_tokens}+{val_tokens}-s{seed}"
-        self.data_dir = Path(data_dir) if data_dir is not None else \
-            Path(tempfile.gettempdir()) / "lightning-accel-demo" / name
+        self.data_dir = (
+            Path(data_dir) if data_dir is not None else Path(tempfile.gettempdir()) / "lightning-accel-demo" / name
+        )
         self._train: TokenMemmapDataset | None = None
         self._val: TokenMemmapDataset | None = None
 
@@ -88,7 +101,7 @@ class DemoDataModule(pl.LightningDataModule):
         # one chain (same transition table) so validation measures what training learns
         stream = markov_tokens(self.train_tokens + self.val_tokens, self.vocab_size, seed=self.seed)
         pack_memmap(stream[: self.train_tokens], self.data_dir / "train", kind="tokens", progress_bar=False)
-        pack_memmap(stream[self.train_tokens:], self.data_dir / "val", kind="tokens", progress_bar=False)
+        pack_memmap(stream[self.train_tokens :], self.data_dir / "val", kind="tokens", progress_bar=False)
 
     def setup(self, stage: str) -> None:
         if self._train is None:
@@ -99,8 +112,14 @@ class DemoDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: TokenMemmapDataset | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() runs before the dataloaders are asked for"
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=shuffle,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self._train, shuffle=True)

@@ -98,25 +98,30 @@ class AutoMixedPrecision(MixedPrecision):
             raise ValueError(f"AutoMixedPrecision(dtype={dtype!r}): use one of {', '.join(map(repr, _DTYPES))}")
         if isinstance(fp32_modules, (str, type)):
             fp32_modules = [fp32_modules]
-        bad = [m for m in fp32_modules if not (isinstance(m, str) or (isinstance(m, type) and
-                                                                     issubclass(m, nn.Module)))]
+        bad = [
+            m for m in fp32_modules if not (isinstance(m, str) or (isinstance(m, type) and issubclass(m, nn.Module)))
+        ]
         if bad:
-            raise ValueError(f"AutoMixedPrecision(fp32_modules=...): {bad!r} are neither nn.Module types nor name "
-                             "patterns; pass e.g. [nn.LayerNorm, '*.head']")
+            raise ValueError(
+                f"AutoMixedPrecision(fp32_modules=...): {bad!r} are neither nn.Module types nor name "
+                "patterns; pass e.g. [nn.LayerNorm, '*.head']"
+            )
         if not _positive(init_scale):
-            raise ValueError(f"AutoMixedPrecision(init_scale={init_scale!r}): use a positive finite scale, "
-                             "e.g. 2**16")
+            raise ValueError(f"AutoMixedPrecision(init_scale={init_scale!r}): use a positive finite scale, e.g. 2**16")
         if not _positive(growth_factor) or growth_factor <= 1:
             raise ValueError(f"AutoMixedPrecision(growth_factor={growth_factor!r}): use a factor > 1, e.g. 2.0")
         if not _positive(backoff_factor) or backoff_factor >= 1:
-            raise ValueError(f"AutoMixedPrecision(backoff_factor={backoff_factor!r}): use a factor in (0, 1), "
-                             "e.g. 0.5")
+            raise ValueError(f"AutoMixedPrecision(backoff_factor={backoff_factor!r}): use a factor in (0, 1), e.g. 0.5")
         check_int("AutoMixedPrecision", "growth_interval", growth_interval, unit="steps", example=2000)
         # deliberately not MixedPrecision.__init__: the dtype (and so the scaler) is only known once the device is
         self.dtype = dtype
         self.fp32_modules = list(fp32_modules)
-        self.scaler_kwargs = {"init_scale": float(init_scale), "growth_factor": float(growth_factor),
-                              "backoff_factor": float(backoff_factor), "growth_interval": growth_interval}
+        self.scaler_kwargs = {
+            "init_scale": float(init_scale),
+            "growth_factor": float(growth_factor),
+            "backoff_factor": float(backoff_factor),
+            "growth_interval": growth_interval,
+        }
         self.precision = "32-true"  # Lightning's precision string; set for real by _resolve
         self.device = "cpu"  # autocast device type
         self.scaler: torch.amp.GradScaler | None = None
@@ -178,17 +183,21 @@ class AutoMixedPrecision(MixedPrecision):
             param = next(module.parameters(), None)
             device = param.device if param is not None else torch.device(self.device)
         self._resolve(device)
-        rank_zero_info(f"AutoMixedPrecision: compute dtype {str(self.compute_dtype).replace('torch.', '')} "
-                       f"({self.reason})" + (f"; GradScaler {self.scaler_kwargs}" if self.scaler else ""))
+        rank_zero_info(
+            f"AutoMixedPrecision: compute dtype {str(self.compute_dtype).replace('torch.', '')} "
+            f"({self.reason})" + (f"; GradScaler {self.scaler_kwargs}" if self.scaler else "")
+        )
         self.remove_islands()
         if self.fp32_modules:
             self._islands = Fp32Islands(module, self.fp32_modules, self.device)
             if self._islands.unmatched:
                 types = sorted({type(m).__name__ for m in module.modules()})
-                rank_zero_warn(f"AutoMixedPrecision(fp32_modules=...): {Fp32Islands.describe(self._islands.unmatched)} "
-                               f"matched no module of {type(module).__name__} (module types present: "
-                               f"{', '.join(types)}); name patterns match qualified names such as "
-                               f"{[n for n, _ in module.named_modules() if n][:3]}")
+                rank_zero_warn(
+                    f"AutoMixedPrecision(fp32_modules=...): {Fp32Islands.describe(self._islands.unmatched)} "
+                    f"matched no module of {type(module).__name__} (module types present: "
+                    f"{', '.join(types)}); name patterns match qualified names such as "
+                    f"{[n for n, _ in module.named_modules() if n][:3]}"
+                )
         return module
 
     def remove_islands(self) -> None:
@@ -207,8 +216,12 @@ class AutoMixedPrecision(MixedPrecision):
     def autocast_context_manager(self) -> torch.autocast:
         dtype = self.compute_dtype or torch.float32
         # cache_enabled=False as in Lightning's MixedPrecision (the autocast weight cache is per region anyway)
-        return torch.autocast(self.device, dtype=dtype if dtype != torch.float32 else torch.bfloat16,
-                              enabled=dtype != torch.float32, cache_enabled=False)
+        return torch.autocast(
+            self.device,
+            dtype=dtype if dtype != torch.float32 else torch.bfloat16,
+            enabled=dtype != torch.float32,
+            cache_enabled=False,
+        )
 
     @override
     @contextmanager
@@ -221,8 +234,9 @@ class AutoMixedPrecision(MixedPrecision):
 
     # ------------------------------------------------------------------ optimizer step
     @override
-    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any],
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         self.total_steps += 1
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
@@ -271,8 +285,10 @@ class AutoMixedPrecision(MixedPrecision):
         if self.scaler is not None and scaler_state:
             self.scaler.load_state_dict(scaler_state)
         elif scaler_state and self.scaler is None:
-            rank_zero_info(f"AutoMixedPrecision: the checkpoint has GradScaler state but this run uses "
-                           f"{self.compute_dtype}, which needs no scaler; ignoring it")
+            rank_zero_info(
+                f"AutoMixedPrecision: the checkpoint has GradScaler state but this run uses "
+                f"{self.compute_dtype}, which needs no scaler; ignoring it"
+            )
         self.total_steps = int(state_dict.get("total_steps", 0))
         self._skipped_offset = int(state_dict.get("skipped_steps", 0))
         self._skipped = None

@@ -37,8 +37,9 @@ class BucketStateMover:
         powersgd: ``(matrix_approximation_rank, min_compression_rate)`` for PowerSGD's P/Q layout, else None.
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]], dict_names: Sequence[str], *,
-                 powersgd: tuple[int, float] | None = None) -> None:
+    def __init__(
+        self, shapes: Sequence[Sequence[int]], dict_names: Sequence[str], *, powersgd: tuple[int, float] | None = None
+    ) -> None:
         self.shapes = [tuple(s) for s in shapes]
         self.dict_names = tuple(dict_names)
         self.powersgd = powersgd
@@ -96,8 +97,9 @@ class BucketStateMover:
 
     def state_pieces(self, state: Any) -> dict[str, dict[int, torch.Tensor]]:
         """Every per-parameter piece of the current state (CPU copies), without changing the state."""
-        out: dict[str, dict[int, torch.Tensor]] = {name: {p: t.detach().cpu().clone() for p, t in store.items()}
-                                                   for name, store in self.pieces.items()}
+        out: dict[str, dict[int, torch.Tensor]] = {
+            name: {p: t.detach().cpu().clone() for p, t in store.items()} for name, store in self.pieces.items()
+        }
         for index, layout in self.layouts.items():
             for name in self.dict_names:
                 tensor = getattr(state, name).get(index)

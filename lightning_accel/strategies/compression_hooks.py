@@ -101,8 +101,9 @@ class TopKState(_CompressorState):
         process_group: the group to reduce over (None: the default group).
     """
 
-    def __init__(self, *, density: float, use_error_feedback: bool = True, start_iter: int = 2,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, *, density: float, use_error_feedback: bool = True, start_iter: int = 2, process_group: Any = None
+    ) -> None:
         super().__init__(process_group=process_group, start_iter=start_iter, use_error_feedback=use_error_feedback)
         self.density = density
 
@@ -169,8 +170,16 @@ class QSGDState(_CompressorState):
         process_group: the group to reduce over (None: the default group).
     """
 
-    def __init__(self, *, levels: int, chunk_size: int = 128, use_error_feedback: bool = False, start_iter: int = 0,
-                 seed: int = 0, process_group: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        levels: int,
+        chunk_size: int = 128,
+        use_error_feedback: bool = False,
+        start_iter: int = 0,
+        seed: int = 0,
+        process_group: Any = None,
+    ) -> None:
         super().__init__(process_group=process_group, start_iter=start_iter, use_error_feedback=use_error_feedback)
         self.levels = levels
         self.bits = qsgd_bits(levels)
@@ -221,7 +230,7 @@ def qsgd_decode(payload: torch.Tensor, n: int, state: QSGDState) -> torch.Tensor
     chunk, s, bits = state.chunk_size, state.levels, state.bits
     chunks = math.ceil(n / chunk)
     norms = payload[: 4 * chunks].view(torch.float32)
-    packed = payload[4 * chunks:].to(torch.int32)
+    packed = payload[4 * chunks :].to(torch.int32)
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     code = torch.stack([(packed >> (j * bits)) & mask for j in range(per_byte)], dim=1).view(-1)[:n]

@@ -25,8 +25,15 @@ from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
 
 _compat.require_versions("the DDP compression strategies")
 
-__all__ = ["CommStats", "DDPCompressionStrategy", "ddp_bf16_compress", "ddp_fp16_compress", "ddp_powersgd",
-           "ddp_qsgd", "ddp_topk"]
+__all__ = [
+    "CommStats",
+    "DDPCompressionStrategy",
+    "ddp_bf16_compress",
+    "ddp_fp16_compress",
+    "ddp_powersgd",
+    "ddp_qsgd",
+    "ddp_topk",
+]
 
 Compression = Literal["fp16", "bf16", "powersgd", "topk", "qsgd"]
 _COMPRESSIONS = ("fp16", "bf16", "powersgd", "topk", "qsgd")
@@ -204,23 +211,31 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if compression not in _COMPRESSIONS:
-            raise ValueError(f"DDPCompressionStrategy(compression={compression!r}): use one of "
-                             f"{', '.join(repr(c) for c in _COMPRESSIONS)}")
+            raise ValueError(
+                f"DDPCompressionStrategy(compression={compression!r}): use one of "
+                f"{', '.join(repr(c) for c in _COMPRESSIONS)}"
+            )
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if name in kwargs:
-                raise ValueError(f"DDPCompressionStrategy({name}=...): this strategy sets the comm hook itself; use "
-                                 "`comm_hook_wrappers` to wrap it, or plain DDPStrategy for a hook of your own")
+                raise ValueError(
+                    f"DDPCompressionStrategy({name}=...): this strategy sets the comm hook itself; use "
+                    "`comm_hook_wrappers` to wrap it, or plain DDPStrategy for a hook of your own"
+                )
         if use_error_feedback is None:
             use_error_feedback = compression != "qsgd"
         if compression == "powersgd":
             if not _is_int(matrix_approximation_rank, 1):
-                raise ValueError(f"ddp_powersgd: matrix_approximation_rank={matrix_approximation_rank!r} must be an "
-                                 "integer >= 1 (torch suggests 1, then 2, 4, ... until accuracy is satisfactory)")
+                raise ValueError(
+                    f"ddp_powersgd: matrix_approximation_rank={matrix_approximation_rank!r} must be an "
+                    "integer >= 1 (torch suggests 1, then 2, 4, ... until accuracy is satisfactory)"
+                )
             if not _is_int(start_powerSGD_iter, 0):
                 raise ValueError(f"ddp_powersgd: start_powerSGD_iter={start_powerSGD_iter!r} must be an integer >= 0")
             if (use_error_feedback or warm_start) and start_powerSGD_iter < 2:
-                raise ValueError(f"ddp_powersgd: start_powerSGD_iter={start_powerSGD_iter} must be >= 2 with error "
-                                 "feedback or warm start (DDP rebuilds its buckets after the first step); use >= 2")
+                raise ValueError(
+                    f"ddp_powersgd: start_powerSGD_iter={start_powerSGD_iter} must be >= 2 with error "
+                    "feedback or warm start (DDP rebuilds its buckets after the first step); use >= 2"
+                )
             if not isinstance(min_compression_rate, (int, float)) or min_compression_rate <= 0:
                 raise ValueError(f"ddp_powersgd: min_compression_rate={min_compression_rate!r} must be > 0, e.g. 2")
         if compression in ("topk", "qsgd"):
@@ -229,10 +244,13 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             if not _is_int(start_iter, 0):
                 raise ValueError(f"ddp_{compression}: start_iter={start_iter!r} must be an integer >= 0")
             if use_error_feedback and start_iter < 2:
-                raise ValueError(f"ddp_{compression}: start_iter={start_iter} must be >= 2 with error feedback (DDP "
-                                 "rebuilds its buckets after the first step); use start_iter=2 or more")
-        if compression == "topk" and (isinstance(density, bool) or not isinstance(density, (int, float))
-                                      or not 0 < density <= 1):
+                raise ValueError(
+                    f"ddp_{compression}: start_iter={start_iter} must be >= 2 with error feedback (DDP "
+                    "rebuilds its buckets after the first step); use start_iter=2 or more"
+                )
+        if compression == "topk" and (
+            isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1
+        ):
             raise ValueError(f"ddp_topk: density={density!r} must be a fraction in (0, 1], e.g. 0.01 (1 % sent)")
         if compression == "qsgd":
             if not _is_int(levels, 1) or levels > 127:
@@ -244,11 +262,17 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             variance = qsgd_variance_bound(levels, chunk_size)
             if use_error_feedback and variance >= 1:
                 # error feedback needs a contractive compressor: the residual grows by that factor every step
-                raise ValueError(f"ddp_qsgd: use_error_feedback=True with levels={levels}, chunk_size={chunk_size} "
-                                 f"diverges (variance bound min(d/s², √d/s) = {variance:.2f} >= 1); use levels=127 "
-                                 "or a smaller chunk_size, or error feedback off (QSGD is unbiased without it)")
-        super().__init__(find_unused_parameters=find_unused_parameters,
-                         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, **kwargs)
+                raise ValueError(
+                    f"ddp_qsgd: use_error_feedback=True with levels={levels}, chunk_size={chunk_size} "
+                    f"diverges (variance bound min(d/s², √d/s) = {variance:.2f} >= 1); use levels=127 "
+                    "or a smaller chunk_size, or error feedback off (QSGD is unbiased without it)"
+                )
+        super().__init__(
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            **kwargs,
+        )
         self.compression: Compression = compression
         self._powersgd_kwargs = {
             "matrix_approximation_rank": matrix_approximation_rank,
@@ -332,8 +356,9 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         """The state object's per-bucket dicts in use (error feedback, PowerSGD's warm-start memories)."""
         if self.compression == "powersgd":
             kw = self._powersgd_kwargs
-            return (("error_dict",) if kw["use_error_feedback"] else ()) + \
-                (("p_memory_dict", "q_memory_dict") if kw["warm_start"] else ())
+            return (("error_dict",) if kw["use_error_feedback"] else ()) + (
+                ("p_memory_dict", "q_memory_dict") if kw["warm_start"] else ()
+            )
         if self.compression in ("topk", "qsgd") and self._hook_kwargs["use_error_feedback"]:
             return ("error_dict",)
         return ()
@@ -345,8 +370,11 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             self._mover = None
             return
         kw = self._powersgd_kwargs
-        powersgd = ((int(kw["matrix_approximation_rank"]), float(kw["min_compression_rate"]))
-                    if self.compression == "powersgd" else None)
+        powersgd = (
+            (int(kw["matrix_approximation_rank"]), float(kw["min_compression_rate"]))
+            if self.compression == "powersgd"
+            else None
+        )
         self._mover = BucketStateMover([p.shape for p in parameters], names, powersgd=powersgd)
         pieces = (self._restored or {}).get("pieces") or {}
         for name in names:
@@ -373,8 +401,7 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
                 sent = buffer.numel() * 2  # fp16 / bf16: 2 bytes per element
             else:
                 if mover is not None:  # the state follows its parameters into this bucket layout
-                    mover.enter(state, bucket.index(), [param_index[id(p)] for p in bucket.parameters()],
-                                buffer.device)
+                    mover.enter(state, bucket.index(), [param_index[id(p)] for p in bucket.parameters()], buffer.device)
                 active = state.iter >= start
                 if compression == "powersgd":
                     numel_after = state.total_numel_after_compression
@@ -384,8 +411,11 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
                         # gloo's two worker threads, so two buckets in flight can block both and deadlock. Finish
                         # each bucket before the next (no overlap with backward for PowerSGD on gloo).
                         fut.wait()
-                    sent = ((state.total_numel_after_compression - numel_after) * buffer.element_size()
-                            if active else before)
+                    sent = (
+                        (state.total_numel_after_compression - numel_after) * buffer.element_size()
+                        if active
+                        else before
+                    )
                 else:
                     sent_before = state.bytes_sent
                     fut = hook(state, bucket)
@@ -417,8 +447,10 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.world_size == 1:
-            rank_zero_warn(f"{self.string} on a single device does nothing useful: there is no gradient all-reduce to "
-                           "compress. Use strategy='auto' on one device, or devices >= 2.")
+            rank_zero_warn(
+                f"{self.string} on a single device does nothing useful: there is no gradient all-reduce to "
+                "compress. Use strategy='auto' on one device, or devices >= 2."
+            )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -433,15 +465,22 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         self._blocking_powersgd = torch.distributed.get_backend() == "gloo"
         self.model.register_comm_hook(state, hook)
         if self.compression == "powersgd":
-            rank_zero_info(f"ddp_powersgd: rank {self._powersgd_kwargs['matrix_approximation_rank']}, plain all-reduce "
-                           f"for the first {self._powersgd_kwargs['start_powerSGD_iter']} steps "
-                           f"(now at step {state.iter})")
+            rank_zero_info(
+                f"ddp_powersgd: rank {self._powersgd_kwargs['matrix_approximation_rank']}, plain all-reduce "
+                f"for the first {self._powersgd_kwargs['start_powerSGD_iter']} steps "
+                f"(now at step {state.iter})"
+            )
         elif self.compression in ("topk", "qsgd"):
-            knob = (f"density {self._hook_kwargs['density']}" if self.compression == "topk"
-                    else f"{self._hook_kwargs['levels']} levels ({state.bits} bits per entry)")
+            knob = (
+                f"density {self._hook_kwargs['density']}"
+                if self.compression == "topk"
+                else f"{self._hook_kwargs['levels']} levels ({state.bits} bits per entry)"
+            )
             feedback = "on" if self._hook_kwargs["use_error_feedback"] else "off"
-            rank_zero_info(f"{self.string}: {knob}, error feedback {feedback}, plain all-reduce for the first "
-                           f"{self._hook_kwargs['start_iter']} steps (now at step {state.iter})")
+            rank_zero_info(
+                f"{self.string}: {knob}, error feedback {feedback}, plain all-reduce for the first "
+                f"{self._hook_kwargs['start_iter']} steps (now at step {state.iter})"
+            )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -491,14 +530,17 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         out: dict[str, Any] = {"iter": int(state.iter)}
         if self.compression == "powersgd":
             name, keys, pos, has_gauss, cached = state.rng.get_state()
-            out.update(rng=(name, keys.tolist(), int(pos), int(has_gauss), float(cached)),
-                       numel_before=int(state.total_numel_before_compression),
-                       numel_after=int(state.total_numel_after_compression))
+            out.update(
+                rng=(name, keys.tolist(), int(pos), int(has_gauss), float(cached)),
+                numel_before=int(state.total_numel_before_compression),
+                numel_after=int(state.total_numel_after_compression),
+            )
         else:
             out["hook_bytes_sent"] = int(state.bytes_sent)
             generator = getattr(state, "generator", None)
-            out["generator"] = generator.get_state() if generator is not None else getattr(state, "generator_state",
-                                                                                            None)
+            out["generator"] = (
+                generator.get_state() if generator is not None else getattr(state, "generator_state", None)
+            )
         # per parameter (position in model.parameters()), so a run with another bucket layout can take it
         out["pieces"] = self._mover.state_pieces(state) if self._mover is not None else {}
         return out
@@ -520,15 +562,21 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             ranks = [local]
         out.update(world_size=len(ranks), ranks=ranks)
         if self.compression == "powersgd":  # the counters of earlier releases, kept readable
-            out.update(powersgd_iter=local["iter"], powersgd_rng=local["rng"],
-                       powersgd_numel_before=local["numel_before"], powersgd_numel_after=local["numel_after"])
+            out.update(
+                powersgd_iter=local["iter"],
+                powersgd_rng=local["rng"],
+                powersgd_numel_before=local["numel_before"],
+                powersgd_numel_after=local["numel_after"],
+            )
         return out
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` (this rank's entry); applied when ``setup`` builds the hook."""
         if state.get("compression") != self.compression:
-            rank_zero_warn(f"checkpoint was written with compression={state.get('compression')!r}, this run uses "
-                           f"{self.compression!r}: communication statistics and compressor state are not restored")
+            rank_zero_warn(
+                f"checkpoint was written with compression={state.get('compression')!r}, this run uses "
+                f"{self.compression!r}: communication statistics and compressor state are not restored"
+            )
             return
         self.comm_stats = CommStats(**state["comm_stats"])
         self._logged = CommStats(**state["comm_stats"])
@@ -543,11 +591,17 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
                 restored = {**ranks[0], "pieces": {}}
                 if "generator" in restored:
                     restored["generator"] = None
-                rank_zero_warn(f"{self.string}: checkpoint written by {len(ranks)} ranks, this run has "
-                               f"{self.world_size}: error-feedback residuals restart from zero")
+                rank_zero_warn(
+                    f"{self.string}: checkpoint written by {len(ranks)} ranks, this run has "
+                    f"{self.world_size}: error-feedback residuals restart from zero"
+                )
         elif "powersgd_iter" in state:  # a checkpoint of an earlier release: counters only
-            restored = {"iter": state["powersgd_iter"], "rng": state["powersgd_rng"],
-                        "numel_before": state["powersgd_numel_before"], "numel_after": state["powersgd_numel_after"]}
+            restored = {
+                "iter": state["powersgd_iter"],
+                "rng": state["powersgd_rng"],
+                "numel_before": state["powersgd_numel_before"],
+                "numel_after": state["powersgd_numel_after"],
+            }
         self._restored = restored
         if restored is not None and self.compressor_state is not None:  # restored after setup: apply now
             self._apply_restored(self.compressor_state)

@@ -65,12 +65,25 @@ __all__ = [
 # all-gather/reduce buckets for stages 1-2, overlap_comm + contiguous_gradients on; stage 3 with DeepSpeed's
 # documented stage-3 defaults (prefetch bucket 5e7, persistence threshold 1e5, live parameters / reuse distance 1e9,
 # sub-group 1e9) and a 5e8 reduce bucket.
-_STAGE12 = {"overlap_comm": True, "contiguous_gradients": True, "allgather_partitions": True,
-            "allgather_bucket_size": 500_000_000, "reduce_scatter": True, "reduce_bucket_size": 500_000_000}
-_STAGE3 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
-           "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-           "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,
-           "stage3_max_reuse_distance": 1_000_000_000, "stage3_gather_16bit_weights_on_model_save": True}
+_STAGE12 = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "allgather_partitions": True,
+    "allgather_bucket_size": 500_000_000,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 500_000_000,
+}
+_STAGE3 = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "reduce_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
 #: environment variable read for ``nvme_path`` when the string ``deepspeed_zero3_offload_nvme`` is used
 NVME_PATH_ENV = "LIGHTNING_ACCEL_NVME_PATH"
 
@@ -82,36 +95,93 @@ PRESETS: dict[str, tuple[int, str | None, str | None, dict[str, Any]]] = {
     "zero2": (2, None, None, {"stage": 2, **_STAGE12}),
     "zero2_offload": (2, "cpu", None, {"stage": 2, **_STAGE12, "offload_optimizer": dict(_OFFLOAD_CPU)}),
     "zero3": (3, None, None, {"stage": 3, **_STAGE3}),
-    "zero3_offload": (3, "cpu", "cpu", {"stage": 3, **_STAGE3, "offload_optimizer": dict(_OFFLOAD_CPU),
-                                        "offload_param": dict(_OFFLOAD_CPU)}),
+    "zero3_offload": (
+        3,
+        "cpu",
+        "cpu",
+        {"stage": 3, **_STAGE3, "offload_optimizer": dict(_OFFLOAD_CPU), "offload_param": dict(_OFFLOAD_CPU)},
+    ),
     # buffer_count/buffer_size from DeepSpeed's ZeRO-Infinity docs (offload_param: 5 buffers of 1e8 elements;
     # offload_optimizer: 4 buffers, >= Adam's states per parameter)
-    "zero3_offload_nvme": (3, "nvme", "nvme", {
-        "stage": 3, **_STAGE3,
-        "offload_optimizer": {"device": "nvme", "nvme_path": None, "pin_memory": True, "buffer_count": 4},
-        "offload_param": {"device": "nvme", "nvme_path": None, "pin_memory": True, "buffer_count": 5,
-                          "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
-    }),
+    "zero3_offload_nvme": (
+        3,
+        "nvme",
+        "nvme",
+        {
+            "stage": 3,
+            **_STAGE3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": None, "pin_memory": True, "buffer_count": 4},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": None,
+                "pin_memory": True,
+                "buffer_count": 5,
+                "buffer_size": 100_000_000,
+                "max_in_cpu": 1_000_000_000,
+            },
+        },
+    ),
 }
 
 # Top-level DeepSpeed sections a user may add to a preset (https://www.deepspeed.ai/docs/config-json/); Lightning
 # fills train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping and fp16/bf16 itself.
-_EXTRA_TOP_LEVEL = ("bf16", "fp16", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
-                    "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "flops_profiler",
-                    "comms_logger", "activation_checkpointing", "aio", "zero_force_ds_cpu_optimizer",
-                    "train_micro_batch_size_per_gpu", "optimizer", "scheduler", "data_types", "checkpoint",
-                    "memory_breakdown", "dump_state")
+_EXTRA_TOP_LEVEL = (
+    "bf16",
+    "fp16",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "flops_profiler",
+    "comms_logger",
+    "activation_checkpointing",
+    "aio",
+    "zero_force_ds_cpu_optimizer",
+    "train_micro_batch_size_per_gpu",
+    "optimizer",
+    "scheduler",
+    "data_types",
+    "checkpoint",
+    "memory_breakdown",
+    "dump_state",
+)
 
 # DeepSpeedStrategy arguments that build its default config; a preset passes its own config, so these would be
 # silently ignored: refuse them and point to `overrides`.
-_CONFIG_BUILDING_ARGS = ("zero_optimization", "stage", "offload_optimizer", "offload_parameters",
-                         "offload_params_device", "params_buffer_count", "params_buffer_size", "max_in_cpu",
-                         "offload_optimizer_device", "optimizer_buffer_count", "block_size", "queue_depth",
-                         "single_submit", "overlap_events", "thread_count", "pin_memory", "sub_group_size",
-                         "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
-                         "allgather_bucket_size", "reduce_bucket_size", "zero_allow_untested_optimizer",
-                         "logging_batch_size_per_gpu", "config", "partition_activations", "cpu_checkpointing",
-                         "contiguous_memory_optimization", "synchronize_checkpoint_boundary")
+_CONFIG_BUILDING_ARGS = (
+    "zero_optimization",
+    "stage",
+    "offload_optimizer",
+    "offload_parameters",
+    "offload_params_device",
+    "params_buffer_count",
+    "params_buffer_size",
+    "max_in_cpu",
+    "offload_optimizer_device",
+    "optimizer_buffer_count",
+    "block_size",
+    "queue_depth",
+    "single_submit",
+    "overlap_events",
+    "thread_count",
+    "pin_memory",
+    "sub_group_size",
+    "contiguous_gradients",
+    "overlap_comm",
+    "allgather_partitions",
+    "reduce_scatter",
+    "allgather_bucket_size",
+    "reduce_bucket_size",
+    "zero_allow_untested_optimizer",
+    "logging_batch_size_per_gpu",
+    "config",
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary",
+)
 
 
 def _zero_config_keys() -> set[str]:
@@ -131,16 +201,19 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any], path: str, valid:
         allowed = valid.get("__keys__") if isinstance(valid, dict) else None
         if allowed is not None and key not in allowed:
             where = f"{path}." if path else ""
-            raise ValueError(f"unknown DeepSpeed preset key {where}{key!r}; valid keys{' in ' + path if path else ''}:"
-                             f" {', '.join(sorted(allowed))}")
+            raise ValueError(
+                f"unknown DeepSpeed preset key {where}{key!r}; valid keys{' in ' + path if path else ''}:"
+                f" {', '.join(sorted(allowed))}"
+            )
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
             _merge(base[key], value, f"{path}.{key}" if path else key, valid.get(key, {}))
         else:
             base[key] = copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
 
 
-def preset_config(preset: str, overrides: Mapping[str, Any] | None = None, *,
-                  nvme_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def preset_config(
+    preset: str, overrides: Mapping[str, Any] | None = None, *, nvme_path: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
     """The DeepSpeed config dict of ``preset`` with ``overrides`` merged in (nested dicts merge key by key).
 
     Args:
@@ -164,24 +237,29 @@ def preset_config(preset: str, overrides: Mapping[str, Any] | None = None, *,
         if not isinstance(overrides, Mapping):
             raise ValueError(f"overrides must be a dict of DeepSpeed config keys, got {type(overrides).__name__}")
         zero_keys = _zero_config_keys()
-        valid = {"__keys__": set(config) | set(_EXTRA_TOP_LEVEL),
-                 "zero_optimization": {"__keys__": zero_keys}}
+        valid = {"__keys__": set(config) | set(_EXTRA_TOP_LEVEL), "zero_optimization": {"__keys__": zero_keys}}
         _merge(config, overrides, "", valid)
     return config
 
 
 def _check_nvme_path(nvme_path: Any, preset: str) -> str:
     if nvme_path is None:
-        raise ValueError(f"deepspeed_{preset} needs nvme_path=<directory on an NVMe drive>: pass "
-                         "DeepSpeedZeroStrategy(preset='zero3_offload_nvme', nvme_path='/local_nvme') or set "
-                         f"{NVME_PATH_ENV}=/local_nvme for the strategy string")
+        raise ValueError(
+            f"deepspeed_{preset} needs nvme_path=<directory on an NVMe drive>: pass "
+            "DeepSpeedZeroStrategy(preset='zero3_offload_nvme', nvme_path='/local_nvme') or set "
+            f"{NVME_PATH_ENV}=/local_nvme for the strategy string"
+        )
     path = os.fspath(nvme_path)
     if not os.path.isdir(path):
-        raise ValueError(f"deepspeed_{preset}: nvme_path {path!r} does not exist or is not a directory; create it "
-                         "on the NVMe drive first")
+        raise ValueError(
+            f"deepspeed_{preset}: nvme_path {path!r} does not exist or is not a directory; create it "
+            "on the NVMe drive first"
+        )
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"deepspeed_{preset}: nvme_path {path!r} is not writable by this user; pick a writable "
-                         "directory on the NVMe drive")
+        raise ValueError(
+            f"deepspeed_{preset}: nvme_path {path!r} is not writable by this user; pick a writable "
+            "directory on the NVMe drive"
+        )
     return path
 
 
@@ -227,12 +305,20 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
             exist and be writable, checked when the strategy is built.
     """
 
-    def __init__(self, *, preset: str, overrides: Mapping[str, Any] | None = None,
-                 nvme_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        preset: str,
+        overrides: Mapping[str, Any] | None = None,
+        nvme_path: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         refused = sorted(set(kwargs) & set(_CONFIG_BUILDING_ARGS))
         if refused:
-            raise ValueError(f"deepspeed_{preset}: {', '.join(refused)} would be ignored by a preset; set them as "
-                             "DeepSpeed config keys in overrides={'zero_optimization': {...}}")
+            raise ValueError(
+                f"deepspeed_{preset}: {', '.join(refused)} would be ignored by a preset; set them as "
+                "DeepSpeed config keys in overrides={'zero_optimization': {...}}"
+            )
         if preset not in PRESETS:
             raise ValueError(f"unknown DeepSpeed preset {preset!r}; use one of {', '.join(PRESETS)}")
         if PRESETS[preset][1] == "nvme":
@@ -267,14 +353,20 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
             raise RuntimeError(
                 f"deepspeed_{self.preset} on CPU: deepspeed was imported with its {ds_device!r} accelerator. Set "
                 "DS_ACCELERATOR=cpu in the environment before Python starts (or build the strategy with "
-                "accelerator=CPUAccelerator() before anything imports deepspeed).")
+                "accelerator=CPUAccelerator() before anything imports deepspeed)."
+            )
         if not self._on_cpu and ds_device == "cpu":
-            raise RuntimeError(f"deepspeed_{self.preset} on {type(self.accelerator).__name__}: deepspeed was imported "
-                               "with its CPU accelerator (DS_ACCELERATOR=cpu?); unset DS_ACCELERATOR to train on GPUs")
+            raise RuntimeError(
+                f"deepspeed_{self.preset} on {type(self.accelerator).__name__}: deepspeed was imported "
+                "with its CPU accelerator (DS_ACCELERATOR=cpu?); unset DS_ACCELERATOR to train on GPUs"
+            )
         assert isinstance(self.config, dict)
         zero = self.config.get("zero_optimization", {})
-        offloads = {s: zero[s].get("device") for s in ("offload_optimizer", "offload_param")
-                    if isinstance(zero.get(s), dict) and zero[s].get("device") not in (None, "none")}
+        offloads = {
+            s: zero[s].get("device")
+            for s in ("offload_optimizer", "offload_param")
+            if isinstance(zero.get(s), dict) and zero[s].get("device") not in (None, "none")
+        }
         if "nvme" in offloads.values():
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -282,7 +374,8 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
                 raise RuntimeError(
                     f"deepspeed_{self.preset}: NVMe offload needs DeepSpeed's async_io op, which cannot be built "
                     "here (it needs libaio: `apt install libaio-dev`, then reinstall deepspeed or let it JIT-build "
-                    "the op). Without it, use deepspeed_zero3_offload (CPU offload) instead.")
+                    "the op). Without it, use deepspeed_zero3_offload (CPU offload) instead."
+                )
         if self._on_cpu and offloads:
             # On a CPU accelerator the "offloaded" optimizer step runs on the CPU anyway, so the LightningModule's
             # torch optimizer is the right one; DeepSpeed would otherwise insist on DeepSpeedCPUAdam (a JIT-built
@@ -331,9 +424,14 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
 
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._cpu_device_rank()), config=self.config, model=model,
-            model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            dist_init_required=False)
+            args=argparse.Namespace(device_rank=self._cpu_device_rank()),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
         return engine, ds_optimizer
 
     @override
@@ -353,12 +451,20 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
             if key in self.config:
                 inference_config[key] = self.config[key]
         if self.zero_stage_3:
-            inference_config.update(zero_allow_untested_optimizer=self.config["zero_allow_untested_optimizer"],
-                                    zero_optimization=self.config["zero_optimization"])
+            inference_config.update(
+                zero_allow_untested_optimizer=self.config["zero_allow_untested_optimizer"],
+                zero_optimization=self.config["zero_optimization"],
+            )
         remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self._cpu_device_rank()), config=inference_config, model=model,
-            optimizer=None, lr_scheduler=None, model_parameters=[], dist_init_required=False)
+            args=argparse.Namespace(device_rank=self._cpu_device_rank()),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
 
 def choose_zero_preset(
@@ -394,19 +500,23 @@ def choose_zero_preset(
     for preset, (stage, opt, par, _) in PRESETS.items():
         if (on_cpu and (opt or par)) or (opt == "nvme" and not nvme):
             continue
-        est = estimate_zero_memory(num_params, num_devices, stage, offload_optimizer=opt, offload_params=par,
-                                   **estimate_kwargs)
+        est = estimate_zero_memory(
+            num_params, num_devices, stage, offload_optimizer=opt, offload_params=par, **estimate_kwargs
+        )
         need = est.device_total + (est.host_total if on_cpu else 0.0)
         fits = need <= budget and (on_cpu or host_budget is None or est.host_total <= host_budget)
         report.append((preset, est, fits))
         if fits:
             return preset, report
-    lines = "; ".join(f"{p}: device {e.device_total / 1e9:.2f} GB, host {e.host_total / 1e9:.2f} GB"
-                      for p, e, _ in report)
-    raise ValueError(f"deepspeed_auto: no ZeRO preset fits {num_params:,} parameters on {num_devices} device(s) "
-                     f"with {capacity_bytes / 1e9:.2f} GB each (budget {budget / 1e9:.2f} GB after a {margin:.0%} "
-                     f"margin): {lines}. Use more devices, a smaller model or micro-batch, activation "
-                     f"checkpointing{', or NVMe offload (nvme_path=...)' if not nvme and not on_cpu else ''}.")
+    lines = "; ".join(
+        f"{p}: device {e.device_total / 1e9:.2f} GB, host {e.host_total / 1e9:.2f} GB" for p, e, _ in report
+    )
+    raise ValueError(
+        f"deepspeed_auto: no ZeRO preset fits {num_params:,} parameters on {num_devices} device(s) "
+        f"with {capacity_bytes / 1e9:.2f} GB each (budget {budget / 1e9:.2f} GB after a {margin:.0%} "
+        f"margin): {lines}. Use more devices, a smaller model or micro-batch, activation "
+        f"checkpointing{', or NVMe offload (nvme_path=...)' if not nvme and not on_cpu else ''}."
+    )
 
 
 class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
@@ -439,12 +549,21 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
     After setup, :attr:`decision` holds the chosen preset, the capacity and every candidate's estimate.
     """
 
-    def __init__(self, *, device_memory_bytes: float | None = None, margin: float = 0.2,
-                 activation_bytes_per_sample: float = 0, micro_batch_size: int = 0,
-                 optimizer_bytes_per_param: float | None = None, nvme_path: str | os.PathLike[str] | None = None,
-                 overrides: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        if device_memory_bytes is not None and (not isinstance(device_memory_bytes, (int, float))
-                                                or device_memory_bytes <= 0):
+    def __init__(
+        self,
+        *,
+        device_memory_bytes: float | None = None,
+        margin: float = 0.2,
+        activation_bytes_per_sample: float = 0,
+        micro_batch_size: int = 0,
+        optimizer_bytes_per_param: float | None = None,
+        nvme_path: str | os.PathLike[str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if device_memory_bytes is not None and (
+            not isinstance(device_memory_bytes, (int, float)) or device_memory_bytes <= 0
+        ):
             raise ValueError(f"deepspeed_auto: device_memory_bytes={device_memory_bytes!r} must be > 0 bytes")
         if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"deepspeed_auto: margin={margin!r} must be in [0, 1), e.g. 0.2 (keep 20 % free)")
@@ -454,9 +573,13 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
         super().__init__(preset="zero1", overrides=overrides, **kwargs)
         self.preset = "auto"
         self.nvme_path = nvme_path
-        self._auto = {"device_memory_bytes": device_memory_bytes, "margin": float(margin),
-                      "activation_bytes_per_sample": activation_bytes_per_sample,
-                      "micro_batch_size": micro_batch_size, "optimizer_bytes_per_param": optimizer_bytes_per_param}
+        self._auto = {
+            "device_memory_bytes": device_memory_bytes,
+            "margin": float(margin),
+            "activation_bytes_per_sample": activation_bytes_per_sample,
+            "micro_batch_size": micro_batch_size,
+            "optimizer_bytes_per_param": optimizer_bytes_per_param,
+        }
         self.decision: dict[str, Any] | None = None
 
     def _capacities(self) -> tuple[float, float]:
@@ -473,22 +596,38 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         half = precision.startswith(("16", "bf16"))
         k = self._auto["optimizer_bytes_per_param"]
-        return {"param_bytes": 2 if half else 4, "grad_bytes": 2 if half else 4,
-                "optimizer_bytes_per_param": k if k is not None else 12}
+        return {
+            "param_bytes": 2 if half else 4,
+            "grad_bytes": 2 if half else 4,
+            "optimizer_bytes_per_param": k if k is not None else 12,
+        }
 
     def decide(self, model: torch.nn.Module) -> dict[str, Any]:
         """Choose the preset for ``model`` on this run's devices (rank 0 decides; the choice is broadcast)."""
         trainable, frozen = count_model_params(model)
         device_cap, host_cap = self._capacities()
         preset, report = choose_zero_preset(
-            trainable, self.world_size, device_cap, margin=self._auto["margin"], host_capacity_bytes=host_cap,
-            on_cpu=self._on_cpu, nvme=self.nvme_path is not None, num_frozen_params=frozen,
+            trainable,
+            self.world_size,
+            device_cap,
+            margin=self._auto["margin"],
+            host_capacity_bytes=host_cap,
+            on_cpu=self._on_cpu,
+            nvme=self.nvme_path is not None,
+            num_frozen_params=frozen,
             activation_bytes_per_sample=self._auto["activation_bytes_per_sample"],
-            micro_batch_size=self._auto["micro_batch_size"], **self._bytes_per_param())
-        return {"preset": preset, "num_params": trainable, "num_frozen_params": frozen,
-                "device_capacity_bytes": device_cap, "host_capacity_bytes": host_cap,
-                "margin": self._auto["margin"],
-                "candidates": [{"preset": p, "fits": f, **e.as_dict()} for p, e, f in report]}
+            micro_batch_size=self._auto["micro_batch_size"],
+            **self._bytes_per_param(),
+        )
+        return {
+            "preset": preset,
+            "num_params": trainable,
+            "num_frozen_params": frozen,
+            "device_capacity_bytes": device_cap,
+            "host_capacity_bytes": host_cap,
+            "margin": self._auto["margin"],
+            "candidates": [{"preset": p, "fits": f, **e.as_dict()} for p, e, f in report],
+        }
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -504,14 +643,18 @@ class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
         if error is not None:
             raise ValueError(error)
         self.decision = decision
-        lines = "\n".join(f"  {c['preset']:<20} device {c['device_total'] / 1e9:8.3f} GB  host "
-                          f"{c['host_total'] / 1e9:8.3f} GB  {'fits' if c['fits'] else 'too big'}"
-                          for c in decision["candidates"])
-        rank_zero_info(f"deepspeed_auto: chose deepspeed_{decision['preset']} for {decision['num_params']:,} "
-                       f"trainable parameters on {self.world_size} device(s): budget "
-                       f"{(1 - decision['margin']) * decision['device_capacity_bytes'] / 1e9:.3f} GB per device "
-                       f"({decision['device_capacity_bytes'] / 1e9:.3f} GB less a {decision['margin']:.0%} margin)"
-                       f"\n{lines}")
+        lines = "\n".join(
+            f"  {c['preset']:<20} device {c['device_total'] / 1e9:8.3f} GB  host "
+            f"{c['host_total'] / 1e9:8.3f} GB  {'fits' if c['fits'] else 'too big'}"
+            for c in decision["candidates"]
+        )
+        rank_zero_info(
+            f"deepspeed_auto: chose deepspeed_{decision['preset']} for {decision['num_params']:,} "
+            f"trainable parameters on {self.world_size} device(s): budget "
+            f"{(1 - decision['margin']) * decision['device_capacity_bytes'] / 1e9:.3f} GB per device "
+            f"({decision['device_capacity_bytes'] / 1e9:.3f} GB less a {decision['margin']:.0%} margin)"
+            f"\n{lines}"
+        )
         self.preset = decision["preset"]
         self.config = preset_config(self.preset, self.overrides, nvme_path=self.nvme_path)
         self._config_initialized = False  # re-format (batch size, precision) for the new config

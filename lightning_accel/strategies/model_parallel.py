@@ -75,21 +75,37 @@ def _check_size(mode: str, name: str, value: Any) -> None:
 class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
     __doc__ = __doc__
 
-    def __init__(self, *, mode: Mode, data_parallel_size: Literal["auto"] | int = "auto",
-                 tensor_parallel_size: Literal["auto"] | int = "auto", reshard_after_forward: bool = True,
-                 print_plan: bool = True, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        mode: Mode,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        reshard_after_forward: bool = True,
+        print_plan: bool = True,
+        save_distributed_checkpoint: bool = True,
+        **kwargs: Any,
+    ) -> None:
         if mode not in _MODES:
             raise ValueError(f"AutoParallelStrategy(mode={mode!r}): use one of {', '.join(_MODES)}")
         _check_size(mode, "data_parallel_size", data_parallel_size)
         _check_size(mode, "tensor_parallel_size", tensor_parallel_size)
         if mode == "fsdp2" and tensor_parallel_size not in ("auto", 1):
-            raise ValueError(f"fsdp2: tensor_parallel_size={tensor_parallel_size} — fsdp2 has no tensor "
-                             "parallelism; use strategy 'fsdp2_tp' for both")
+            raise ValueError(
+                f"fsdp2: tensor_parallel_size={tensor_parallel_size} — fsdp2 has no tensor "
+                "parallelism; use strategy 'fsdp2_tp' for both"
+            )
         if mode == "tp" and data_parallel_size not in ("auto", 1):
-            raise ValueError(f"tp: data_parallel_size={data_parallel_size} — tp has no data parallelism (nothing "
-                             "would reduce the replicas' gradients); use strategy 'fsdp2_tp' for both")
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+            raise ValueError(
+                f"tp: data_parallel_size={data_parallel_size} — tp has no data parallelism (nothing "
+                "would reduce the replicas' gradients); use strategy 'fsdp2_tp' for both"
+            )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
         self.mode: Mode = mode
         self.reshard_after_forward = reshard_after_forward
         self.print_plan = print_plan
@@ -108,9 +124,11 @@ class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
             dp = 1
             tp = world_size if tp == "auto" else tp
             if tp != world_size:
-                raise ValueError(f"tp: tensor_parallel_size={tp} on {world_size} devices would leave "
-                                 f"{world_size // max(tp, 1)} data-parallel replicas whose gradients nothing reduces; "
-                                 f"use tensor_parallel_size={world_size} or strategy 'fsdp2_tp'")
+                raise ValueError(
+                    f"tp: tensor_parallel_size={tp} on {world_size} devices would leave "
+                    f"{world_size // max(tp, 1)} data-parallel replicas whose gradients nothing reduces; "
+                    f"use tensor_parallel_size={world_size} or strategy 'fsdp2_tp'"
+                )
         else:
             if tp == "auto" and dp == "auto":
                 tp = devices_per_node
@@ -119,10 +137,12 @@ class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
             if dp == "auto":
                 dp = world_size // tp if tp and world_size % tp == 0 else 0
         if not (dp and tp) or dp * tp != world_size:
-            raise ValueError(f"{mode}: tensor_parallel_size={self._tensor_parallel_size} × data_parallel_size="
-                             f"{self._data_parallel_size} does not fit {world_size} devices; give a tensor-parallel "
-                             f"size that divides the world size ({world_size}), e.g. the devices per node "
-                             f"({devices_per_node})")
+            raise ValueError(
+                f"{mode}: tensor_parallel_size={self._tensor_parallel_size} × data_parallel_size="
+                f"{self._data_parallel_size} does not fit {world_size} devices; give a tensor-parallel "
+                f"size that divides the world size ({world_size}), e.g. the devices per node "
+                f"({devices_per_node})"
+            )
         return int(dp), int(tp)
 
     @override
@@ -130,8 +150,10 @@ class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         self._data_parallel_size, self._tensor_parallel_size = self.resolve_sizes(world, self.num_processes)
         if world == 1:
-            rank_zero_warn(f"strategy {self.mode!r} on a single device shards nothing; use strategy='auto' on one "
-                           "device, or devices >= 2")
+            rank_zero_warn(
+                f"strategy {self.mode!r} on a single device shards nothing; use strategy='auto' on one "
+                "device, or devices >= 2"
+            )
         super().setup_environment()
 
     # ----------------------------------------------------------------------------------------- plan
@@ -141,12 +163,19 @@ class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
         dp, tp = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
         fsdp = self.mode != "tp" and dp > 1
         plan = derive_plan(module, tp_size=tp, fsdp=fsdp)
-        apply_plan(module, plan, tp_mesh=self.device_mesh["tensor_parallel"],
-                   dp_mesh=self.device_mesh["data_parallel"], reshard_after_forward=self.reshard_after_forward)
+        apply_plan(
+            module,
+            plan,
+            tp_mesh=self.device_mesh["tensor_parallel"],
+            dp_mesh=self.device_mesh["data_parallel"],
+            reshard_after_forward=self.reshard_after_forward,
+        )
         self.plan = plan
         if self.print_plan:
-            rank_zero_info(f"{self.mode} plan for {type(module).__name__} (data parallel {dp} × tensor parallel "
-                           f"{tp}):\n{plan.describe()}")
+            rank_zero_info(
+                f"{self.mode} plan for {type(module).__name__} (data parallel {dp} × tensor parallel "
+                f"{tp}):\n{plan.describe()}"
+            )
 
     def _parallelized(self) -> bool:
         from torch.distributed.tensor import DTensor

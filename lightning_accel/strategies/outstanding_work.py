@@ -62,9 +62,13 @@ def finish_outstanding_work() -> None:
             else:
                 dist.barrier(group=group)
         except Exception as err:  # noqa: BLE001 - a peer gone at the end: its own status tells; this rank goes on
-            log.warning("lightning_accel: the barrier that completes the outstanding collectives of process group "
-                        "%r failed (%s: %s); a peer may have left already", getattr(group, "group_name", group),
-                        type(err).__name__, err)
+            log.warning(
+                "lightning_accel: the barrier that completes the outstanding collectives of process group "
+                "%r failed (%s: %s); a peer may have left already",
+                getattr(group, "group_name", group),
+                type(err).__name__,
+                err,
+            )
 
 
 class FinishesOutstandingWork:
@@ -87,4 +91,3 @@ class FinishesOutstandingWork:
         if not ended_on_exception:
             finish_outstanding_work()
         super().teardown()  # type: ignore[misc]
-

@@ -61,9 +61,18 @@ _V = ("v_proj", "value", "v", "wv", "v_lin", "value_proj")
 _O = ("o_proj", "out_proj", "proj", "wo", "dense", "c_proj", "out_lin", "o")
 _FUSED_QKV = ("qkv", "c_attn", "qkv_proj", "Wqkv", "query_key_value", "in_proj")
 # (column-wise names, row-wise name): the first match wins
-_MLPS = ((("gate_proj", "up_proj"), "down_proj"), (("fc_1", "fc_2"), "proj"), (("w1", "w3"), "w2"),
-         (("up_proj",), "down_proj"), (("fc",), "proj"), (("fc1",), "fc2"), (("c_fc",), "c_proj"),
-         (("dense_h_to_4h",), "dense_4h_to_h"), (("lin1",), "lin2"), (("linear1",), "linear2"))
+_MLPS = (
+    (("gate_proj", "up_proj"), "down_proj"),
+    (("fc_1", "fc_2"), "proj"),
+    (("w1", "w3"), "w2"),
+    (("up_proj",), "down_proj"),
+    (("fc",), "proj"),
+    (("fc1",), "fc2"),
+    (("c_fc",), "c_proj"),
+    (("dense_h_to_4h",), "dense_4h_to_h"),
+    (("lin1",), "lin2"),
+    (("linear1",), "linear2"),
+)
 _HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_query_groups")
 
@@ -128,8 +137,9 @@ class ParallelPlan:
                 lines.append("  replicated: " + ", ".join(reps))
         if self.fsdp_units:
             units = _collapse([(m, "fully_shard") for m in self.fsdp_units])
-            lines.append("FSDP2 fully_shard: " + ", ".join(f"{p} (x{c})" if c > 1 else p
-                                                          for p, (_, c) in units.items()))
+            lines.append(
+                "FSDP2 fully_shard: " + ", ".join(f"{p} (x{c})" if c > 1 else p for p, (_, c) in units.items())
+            )
         lines.extend(f"note: {n}" for n in dict.fromkeys(self.notes))
         return "\n".join(lines)
 
@@ -148,8 +158,9 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _is_hf(module: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(module).__mro__)
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
+    )
 
 
 def _linear(module: nn.Module | None) -> bool:
@@ -159,14 +170,21 @@ def _linear(module: nn.Module | None) -> bool:
 def _check_divides(tp: int, value: int, what: str, module: str, cls: str) -> None:
     if value % tp:
         divisors = [d for d in range(1, value + 1) if value % d == 0]
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the {value} {what} of '{module}' ({cls}); "
-                         f"use a tensor-parallel size among {divisors}, or write configure_model with a plan of "
-                         "your own")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the {value} {what} of '{module}' ({cls}); "
+            f"use a tensor-parallel size among {divisors}, or write configure_model with a plan of "
+            "your own"
+        )
 
 
 # ------------------------------------------------------------------------------------------- Hugging Face
-_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise_gather_output",
-              "colwise_rep": "colwise_rep", "embedding_rowwise": "embedding_rowwise"}
+_HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather_output",
+    "colwise_rep": "colwise_rep",
+    "embedding_rowwise": "embedding_rowwise",
+}
 
 
 def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool:
@@ -190,9 +208,11 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
                 dropped.append(name)
                 break
             if style not in _HF_STYLES:
-                raise ValueError(f"the Hugging Face plan of {type(model).__name__} shards '{name}' as {style!r}, a "
-                                 f"style this strategy does not map onto torch ({', '.join(_HF_STYLES)}); write "
-                                 "configure_model, or use strategy='fsdp2'")
+                raise ValueError(
+                    f"the Hugging Face plan of {type(model).__name__} shards '{name}' as {style!r}, a "
+                    f"style this strategy does not map onto torch ({', '.join(_HF_STYLES)}); write "
+                    "configure_model, or use strategy='fsdp2'"
+                )
             entries.append(PlanEntry(_join(prefix, name), _HF_STYLES[style], "hf"))
             break
     if not entries:
@@ -201,7 +221,7 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
     kv = getattr(text, "num_key_value_heads", None) or heads
     cls = type(model).__name__
     for entry in entries:
-        sub = modules[entry.module[len(prefix) + 1:] if prefix else entry.module]
+        sub = modules[entry.module[len(prefix) + 1 :] if prefix else entry.module]
         parent = entry.module.rsplit(".", 1)[0]
         leaf = entry.module.rsplit(".", 1)[-1]
         if heads and leaf in _Q:
@@ -220,8 +240,11 @@ def _hf_plan(prefix: str, model: nn.Module, tp: int, plan: ParallelPlan) -> bool
     for name, sub in modules.items():
         # embeddings, norms and an output head the library's plan leaves alone (transformers 5.0's Llama plan
         # covers only the decoder layers) stay replicated
-        if isinstance(sub, (nn.Embedding, nn.LayerNorm)) or "Norm" in type(sub).__name__ or \
-                name.split(".")[-1] == "lm_head":
+        if (
+            isinstance(sub, (nn.Embedding, nn.LayerNorm))
+            or "Norm" in type(sub).__name__
+            or name.split(".")[-1] == "lm_head"
+        ):
             full = _join(prefix, name)
             if full not in plan.tp_dict() and full not in plan.replicated:
                 plan.replicated.append(full)
@@ -241,28 +264,36 @@ def _attention(name: str, module: nn.Module, tp: int, plan: ParallelPlan) -> boo
     if fused and not (q and k and v):
         litgpt = all(isinstance(getattr(config, a, None), int) for a in ("n_head", "n_query_groups", "head_size"))
         if not litgpt:
-            raise ValueError(f"attention '{name}' ({cls}) computes q, k and v with one fused linear '{fused}' whose "
-                             "row layout this plan does not know (only litgpt's [q; k; v] layout is supported); "
-                             "write configure_model with a plan of your own, or use strategy='fsdp2'")
+            raise ValueError(
+                f"attention '{name}' ({cls}) computes q, k and v with one fused linear '{fused}' whose "
+                "row layout this plan does not know (only litgpt's [q; k; v] layout is supported); "
+                "write configure_model with a plan of your own, or use strategy='fsdp2'"
+            )
         if getattr(config, "norm_qk", False):
-            raise ValueError(f"attention '{name}' ({cls}) normalises q/k over all heads (norm_qk); a per-rank norm "
-                             "would differ: write configure_model, or use strategy='fsdp2'")
+            raise ValueError(
+                f"attention '{name}' ({cls}) normalises q/k over all heads (norm_qk); a per-rank norm "
+                "would differ: write configure_model, or use strategy='fsdp2'"
+            )
         _check_divides(tp, config.n_head, "attention heads", name, cls)
         _check_divides(tp, config.n_query_groups, "key/value head groups", name, cls)
         plan._fused.append(_FusedQKVAttention(name, config.n_head, config.n_query_groups, config.head_size))
         plan.tp.append(PlanEntry(_join(name, fused), "fused_qkv_colwise", "structure"))
-        plan.notes.append(f"{_collapse([(name, '')]).popitem()[0]}.{fused}: rows regrouped per rank "
-                          "(see regroup_fused_qkv); resume checkpoints with the same tensor-parallel size")
+        plan.notes.append(
+            f"{_collapse([(name, '')]).popitem()[0]}.{fused}: rows regrouped per rank "
+            "(see regroup_fused_qkv); resume checkpoints with the same tensor-parallel size"
+        )
     else:
-        counts = {a: getattr(module, a) for a in _HEAD_ATTRS + _KV_HEAD_ATTRS
-                  if isinstance(getattr(module, a, None), int)}
+        counts = {
+            a: getattr(module, a) for a in _HEAD_ATTRS + _KV_HEAD_ATTRS if isinstance(getattr(module, a, None), int)
+        }
         if config is not None:
             for a in ("num_attention_heads", "num_key_value_heads", "n_head", "n_query_groups"):
                 if isinstance(getattr(config, a, None), int):
                     counts.setdefault(f"config.{a}", getattr(config, a))
         for attr, value in counts.items():
-            _check_divides(tp, value, "key/value heads" if any(k in attr for k in _KV_HEAD_ATTRS) else
-                           "attention heads", name, cls)
+            _check_divides(
+                tp, value, "key/value heads" if any(k in attr for k in _KV_HEAD_ATTRS) else "attention heads", name, cls
+            )
         own = {a: v for a, v in counts.items() if not a.startswith("config.")}
         if own:
             plan.heads_by_module[name] = own
@@ -284,12 +315,19 @@ def _mlp(name: str, module: nn.Module, tp: int, plan: ParallelPlan) -> bool:
                 plan.tp.append(PlanEntry(_join(name, u), "colwise", "structure"))
             plan.tp.append(PlanEntry(_join(name, down), "rowwise", "structure"))
             return True
-    if isinstance(module, nn.Sequential) and len(module) == 3 and _linear(module[0]) and _linear(module[2]) \
-            and not isinstance(module[1], nn.Linear) and not any(True for _ in module[1].parameters()) \
-            and module[0].out_features == module[2].in_features:
+    if (
+        isinstance(module, nn.Sequential)
+        and len(module) == 3
+        and _linear(module[0])
+        and _linear(module[2])
+        and not isinstance(module[1], nn.Linear)
+        and not any(True for _ in module[1].parameters())
+        and module[0].out_features == module[2].in_features
+    ):
         _check_divides(tp, module[0].out_features, "hidden features", _join(name, "0"), cls)
-        plan.tp.extend([PlanEntry(_join(name, "0"), "colwise", "structure"),
-                        PlanEntry(_join(name, "2"), "rowwise", "structure")])
+        plan.tp.extend(
+            [PlanEntry(_join(name, "0"), "colwise", "structure"), PlanEntry(_join(name, "2"), "rowwise", "structure")]
+        )
         return True
     return False
 
@@ -363,10 +401,12 @@ def derive_plan(module: nn.Module, *, tp_size: int = 1, fsdp: bool = False) -> P
         if not plan.tp:
             kinds = Counter(type(m).__name__ for m in module.modules() if next(m.children(), None) is None)
             children = ", ".join(f"{n} ({type(c).__name__})" for n, c in module.named_children()) or "none"
-            raise ValueError(f"{type(module).__name__}: no recognised attention or MLP blocks to shard for tensor "
-                             f"parallelism (top-level children: {children}; layers: "
-                             f"{', '.join(f'{k} x{v}' for k, v in kinds.most_common(8))}); write configure_model "
-                             "with a plan of your own, or use strategy='fsdp2'")
+            raise ValueError(
+                f"{type(module).__name__}: no recognised attention or MLP blocks to shard for tensor "
+                f"parallelism (top-level children: {children}; layers: "
+                f"{', '.join(f'{k} x{v}' for k, v in kinds.most_common(8))}); write configure_model "
+                "with a plan of your own, or use strategy='fsdp2'"
+            )
         for entry in plan.tp:
             sub = module.get_submodule(entry.module)
             if entry.style == "embedding_rowwise" and not isinstance(sub, nn.Embedding):
@@ -376,30 +416,48 @@ def derive_plan(module: nn.Module, *, tp_size: int = 1, fsdp: bool = False) -> P
     if fsdp:
         direct = [n for n, _ in module.named_parameters(recurse=False)]
         if direct:
-            raise ValueError(f"{type(module).__name__} registers parameters directly on itself ({', '.join(direct)})"
-                             "; FSDP2 shards submodules (it gathers parameters in their forward): move them into a "
-                             "submodule, or write configure_model")
+            raise ValueError(
+                f"{type(module).__name__} registers parameters directly on itself ({', '.join(direct)})"
+                "; FSDP2 shards submodules (it gathers parameters in their forward): move them into a "
+                "submodule, or write configure_model"
+            )
         blocks = _blocks(module, plan) if plan.tp else _structural_blocks(module)
         roots = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
         plan.fsdp_units = blocks + [r for r in roots if r not in blocks]
         if not plan.sources:
-            plan.sources["model"] = (f"FSDP2 over {len(blocks)} blocks + {len(roots)} top-level modules"
-                                     if blocks else f"FSDP2 over the {len(roots)} top-level modules")
+            plan.sources["model"] = (
+                f"FSDP2 over {len(blocks)} blocks + {len(roots)} top-level modules"
+                if blocks
+                else f"FSDP2 over the {len(roots)} top-level modules"
+            )
     return plan
 
 
 # ------------------------------------------------------------------------------------------- apply
-def regroup_fused_qkv(weight: torch.Tensor, *, n_head: int, n_query_groups: int, head_size: int, tp_size: int,
-                      inverse: bool = False) -> torch.Tensor:
+def regroup_fused_qkv(
+    weight: torch.Tensor, *, n_head: int, n_query_groups: int, head_size: int, tp_size: int, inverse: bool = False
+) -> torch.Tensor:
     """Rows of a litgpt fused ``qkv`` weight (or bias) from ``[q; k; v]`` to ``[q₀ k₀ v₀ | q₁ k₁ v₁ | …]``
     (``inverse=True``: back), so that a contiguous 1/``tp_size`` of the rows holds one rank's heads."""
     q, kv = n_head * head_size, n_query_groups * head_size
     if weight.shape[0] != q + 2 * kv or n_head % tp_size or n_query_groups % tp_size:
-        raise ValueError(f"regroup_fused_qkv: {weight.shape[0]} rows do not match n_head={n_head}, "
-                         f"n_query_groups={n_query_groups}, head_size={head_size} split {tp_size} ways")
+        raise ValueError(
+            f"regroup_fused_qkv: {weight.shape[0]} rows do not match n_head={n_head}, "
+            f"n_query_groups={n_query_groups}, head_size={head_size} split {tp_size} ways"
+        )
     qs, ks = q // tp_size, kv // tp_size
-    index = torch.cat([torch.cat([torch.arange(r * qs, (r + 1) * qs), torch.arange(q + r * ks, q + (r + 1) * ks),
-                                  torch.arange(q + kv + r * ks, q + kv + (r + 1) * ks)]) for r in range(tp_size)])
+    index = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.arange(r * qs, (r + 1) * qs),
+                    torch.arange(q + r * ks, q + (r + 1) * ks),
+                    torch.arange(q + kv + r * ks, q + kv + (r + 1) * ks),
+                ]
+            )
+            for r in range(tp_size)
+        ]
+    )
     index = index.to(weight.device)
     if inverse:
         return weight[torch.argsort(index)]
@@ -421,8 +479,15 @@ def _torch_style(style: str) -> Any:
     raise ValueError(f"unknown plan style {style!r}; known: {', '.join(_STYLES)}")
 
 
-def apply_plan(module: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, dp_mesh: Any = None,
-               reshard_after_forward: bool = True, mp_policy: Any = None) -> None:
+def apply_plan(
+    module: nn.Module,
+    plan: ParallelPlan,
+    *,
+    tp_mesh: Any = None,
+    dp_mesh: Any = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+) -> None:
     """Apply ``plan`` in place: tensor parallelism on ``tp_mesh`` (if the plan has entries and the mesh > 1 rank),
     then FSDP2 ``fully_shard`` on ``dp_mesh`` for :attr:`ParallelPlan.fsdp_units` (if the mesh > 1 rank)."""
     if plan.tp and tp_mesh is not None and tp_mesh.size() > 1:
@@ -438,8 +503,15 @@ def apply_plan(module: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, dp
                 with torch.no_grad():
                     for p in (qkv.weight, qkv.bias):
                         if p is not None:
-                            p.copy_(regroup_fused_qkv(p.detach(), n_head=fused.n_head, head_size=fused.head_size,
-                                                      n_query_groups=fused.n_query_groups, tp_size=t))
+                            p.copy_(
+                                regroup_fused_qkv(
+                                    p.detach(),
+                                    n_head=fused.n_head,
+                                    head_size=fused.head_size,
+                                    n_query_groups=fused.n_query_groups,
+                                    tp_size=t,
+                                )
+                            )
             local = copy.copy(attn.config)  # the config is shared by the whole model: copy it for this module
             local.n_head, local.n_query_groups = fused.n_head // t, fused.n_query_groups // t
             attn.config = local

@@ -128,7 +128,6 @@ _DP_COMPRESSIONS = ("fp16", "bf16", "topk", "qsgd")
 __all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "measure_stage_costs", "pp", "pp_ddp"]
 
 
-
 @dataclass
 class PipelineStats:
     """Per-step timing of this rank: wall time of the schedule and the time its stages computed (seconds).
@@ -178,21 +177,44 @@ def _is_peer_failure(err: BaseException) -> bool:
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     text = str(err).lower()
-    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-                                   "gloo", "nccl", "peer"))
+    return any(
+        s in text
+        for s in (
+            "timed out",
+            "timeout",
+            "connection closed",
+            "connection reset",
+            "broken pipe",
+            "gloo",
+            "nccl",
+            "peer",
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ strategy
 class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
     __doc__ = __doc__
 
-    def __init__(self, *, schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
-                 microbatches: int | None = None, stages: int | None = None,
-                 data_parallel_size: Literal["auto"] | int = 1, pipeline_size: Literal["auto"] | int = "auto",
-                 blocks_per_stage: list[int] | None = None, network: str | None = None, check_loss: bool = True,
-                 print_plan: bool = True, compression: Literal["fp16", "bf16", "topk", "qsgd"] | None = None,
-                 density: float = 0.01, levels: int = 7, balance: Literal["parameters", "time"] = "parameters",
-                 balance_shape: tuple[int, int] = (2, 8), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        microbatches: int | None = None,
+        stages: int | None = None,
+        data_parallel_size: Literal["auto"] | int = 1,
+        pipeline_size: Literal["auto"] | int = "auto",
+        blocks_per_stage: list[int] | None = None,
+        network: str | None = None,
+        check_loss: bool = True,
+        print_plan: bool = True,
+        compression: Literal["fp16", "bf16", "topk", "qsgd"] | None = None,
+        density: float = 0.01,
+        levels: int = 7,
+        balance: Literal["parameters", "time"] = "parameters",
+        balance_shape: tuple[int, int] = (2, 8),
+        **kwargs: Any,
+    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"PipelineStrategy(schedule={schedule!r}): use one of {', '.join(SCHEDULES)}")
         for name, value in (("microbatches", microbatches), ("stages", stages)):
@@ -202,21 +224,29 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"PipelineStrategy({name}={value!r}) must be 'auto' or an integer >= 1")
         if compression is not None and compression not in _DP_COMPRESSIONS:
-            raise ValueError(f"PipelineStrategy(compression={compression!r}): use one of "
-                             f"{', '.join(map(repr, _DP_COMPRESSIONS))} or None (plain all-reduce); PowerSGD is not "
-                             "offered in the data-parallel dimension")
-        if compression == "topk" and (isinstance(density, bool) or not isinstance(density, (int, float))
-                                      or not 0 < density <= 1):
+            raise ValueError(
+                f"PipelineStrategy(compression={compression!r}): use one of "
+                f"{', '.join(map(repr, _DP_COMPRESSIONS))} or None (plain all-reduce); PowerSGD is not "
+                "offered in the data-parallel dimension"
+            )
+        if compression == "topk" and (
+            isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1
+        ):
             raise ValueError(f"PipelineStrategy(density={density!r}) must be a fraction in (0, 1], e.g. 0.01")
-        if compression == "qsgd" and (isinstance(levels, bool) or not isinstance(levels, int)
-                                      or not 1 <= levels <= 127):
+        if compression == "qsgd" and (
+            isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127
+        ):
             raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
         if balance not in ("parameters", "time"):
             raise ValueError(f"PipelineStrategy(balance={balance!r}): use 'parameters' (the default) or 'time'")
-        if (not isinstance(balance_shape, (tuple, list)) or len(balance_shape) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in balance_shape)):
-            raise ValueError(f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), "
-                             "two integers >= 1")
+        if (
+            not isinstance(balance_shape, (tuple, list))
+            or len(balance_shape) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in balance_shape)
+        ):
+            raise ValueError(
+                f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), two integers >= 1"
+            )
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
         super().__init__(**kwargs)
@@ -248,8 +278,11 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self._layout: _Layout | None = None
         self.compression = compression
         self.balance, self.balance_shape = balance, tuple(balance_shape)
-        self._compression_knobs = {"density": float(density)} if compression == "topk" else (
-            {"levels": levels} if compression == "qsgd" else {})
+        self._compression_knobs = (
+            {"density": float(density)}
+            if compression == "topk"
+            else ({"levels": levels} if compression == "qsgd" else {})
+        )
         #: the data-parallel gradient exchange's counters (:class:`~.ddp_compression.CommStats`; pp_ddp only)
         self.comm_stats: Any = None
         self._dp_hook: tuple[Any, Callable[..., Any]] | None = None
@@ -265,13 +298,17 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         if dp == "auto":
             dp = world // p if p and world % p == 0 else 0
         if not (p and dp) or p * dp != world:  # type: ignore[operator]
-            raise ValueError(f"pipeline: pipeline_size={self._pp_arg} × data_parallel_size={self._dp_arg} does not "
-                             f"fit {world} processes; give sizes whose product is {world}")
+            raise ValueError(
+                f"pipeline: pipeline_size={self._pp_arg} × data_parallel_size={self._dp_arg} does not "
+                f"fit {world} processes; give sizes whose product is {world}"
+            )
         if self.compression is not None and dp == 1:
-            raise ValueError(f"pipeline: compression={self.compression!r} compresses the all-reduce over data-parallel "
-                             f"replicas, but {world} processes with data_parallel_size={self._dp_arg} make 1 replica "
-                             "per stage (nothing to reduce); use strategy='pp_ddp' / data_parallel_size='auto' with "
-                             "more processes, or compression=None")
+            raise ValueError(
+                f"pipeline: compression={self.compression!r} compresses the all-reduce over data-parallel "
+                f"replicas, but {world} processes with data_parallel_size={self._dp_arg} make 1 replica "
+                "per stage (nothing to reduce); use strategy='pp_ddp' / data_parallel_size='auto' with "
+                "more processes, or compression=None"
+            )
         return int(p), int(dp)  # type: ignore[arg-type]
 
     @property
@@ -313,17 +350,22 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         if self.network_attr is not None:
             net = getattr(module, self.network_attr, None)
             if not isinstance(net, nn.Module):
-                raise ValueError(f"pipeline: network={self.network_attr!r} is not a module attribute of "
-                                 f"{type(module).__name__}")
+                raise ValueError(
+                    f"pipeline: network={self.network_attr!r} is not a module attribute of {type(module).__name__}"
+                )
             return self.network_attr, net
         children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
         if len(children) != 1:
-            raise ValueError(f"pipeline: {type(module).__name__} has {len(children)} child modules with parameters "
-                             f"({', '.join(n for n, _ in children) or 'none'}); keep the network in one attribute "
-                             "or name it with PipelineStrategy(network='attr')")
+            raise ValueError(
+                f"pipeline: {type(module).__name__} has {len(children)} child modules with parameters "
+                f"({', '.join(n for n, _ in children) or 'none'}); keep the network in one attribute "
+                "or name it with PipelineStrategy(network='attr')"
+            )
         if any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"pipeline: {type(module).__name__} registers parameters directly on the "
-                             "LightningModule; the split cannot place them: move them into the network")
+            raise ValueError(
+                f"pipeline: {type(module).__name__} registers parameters directly on the "
+                "LightningModule; the split cannot place them: move them into the network"
+            )
         return children[0]
 
     def _split(self, module: pl.LightningModule) -> None:
@@ -338,18 +380,27 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self.microbatches = m
         self._check_split(layout)
         # every parameter must belong to the embedding, a block or the head
-        placed = {id(p) for path in layout.first + layout.last + [layout.blocks]
-                  for p in net.get_submodule(path).parameters()}
+        placed = {
+            id(p) for path in layout.first + layout.last + [layout.blocks] for p in net.get_submodule(path).parameters()
+        }
         stray = [n for n, p in net.named_parameters() if id(p) not in placed]
         if stray:
-            raise ValueError(f"pipeline: parameters outside the embedding, the blocks and the head cannot be placed "
-                             f"on a stage: {', '.join(f'{attr}.{n}' for n in stray[:5])}; describe the network with "
-                             "pipeline_layout()")
-        first_ids = {id(p): n for path in layout.first for n, p in net.get_submodule(path).named_parameters(
-            prefix=path, remove_duplicate=False)}
-        self._tied = [(first_ids[id(p)], n) for path in layout.last
-                      for n, p in net.get_submodule(path).named_parameters(prefix=path, remove_duplicate=False)
-                      if id(p) in first_ids]
+            raise ValueError(
+                f"pipeline: parameters outside the embedding, the blocks and the head cannot be placed "
+                f"on a stage: {', '.join(f'{attr}.{n}' for n in stray[:5])}; describe the network with "
+                "pipeline_layout()"
+            )
+        first_ids = {
+            id(p): n
+            for path in layout.first
+            for n, p in net.get_submodule(path).named_parameters(prefix=path, remove_duplicate=False)
+        }
+        self._tied = [
+            (first_ids[id(p)], n)
+            for path in layout.last
+            for n, p in net.get_submodule(path).named_parameters(prefix=path, remove_duplicate=False)
+            if id(p) in first_ids
+        ]
         if self.balance == "time" and self.blocks_per_stage is None:
             first_cost, costs, last_cost = self._timed_costs(layout)
             unit = "µs fwd+bwd"
@@ -358,12 +409,18 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             first_cost = float(sum(p.numel() for path in layout.first for p in net.get_submodule(path).parameters()))
             last_cost = float(sum(p.numel() for path in layout.last for p in net.get_submodule(path).parameters()))
             unit = "parameters"
-        plan = plan_stages(costs, num_stages, pipeline_ranks=self.pp_size, first_cost=first_cost,
-                           last_cost=last_cost, unit=unit, blocks_per_stage=self.blocks_per_stage)
+        plan = plan_stages(
+            costs,
+            num_stages,
+            pipeline_ranks=self.pp_size,
+            first_cost=first_cost,
+            last_cost=last_cost,
+            unit=unit,
+            blocks_per_stage=self.blocks_per_stage,
+        )
         self.plan = plan
         local = plan.stages_of(self.pp_rank)
-        self._stage_modules = [_Stage(layout, plan.blocks[s], first=s == 0, last=s == num_stages - 1)
-                               for s in local]
+        self._stage_modules = [_Stage(layout, plan.blocks[s], first=s == 0, last=s == num_stages - 1) for s in local]
         # what this rank does not run is replaced by a placeholder (the names of what it runs stay the original's)
         keep_blocks = {i for s in local for i in plan.blocks[s]}
         self._offstage = {}
@@ -378,18 +435,21 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                     _set_submodule(net, path, _Offstage())
         self.stats = PipelineStats(pipeline_ranks=self.pp_size, microbatches=m, stages_per_rank=len(local))
         if self.print_plan:
-            rank_zero_info(f"pp plan for {type(net).__name__} ({layout.name}), {self.schedule_name}, {m} micro-"
-                           f"batches, {self.pp_size} pipeline ranks x {self.dp_size} data-parallel:\n"
-                           f"{plan.describe(f'{attr}.{layout.blocks}')}"
-                           + (f"\n  tied across first and last stage: {self._tied}" if self._tied else ""))
+            rank_zero_info(
+                f"pp plan for {type(net).__name__} ({layout.name}), {self.schedule_name}, {m} micro-"
+                f"batches, {self.pp_size} pipeline ranks x {self.dp_size} data-parallel:\n"
+                f"{plan.describe(f'{attr}.{layout.blocks}')}"
+                + (f"\n  tied across first and last stage: {self._tied}" if self._tied else "")
+            )
 
     def _timed_costs(self, layout: _Layout) -> tuple[float, list[float], float]:
         """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) and every rank gets its numbers,
         so all ranks build the same plan."""
         import torch.distributed as dist
 
-        mine = measure_stage_costs(layout, self.root_device, shape=self.balance_shape) if self.global_rank == 0 \
-            else None
+        mine = (
+            measure_stage_costs(layout, self.root_device, shape=self.balance_shape) if self.global_rank == 0 else None
+        )
         if dist.is_available() and dist.is_initialized():
             box = [mine]
             dist.broadcast_object_list(box, src=0)
@@ -413,15 +473,19 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                     h = layout.call_block(block, h, ctx)
                 got = layout.head(h)
         except Exception as err:
-            raise ValueError(f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
-                             "it with pipeline_layout()") from err
+            raise ValueError(
+                f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
+                "it with pipeline_layout()"
+            ) from err
         finally:
             net.train(was)
         diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("inf")
         if not diff <= 1e-4 * max(1.0, want.float().abs().max().item()):
-            raise ValueError(f"pipeline: {type(net).__name__} run as {layout.name} does not reproduce its own forward "
-                             f"(max |difference| {diff:.3g}): its forward does more than embed → blocks → head; "
-                             "describe it with pipeline_layout()")
+            raise ValueError(
+                f"pipeline: {type(net).__name__} run as {layout.name} does not reproduce its own forward "
+                f"(max |difference| {diff:.3g}): its forward does more than embed → blocks → head; "
+                "describe it with pipeline_layout()"
+            )
 
     def _broadcast_weights(self, module: nn.Module) -> None:
         import torch.distributed as dist
@@ -443,11 +507,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         """The Trainer settings a pipeline cannot honour (checked before the process group starts)."""
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("pipeline: precision with a gradient scaler (16-mixed) is not supported: the scaler "
-                             "would have to see the loss inside the schedule; use precision='bf16-mixed' or 32")
+            raise ValueError(
+                "pipeline: precision with a gradient scaler (16-mixed) is not supported: the scaler "
+                "would have to see the loss inside the schedule; use precision='bf16-mixed' or 32"
+            )
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise ValueError(f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
-                             "stage would compute over its own parameters only; use gradient_clip_algorithm='value'")
+            raise ValueError(
+                f"pipeline: gradient_clip_val={trainer.gradient_clip_val} clips by the norm, which each "
+                "stage would compute over its own parameters only; use gradient_clip_algorithm='value'"
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -462,9 +530,11 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self.accelerator.setup(trainer)
         if self._split_module is not module:  # a validate/test after fit reuses this Trainer's split
             if any(isinstance(m, _Offstage) for m in module.modules()):
-                raise ValueError(f"pipeline: this {type(module).__name__} was split by another pp Trainer (its other "
-                                 "stages' modules are gone on this rank); build the module again, or load the "
-                                 "consolidated checkpoint into a fresh one")
+                raise ValueError(
+                    f"pipeline: this {type(module).__name__} was split by another pp Trainer (its other "
+                    "stages' modules are gone on this rank); build the module again, or load the "
+                    "consolidated checkpoint into a fresh one"
+                )
             self._make_groups()
             self._broadcast_weights(module)
             self._split(module)
@@ -476,8 +546,10 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             self.setup_optimizers(trainer)
             for opt in self.optimizers:
                 if isinstance(opt, torch.optim.LBFGS):
-                    raise ValueError("pipeline: LBFGS re-evaluates the loss inside its step and searches lines on "
-                                     "each stage's parameters separately; use a first-order optimizer")
+                    raise ValueError(
+                        "pipeline: LBFGS re-evaluates the loss inside its step and searches lines on "
+                        "each stage's parameters separately; use a first-order optimizer"
+                    )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -498,8 +570,12 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             self._stages.append(stage)
         cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
         multi = SCHEDULES[self.schedule_name][1]
-        self._schedule = cls(self._stages if multi else self._stages[0], n_microbatches=self.microbatches,
-                             loss_fn=self._loss_fn, scale_grads=False)
+        self._schedule = cls(
+            self._stages if multi else self._stages[0],
+            n_microbatches=self.microbatches,
+            loss_fn=self._loss_fn,
+            scale_grads=False,
+        )
 
     def _time_stage(self, stage: Any) -> None:
         """Add the stage's forward and backward compute times to the step's (torch 2.13: ``forward_one_chunk`` /
@@ -529,8 +605,10 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             setattr(stage, name, timed)
         if wrapped == 0:
             self.stats.timed = False
-            rank_zero_info("pp: this torch's PipelineStage has none of forward_one_chunk / backward_one_chunk: "
-                           "the pipeline bubble is not measured")
+            rank_zero_info(
+                "pp: this torch's PipelineStage has none of forward_one_chunk / backward_one_chunk: "
+                "the pipeline bubble is not measured"
+            )
 
     # ----------------------------------------------------------------------------------------- the step
     def _pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,11 +642,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 self._schedule.eval(*args, **kwargs)
         except Exception as err:
             stages = [s.stage_index for s in self._stages]
-            where = (f"pipeline rank {self.global_rank} (stage {', '.join(map(str, stages))} of "
-                     f"{self.plan.num_stages if self.plan else '?'})")
+            where = (
+                f"pipeline rank {self.global_rank} (stage {', '.join(map(str, stages))} of "
+                f"{self.plan.num_stages if self.plan else '?'})"
+            )
             if _is_peer_failure(err):
-                raise RuntimeError(f"{where}: the {self.schedule_name} schedule failed, a peer stage died or stopped "
-                                   f"answering (timeout {self._timeout}): {err}") from err
+                raise RuntimeError(
+                    f"{where}: the {self.schedule_name} schedule failed, a peer stage died or stopped "
+                    f"answering (timeout {self._timeout}): {err}"
+                ) from err
             # this rank's own error (the user's layer, a shape, memory): the original exception, its type and
             # message first, with where it was raised added
             note = f"raised on {where} inside the {self.schedule_name} schedule"
@@ -643,12 +725,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
 
     def _check_divides(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"pipeline: a batch of {inputs.shape[0]} does not divide into microbatches="
-                             f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} "
-                             "(drop_last=True for a short last batch), or other microbatches")
+            raise ValueError(
+                f"pipeline: a batch of {inputs.shape[0]} does not divide into microbatches="
+                f"{self.microbatches}; use a batch size that is a multiple of {self.microbatches} "
+                "(drop_last=True for a short last batch), or other microbatches"
+            )
 
-    def _first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
-                     targets: torch.Tensor) -> None:
+    def _first_batch(
+        self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
         self._check_first_batch(module, args, kwargs, inputs, targets)
         self._checked = True
         self._offstage = {}  # checked: the other stages' modules are no longer needed on this rank
@@ -671,8 +756,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         module.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=inputs.shape[0])
         return loss
 
-    def _check_first_batch(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
-                           targets: torch.Tensor) -> None:
+    def _check_first_batch(
+        self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
         """The module's own ``training_step`` on the whole network vs the pipeline's loss, both in eval mode (with
         ``check_loss=False`` only the pipeline's step, which sets up the schedule)."""
         from lightning_accel._compat import suspended_dispatch_modes
@@ -686,8 +772,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         finally:
             module.train(was)
 
-    def _check_losses(self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor,
-                      targets: torch.Tensor) -> None:
+    def _check_losses(
+        self, module: pl.LightningModule, args: tuple, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
         # a whole schedule step (its backward sets up the schedule's buffers, which must not happen under a FLOP
         # counter's module tracking: torch 2.13 refuses that autograd.grad), its gradients discarded
         params = list(module.parameters())
@@ -720,17 +807,26 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 module.to(device)
         own = out["loss"] if isinstance(out, dict) else out
         if not isinstance(own, torch.Tensor):
-            raise ValueError("pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
-                             "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)")
+            raise ValueError(
+                "pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
+                "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)"
+            )
         own_f = float(own)
         if abs(own_f - piped) > 1e-4 * max(1.0, abs(own_f)):
-            hooks = "your pipeline_loss / pipeline_batch" if hasattr(module, "pipeline_loss") else (
-                "the token cross-entropy of the network's logits against the targets (batch (inputs, targets), or "
-                "ids shifted by one)")
-            raise ValueError(f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
-                             f"{type(module).__name__}.training_step's ({own_f:.6g}); define "
-                             "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
-                             "LightningModule so that they compute your loss")
+            hooks = (
+                "your pipeline_loss / pipeline_batch"
+                if hasattr(module, "pipeline_loss")
+                else (
+                    "the token cross-entropy of the network's logits against the targets (batch (inputs, targets), or "
+                    "ids shifted by one)"
+                )
+            )
+            raise ValueError(
+                f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
+                f"{type(module).__name__}.training_step's ({own_f:.6g}); define "
+                "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
+                "LightningModule so that they compute your loss"
+            )
 
     def _restore_offstage(self) -> dict[str, nn.Module]:
         assert self._layout is not None
@@ -802,10 +898,14 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         if self.compression == "bf16":
             return self._dp_group, default_hooks.bf16_compress_hook
         if self.compression == "topk":
-            return (compression_hooks.TopKState(process_group=self._dp_group, **self._compression_knobs),
-                    compression_hooks.topk_hook)
-        return (compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs),
-                compression_hooks.qsgd_hook)
+            return (
+                compression_hooks.TopKState(process_group=self._dp_group, **self._compression_knobs),
+                compression_hooks.topk_hook,
+            )
+        return (
+            compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs),
+            compression_hooks.qsgd_hook,
+        )
 
     def _reduce_compressed(self, params: list[nn.Parameter]) -> None:
         """Average the stage's gradients over the replicas through a DDP compression hook: all of them as one
@@ -824,12 +924,11 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         stats.steps += 1
         stats.compressed_steps += int(started)
         stats.bytes_before += flat.numel() * flat.element_size()
-        stats.bytes_sent += (flat.numel() * 2 if self.compression in ("fp16", "bf16")
-                             else state.bytes_sent - sent_before)
+        stats.bytes_sent += flat.numel() * 2 if self.compression in ("fp16", "bf16") else state.bytes_sent - sent_before
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(reduced[offset:offset + n].view_as(p.grad))  # type: ignore[union-attr]
+            p.grad.copy_(reduced[offset : offset + n].view_as(p.grad))  # type: ignore[union-attr]
             offset += n
 
     def bubble_per_rank(self, skip: int = 1) -> list[float | None]:
@@ -847,9 +946,14 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         """The ``pipeline_bubble`` finding of this run (a collective), or ``None`` below ``threshold``."""
         from lightning_accel.core.pipeline_plan import bubble_finding
 
-        return bubble_finding(self.bubble_per_rank(skip), pipeline_ranks=self.pp_size,
-                              microbatches=self.microbatches, stages_per_rank=self.stats.stages_per_rank,
-                              schedule=self.schedule_name, threshold=threshold)
+        return bubble_finding(
+            self.bubble_per_rank(skip),
+            pipeline_ranks=self.pp_size,
+            microbatches=self.microbatches,
+            stages_per_rank=self.stats.stages_per_rank,
+            schedule=self.schedule_name,
+            threshold=threshold,
+        )
 
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
@@ -860,8 +964,12 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         def cpu(x: Any) -> Any:
             return _to_cpu(x)
 
-        mine = {"pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "state_dict": cpu(checkpoint.get("state_dict", {})),
-                "optimizer_states": cpu(checkpoint.get("optimizer_states", []))}
+        mine = {
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "state_dict": cpu(checkpoint.get("state_dict", {})),
+            "optimizer_states": cpu(checkpoint.get("optimizer_states", [])),
+        }
         gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
         dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
         if not self.is_global_zero:
@@ -872,9 +980,16 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             if part["dp_rank"] == 0:
                 state.update(part["state_dict"])
                 optim[part["pp_rank"]] = part["optimizer_states"]
-        checkpoint = {**checkpoint, "state_dict": state, "optimizer_states": optim,
-                      "pipeline": {"pipeline_ranks": self.pp_size, "stages": self.plan.num_stages if self.plan else 1,
-                                   "schedule": self.schedule_name}}
+        checkpoint = {
+            **checkpoint,
+            "state_dict": state,
+            "optimizer_states": optim,
+            "pipeline": {
+                "pipeline_ranks": self.pp_size,
+                "stages": self.plan.num_stages if self.plan else 1,
+                "schedule": self.schedule_name,
+            },
+        }
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -883,15 +998,18 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
 
         meta = checkpoint.get("pipeline")
         if meta is None:
-            raise ValueError("pipeline: the checkpoint was not written by a pp Trainer (no 'pipeline' entry), so its "
-                             "optimizer states are not split by stage; load its state_dict into the module and fit "
-                             "without ckpt_path (the optimizer starts fresh)")
-        if meta["pipeline_ranks"] != self.pp_size or (
-                self.plan is not None and meta["stages"] != self.plan.num_stages):
-            raise ValueError(f"pipeline: the checkpoint was written with {meta['pipeline_ranks']} pipeline "
-                             f"ranks and {meta['stages']} stages, this run has {self.pp_size} and "
-                             f"{self.plan.num_stages if self.plan else '?'}; resume with the same sizes (its "
-                             "state_dict alone loads into any run)")
+            raise ValueError(
+                "pipeline: the checkpoint was not written by a pp Trainer (no 'pipeline' entry), so its "
+                "optimizer states are not split by stage; load its state_dict into the module and fit "
+                "without ckpt_path (the optimizer starts fresh)"
+            )
+        if meta["pipeline_ranks"] != self.pp_size or (self.plan is not None and meta["stages"] != self.plan.num_stages):
+            raise ValueError(
+                f"pipeline: the checkpoint was written with {meta['pipeline_ranks']} pipeline "
+                f"ranks and {meta['stages']} stages, this run has {self.pp_size} and "
+                f"{self.plan.num_stages if self.plan else '?'}; resume with the same sizes (its "
+                "state_dict alone loads into any run)"
+            )
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"][self.pp_rank]):
             opt.load_state_dict(state)
         optimizers_to_device(self.optimizers, self.root_device)
@@ -920,7 +1038,6 @@ class _FlatBucket:
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
-
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -83,8 +83,10 @@ class _HFLlama(_Layout):
 
         base = self.net.model
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        ctx: dict[str, Any] = {"position_ids": position_ids,
-                               "attention_mask": hf_causal_mask(base.config, h, position_ids)}
+        ctx: dict[str, Any] = {
+            "position_ids": position_ids,
+            "attention_mask": hf_causal_mask(base.config, h, position_ids),
+        }
         if getattr(base, "rotary_emb", None) is not None:
             ctx["position_embeddings"] = base.rotary_emb(h, position_ids=position_ids)
         return ctx
@@ -123,7 +125,7 @@ class _LitGPT(_Layout):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.net.transformer.wte(ids)
         if self.net.config.scale_embeddings:
-            x = x * torch.tensor(self.net.config.n_embd ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.net.config.n_embd**0.5, dtype=x.dtype)
         return x
 
     def context(self, h: torch.Tensor) -> dict[str, Any]:
@@ -139,8 +141,17 @@ class _LitGPT(_Layout):
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
-_TOKEN = ("tok_emb", "wte", "embed_tokens", "tok_embeddings", "token_embedding", "embedding", "embed", "tok_embed",
-          "token_emb")
+_TOKEN = (
+    "tok_emb",
+    "wte",
+    "embed_tokens",
+    "tok_embeddings",
+    "token_embedding",
+    "embedding",
+    "embed",
+    "tok_embed",
+    "token_emb",
+)
 _POSITION = ("pos_emb", "wpe", "position_embedding", "pos_embedding")
 _BLOCKS = ("blocks", "h", "layers")
 _NORM = ("ln_f", "norm", "final_norm", "norm_f")
@@ -150,8 +161,17 @@ _HEAD = ("head", "lm_head", "output")
 class _NanoGPT(_Layout):
     name = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
 
-    def __init__(self, net: nn.Module, prefix: str, token: str, position: str | None, drop: str | None,
-                 blocks: str, norm: str | None, head: str) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        prefix: str,
+        token: str,
+        position: str | None,
+        drop: str | None,
+        blocks: str,
+        norm: str | None,
+        head: str,
+    ) -> None:
         first = [prefix + token] + ([prefix + position] if position else [])
         last = ([prefix + norm] if norm else []) + [head]
         super().__init__(net, first, prefix + blocks, last)
@@ -179,8 +199,10 @@ class _UserLayout(_Layout):
         names = {id(m): n for n, m in net.named_modules()}
         paths = [names.get(id(m)) for m in (layout.embed, layout.blocks, layout.head)]
         if None in paths or "" in paths:
-            raise ValueError("pipeline_layout(): embed, blocks and head must each be a submodule of the network "
-                             f"(found paths {paths})")
+            raise ValueError(
+                "pipeline_layout(): embed, blocks and head must each be a submodule of the network "
+                f"(found paths {paths})"
+            )
         super().__init__(net, [paths[0]], paths[1], [paths[2]])  # type: ignore[list-item]
         self.user = layout
 
@@ -203,18 +225,24 @@ def find_layout(net: nn.Module) -> _Layout:
     """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead."""
     cls = type(net).__name__
     base = getattr(net, "model", None)
-    if (isinstance(getattr(net, "lm_head", None), nn.Module) and isinstance(base, nn.Module)
-            and isinstance(getattr(base, "embed_tokens", None), nn.Embedding)
-            and isinstance(getattr(base, "layers", None), nn.ModuleList)
-            and isinstance(getattr(base, "norm", None), nn.Module) and hasattr(base, "config")):
+    if (
+        isinstance(getattr(net, "lm_head", None), nn.Module)
+        and isinstance(base, nn.Module)
+        and isinstance(getattr(base, "embed_tokens", None), nn.Embedding)
+        and isinstance(getattr(base, "layers", None), nn.ModuleList)
+        and isinstance(getattr(base, "norm", None), nn.Module)
+        and hasattr(base, "config")
+    ):
         return _HFLlama(net)
     tr = getattr(net, "transformer", None)
     if cls.startswith("GPT2") and tr is not None and hasattr(net, "config"):
         return _HFGPT2(net)
     if type(net).__module__.startswith("litgpt") and tr is not None and hasattr(net, "cos"):
         if getattr(net.config, "rope_indices", None) is not None:
-            raise ValueError(f"pipeline: litgpt {cls} with config.rope_indices (per-block rotary slices) is not "
-                             "split automatically; describe it with pipeline_layout()")
+            raise ValueError(
+                f"pipeline: litgpt {cls} with config.rope_indices (per-block rotary slices) is not "
+                "split automatically; describe it with pipeline_layout()"
+            )
         return _LitGPT(net)
     for prefix, holder in (("", net), ("transformer.", tr)):
         if not isinstance(holder, nn.Module):
@@ -224,14 +252,23 @@ def find_layout(net: nn.Module) -> _Layout:
         inner_head = _child(holder, _HEAD)
         head = _child(net, _HEAD) or (prefix + inner_head if inner_head else None)
         if token and blocks and head:
-            return _NanoGPT(net, prefix, token, _child(holder, _POSITION, nn.Embedding),
-                            _child(holder, ("drop", "dropout"), nn.Dropout), blocks, _child(holder, _NORM), head)
+            return _NanoGPT(
+                net,
+                prefix,
+                token,
+                _child(holder, _POSITION, nn.Embedding),
+                _child(holder, ("drop", "dropout"), nn.Dropout),
+                blocks,
+                _child(holder, _NORM),
+                head,
+            )
     raise ValueError(
         f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or an "
         f"nn.Embedding named {'/'.join(_TOKEN)} + an nn.ModuleList of blocks named {'/'.join(_BLOCKS)} + a head "
         f"named {'/'.join(_HEAD)}, on the network or its .transformer). "
         "Give a `pipeline_layout(self)` method on the LightningModule returning "
-        "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)")
+        "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)"
+    )
 
 
 class _Offstage(nn.Module):
@@ -250,8 +287,10 @@ class _Stage(nn.Module):
         self.first, self.last = first, last
         allb = layout.block_list()
         self.blocks = nn.ModuleList(allb[i] for i in blocks)
-        self.parts = nn.ModuleList(([layout.net.get_submodule(p) for p in layout.first] if first else [])
-                                   + ([layout.net.get_submodule(p) for p in layout.last] if last else []))
+        self.parts = nn.ModuleList(
+            ([layout.net.get_submodule(p) for p in layout.first] if first else [])
+            + ([layout.net.get_submodule(p) for p in layout.last] if last else [])
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.layout.embed(x) if self.first else x
@@ -293,12 +332,19 @@ def default_pipeline_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return batch[0], _shift_targets(batch[0])
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(b, torch.Tensor) for b in batch):
         return batch[0], batch[1]
-    raise ValueError(f"pipeline: cannot read (inputs, targets) from a batch of type {type(batch).__name__}; give the "
-                     "LightningModule a `pipeline_batch(self, batch)` method returning (inputs, targets)")
+    raise ValueError(
+        f"pipeline: cannot read (inputs, targets) from a batch of type {type(batch).__name__}; give the "
+        "LightningModule a `pipeline_batch(self, batch)` method returning (inputs, targets)"
+    )
 
 
-def measure_stage_costs(layout: _Layout, device: torch.device, *, shape: tuple[int, int] = (2, 8), reps: int = 3,
-                        ) -> tuple[float, list[float], float]:
+def measure_stage_costs(
+    layout: _Layout,
+    device: torch.device,
+    *,
+    shape: tuple[int, int] = (2, 8),
+    reps: int = 3,
+) -> tuple[float, list[float], float]:
     """Forward + backward time (µs, the median of ``reps`` after one warm-up) of the embedding, of every block and
     of the head with the token cross-entropy, on a synthetic batch of ``shape`` token ids, on ``device``. What is
     not a block stays on the device during the measurement, the blocks go there one at a time (and everything goes

@@ -29,12 +29,21 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
     "deepspeed_zero2": (_DS, "deepspeed_zero2", "DeepSpeed ZeRO-2 (+ gradients sharded), CUDA or CPU"),
     "deepspeed_zero2_offload": (_DS, "deepspeed_zero2_offload", "DeepSpeed ZeRO-2, optimizer offloaded to CPU"),
     "deepspeed_zero3": (_DS, "deepspeed_zero3", "DeepSpeed ZeRO-3 (+ parameters sharded), CUDA or CPU"),
-    "deepspeed_zero3_offload": (_DS, "deepspeed_zero3_offload",
-                                "DeepSpeed ZeRO-3, optimizer and parameters offloaded to CPU"),
-    "deepspeed_zero3_offload_nvme": (_DS, "deepspeed_zero3_offload_nvme",
-                                     "DeepSpeed ZeRO-3, optimizer and parameters offloaded to NVMe (nvme_path=...)"),
-    "deepspeed_auto": (_DS, "deepspeed_auto",
-                       "DeepSpeed with the lowest ZeRO stage/offload whose estimated memory fits the device"),
+    "deepspeed_zero3_offload": (
+        _DS,
+        "deepspeed_zero3_offload",
+        "DeepSpeed ZeRO-3, optimizer and parameters offloaded to CPU",
+    ),
+    "deepspeed_zero3_offload_nvme": (
+        _DS,
+        "deepspeed_zero3_offload_nvme",
+        "DeepSpeed ZeRO-3, optimizer and parameters offloaded to NVMe (nvme_path=...)",
+    ),
+    "deepspeed_auto": (
+        _DS,
+        "deepspeed_auto",
+        "DeepSpeed with the lowest ZeRO stage/offload whose estimated memory fits the device",
+    ),
     "fsdp2": (_MP, "fsdp2", "FSDP2 (fully_shard) over all devices, automatic plan without configure_model"),
     "tp": (_MP, "tp", "tensor parallelism over all devices, automatic plan (HF tp_plan or module structure)"),
     "fsdp2_tp": (_MP, "fsdp2_tp", "tensor parallelism inside the node x FSDP2 across nodes, automatic plan"),
@@ -45,13 +54,15 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
 
 #: strings refused with the reason (not registered as strategies: a Trainer given one stops with this error)
 REFUSED: dict[str, str] = {
-    "pp_fsdp2": ("strategy='pp_fsdp2' is not built: the pipeline strategy runs the unsplit network in one process "
-                 "before the first step (the split check and the loss check), while fully_shard gathers parameters "
-                 "only through the wrapped module's own forward; it sets the schedule's gradients aside and hands "
-                 "them back in backward(), sums the tied embedding's gradients across the first and last stage, and "
-                 "gathers plain tensors into the checkpoint, none of which handles FSDP2's sharded DTensor "
-                 "parameters and gradients yet. Use strategy='pp_ddp' (stages x data-parallel replicas, "
-                 "compression= for the replica all-reduce), or 'fsdp2' alone"),
+    "pp_fsdp2": (
+        "strategy='pp_fsdp2' is not built: the pipeline strategy runs the unsplit network in one process "
+        "before the first step (the split check and the loss check), while fully_shard gathers parameters "
+        "only through the wrapped module's own forward; it sets the schedule's gradients aside and hands "
+        "them back in backward(), sums the tied embedding's gradients across the first and last stage, and "
+        "gathers plain tensors into the checkpoint, none of which handles FSDP2's sharded DTensor "
+        "parameters and gradients yet. Use strategy='pp_ddp' (stages x data-parallel replicas, "
+        "compression= for the replica all-reduce), or 'fsdp2' alone"
+    ),
 }
 
 

@@ -60,8 +60,15 @@ class Task(pl.LightningModule):
 
 def fit(callbacks: list[Callback], steps: int = 3) -> tuple[pl.Trainer, Task]:
     task = Task()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(task)
     return trainer, task
 
@@ -112,8 +119,11 @@ def test_training_with_the_callback_matches_plain_training_and_reports_savings()
 
 
 def test_absent_module_type_lists_the_types_present() -> None:
-    with pytest.raises(ValueError, match=r"Conv2d matched no submodule of Task\. Module types present: Block, "
-                                         r"Dropout, GELU, LayerNorm, Linear, Sequential, Stack"):
+    with pytest.raises(
+        ValueError,
+        match=r"Conv2d matched no submodule of Task\. Module types present: Block, "
+        r"Dropout, GELU, LayerNorm, Linear, Sequential, Stack",
+    ):
         fit([ActivationCheckpointing(modules=[nn.Conv2d])], steps=1)
     with pytest.raises(ValueError, match="give module types and/or name patterns"):
         ActivationCheckpointing(modules=[])

@@ -83,21 +83,40 @@ class AttrModel(Model):
 
     def train_dataloader(self):
         workers = self.num_workers
-        return DataLoader(Sleepy(self.n, self.sleep_s), batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(7), num_workers=workers,
-                          persistent_workers=workers > 0)
+        return DataLoader(
+            Sleepy(self.n, self.sleep_s),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(7),
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
 
 
 def _trainer(callbacks, **kwargs) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=kwargs.pop("max_steps", 12), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=callbacks, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=kwargs.pop("max_steps", 12),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 def _loader(sleep_s: float = 0.004, batch_size: int = 4, num_workers: int = 0) -> DataLoader:
-    return DataLoader(Sleepy(192, sleep_s), batch_size=batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(7), num_workers=num_workers,
-                      persistent_workers=num_workers > 0)
+    return DataLoader(
+        Sleepy(192, sleep_s),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
 
 
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -128,9 +147,20 @@ def test_data_bound_loader_passed_to_fit_gets_workers_and_trains_as_if_set_from_
 
 def test_replay_applies_the_plan_without_measuring(tmp_path) -> None:
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"version": 1, "kept": [
-        {"name": "dataloader", "params": {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": True}},
-        {"name": "prefetch", "params": {}}]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "kept": [
+                    {
+                        "name": "dataloader",
+                        "params": {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": True},
+                    },
+                    {"name": "prefetch", "params": {}},
+                ],
+            }
+        )
+    )
     autopilot = Autopilot(plan=plan, save_plan=False)
     trainer = _trainer([autopilot], max_steps=3)
     trainer.fit(Model(), _loader())
@@ -183,8 +213,12 @@ def test_compute_bound_run_keeps_its_configuration(scripted_speed) -> None:
     noop = Noop()
     autopilot = Autopilot(**FAST, interventions=[noop], save_plan=False)
     trainer = _trainer([autopilot])
-    data = DataLoader(TensorDataset(torch.randn(96, 8), torch.arange(96.0)), batch_size=4, shuffle=True,
-                      generator=torch.Generator().manual_seed(7))
+    data = DataLoader(
+        TensorDataset(torch.randn(96, 8), torch.arange(96.0)),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+    )
     trainer.fit(model, data)
     measured = [r for r in autopilot.records[1:] if r.samples_per_sec is not None]
     assert measured and autopilot.kept == []  # candidates were trialled; none was faster
@@ -440,8 +474,9 @@ class AttentionModel(pl.LightningModule):
 
 
 def _sequences() -> DataLoader:
-    return DataLoader(TensorDataset(torch.randn(64, 64, 64)), batch_size=8, shuffle=True,
-                      generator=torch.Generator().manual_seed(7))
+    return DataLoader(
+        TensorDataset(torch.randn(64, 64, 64)), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
 
 
 @pytest.fixture
@@ -526,8 +561,9 @@ def test_lightnings_default_precision_gets_mixed_precision_installed(scripted_sp
     from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
 
     model = AttentionModel()
-    scripted_speed(lambda run: (2.0 if faster else 0.5)
-                   if isinstance(run.trainer.precision_plugin, AutoMixedPrecision) else 1.0)
+    scripted_speed(
+        lambda run: (2.0 if faster else 0.5) if isinstance(run.trainer.precision_plugin, AutoMixedPrecision) else 1.0
+    )
     autopilot = Autopilot(**FAST, only=["precision"], save_plan=False)
     trainer = _trainer([autopilot], max_steps=2)  # Lightning's default 32-true
     original = trainer.precision_plugin
@@ -542,8 +578,9 @@ def test_lightnings_default_precision_gets_mixed_precision_installed(scripted_sp
         assert trainer.precision_plugin.compute_dtype == torch.bfloat16 and dtypes[-1] == torch.bfloat16
         assert "class_path: lightning_accel.AutoMixedPrecision" in autopilot.yaml
         assert "plugins = [la.AutoMixedPrecision(dtype='bf16')]" in autopilot.python
-        assert autopilot.plan.kept == [{"name": "precision", "params": {"dtype": "bf16"},
-                                        "change": "AutoMixedPrecision(dtype='bf16')"}]
+        assert autopilot.plan.kept == [
+            {"name": "precision", "params": {"dtype": "bf16"}, "change": "AutoMixedPrecision(dtype='bf16')"}
+        ]
     else:
         assert trainer.precision_plugin is original and type(original) is Precision
         assert dtypes[-1] == torch.float32 and autopilot.yaml == ""
@@ -580,8 +617,9 @@ def test_tf32_is_offered_only_for_fp32_on_ampere_and_sets_the_matmul_precision(m
     assert "no TF32" in change.unavailable(run)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     half = SimpleNamespace(precision="bf16-mixed", compute_dtype=torch.bfloat16)
-    assert "16 bits" in change.unavailable(SimpleNamespace(device=run.device, trainer=SimpleNamespace(
-        precision_plugin=half)))
+    assert "16 bits" in change.unavailable(
+        SimpleNamespace(device=run.device, trainer=SimpleNamespace(precision_plugin=half))
+    )
     assert "CUDA" in change.unavailable(SimpleNamespace(device=torch.device("cpu"), trainer=run.trainer))
 
 
@@ -623,14 +661,27 @@ def test_a_resumed_fit_replays_the_plan_from_the_checkpoint(tmp_path) -> None:
 
     autopilot = Autopilot(**FAST, save_plan=False)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[autopilot, checkpoint])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[autopilot, checkpoint],
+    )
     trainer.fit(Model(), _loader())
     assert autopilot.kept and autopilot.kept[0].name == "dataloader"
     workers = autopilot.kept[0].params["num_workers"]
     resumed = Autopilot(**FAST, save_plan=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=[resumed])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[resumed],
+    )
     trainer.fit(Model(), _loader(), ckpt_path=tmp_path / "last.ckpt")
     # every kept change replayed, in order (the first fit may keep more than the loader's workers)
     assert [(r.name, r.reason) for r in resumed.records] == [(k.name, "replayed from the plan") for k in autopilot.kept]
@@ -714,8 +765,15 @@ def test_the_autopilot_keys_are_logged_once_and_each_trial_when_decided() -> Non
 
     logger = Capture()
     autopilot = Autopilot(**FAST, save_plan=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=logger, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[autopilot])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[autopilot],
+    )
     trainer.fit(Model(), _loader())
     # each trial's keys when it is decided, at step = its index in the table
     trials = [(m, s) for m, s in zip(logger.metrics, logger.steps) if "autopilot/trial_kept" in m]
@@ -727,11 +785,19 @@ def test_the_autopilot_keys_are_logged_once_and_each_trial_when_decided() -> Non
     assert any("autopilot/trial_speedup" in m for m, _ in trials)
     logged = [m for m in logger.metrics if any(k.startswith("autopilot/") and "/trial_" not in k for k in m)]
     assert len(logged) == 1
-    keys = {"autopilot/baseline_samples_per_sec", "autopilot/final_samples_per_sec", "autopilot/speedup",
-            "autopilot/trials", "autopilot/kept", "autopilot/noise", "autopilot/search_seconds"}
+    keys = {
+        "autopilot/baseline_samples_per_sec",
+        "autopilot/final_samples_per_sec",
+        "autopilot/speedup",
+        "autopilot/trials",
+        "autopilot/kept",
+        "autopilot/noise",
+        "autopilot/search_seconds",
+    }
     assert set(logged[0]) == keys
     assert logged[0]["autopilot/speedup"] == pytest.approx(
-        logged[0]["autopilot/final_samples_per_sec"] / logged[0]["autopilot/baseline_samples_per_sec"])
+        logged[0]["autopilot/final_samples_per_sec"] / logged[0]["autopilot/baseline_samples_per_sec"]
+    )
     assert logged[0]["autopilot/kept"] == len(autopilot.kept) >= 1
 
 
@@ -770,6 +836,7 @@ def test_the_validation_loader_gets_the_kept_workers_and_validates_as_often() ->
     assert trainer.val_dataloaders.num_workers == workers
     assert any(n.startswith("validation DataLoader: num_workers=") and "same batches" in n for n in autopilot.notes)
     reference = Validated()
-    _trainer([], max_steps=8, val_check_interval=4, limit_val_batches=2).fit(reference, _loader(),
-                                                                              val_dataloaders=val_loader())
+    _trainer([], max_steps=8, val_check_interval=4, limit_val_batches=2).fit(
+        reference, _loader(), val_dataloaders=val_loader()
+    )
     assert model.validated == reference.validated == 2 * 2  # twice, two batches each: as often as configured

@@ -121,16 +121,28 @@ class StepSleeper(pl.LightningModule):
 
 def _data() -> DataLoader:
     g = torch.Generator().manual_seed(3)
-    return DataLoader(TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g)),
-                      batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    return DataLoader(
+        TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g)),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+    )
 
 
 def _fit(tmp_path: Path, callbacks: list, io: SlowDiskIO, every: int = 10, max_steps: int = 200):
     model = StepSleeper()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, plugins=[io],
-                         callbacks=[*callbacks, checkpoint])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[io],
+        callbacks=[*callbacks, checkpoint],
+    )
     trainer.fit(model, _data())
     return trainer, model, checkpoint
 
@@ -146,8 +158,9 @@ def slow_disk_bound(monkeypatch):
 
 def test_a_checkpoint_heavy_fit_writes_in_the_background_and_trains_the_same_run(tmp_path, slow_disk_bound) -> None:
     # one save every 10 steps of 10 ms costs 0.15 s: 60 % of the fit, hidden behind the next steps in the background
-    autopilot = la.Autopilot(only=["async_checkpoint"], measure_steps=10, budget_seconds=60, save_plan=False,
-                             print_summary=False)
+    autopilot = la.Autopilot(
+        only=["async_checkpoint"], measure_steps=10, budget_seconds=60, save_plan=False, print_summary=False
+    )
     trainer, model, _ = _fit(tmp_path / "a", [autopilot], SlowDiskIO(delay_s=0.15))
     row = next(r for r in autopilot.records if r.name == "async_checkpoint")
     assert row.kept, row.reason
@@ -171,8 +184,9 @@ def test_cheap_saves_are_measured_once_and_left_alone(tmp_path, slow_disk_bound,
     import lightning_accel.core.checkpoint_cost as cost
 
     monkeypatch.setattr(cost, "MIN_SHARE", 0.5)  # "cheap" whatever a busy machine makes of a tiny model's save
-    autopilot = la.Autopilot(only=["async_checkpoint"], measure_steps=10, budget_seconds=60, save_plan=False,
-                             print_summary=False)
+    autopilot = la.Autopilot(
+        only=["async_checkpoint"], measure_steps=10, budget_seconds=60, save_plan=False, print_summary=False
+    )
     trainer, _, _ = _fit(tmp_path, [autopilot], SlowDiskIO(delay_s=0.0), every=50, max_steps=400)
     row = next(r for r in autopilot.records if r.name == "async_checkpoint")  # a save of a few ms every 0.5 s
     assert not row.kept and row.reason.startswith("not trialled: one save measured"), row.reason
@@ -181,23 +195,35 @@ def test_cheap_saves_are_measured_once_and_left_alone(tmp_path, slow_disk_bound,
 
 
 def test_no_row_when_even_a_slow_disk_would_make_the_saves_cheap(tmp_path) -> None:
-    autopilot = la.Autopilot(only=["async_checkpoint"], measure_steps=4, budget_seconds=60, save_plan=False,
-                             print_summary=False)
+    autopilot = la.Autopilot(
+        only=["async_checkpoint"], measure_steps=4, budget_seconds=60, save_plan=False, print_summary=False
+    )
     _fit(tmp_path, [autopilot], SlowDiskIO(), every=10, max_steps=100)  # the real bound: a tiny model
     assert not [r for r in autopilot.records if r.name == "async_checkpoint"]
 
 
 def test_frozen_checkpoint_io_is_never_trialled(tmp_path, slow_disk_bound) -> None:
-    frozen = la.Autopilot(freeze=["checkpoint_io"], only=["async_checkpoint", "micro_batch"], measure_steps=10,
-                          budget_seconds=60, save_plan=False, print_summary=False)
+    frozen = la.Autopilot(
+        freeze=["checkpoint_io"],
+        only=["async_checkpoint", "micro_batch"],
+        measure_steps=10,
+        budget_seconds=60,
+        save_plan=False,
+        print_summary=False,
+    )
     trainer, _, _ = _fit(tmp_path, [frozen], SlowDiskIO(delay_s=0.15), every=10, max_steps=200)  # as kept above
     assert not [r for r in frozen.records if r.name == "async_checkpoint"]
     assert type(trainer.strategy.checkpoint_io) is SlowDiskIO
 
 
 def test_a_replayed_plan_installs_the_background_writer(tmp_path, slow_disk_bound) -> None:
-    first = la.Autopilot(only=["async_checkpoint"], measure_steps=10, budget_seconds=60,
-                         save_plan=tmp_path / "plan.json", print_summary=False)
+    first = la.Autopilot(
+        only=["async_checkpoint"],
+        measure_steps=10,
+        budget_seconds=60,
+        save_plan=tmp_path / "plan.json",
+        print_summary=False,
+    )
     _fit(tmp_path / "a", [first], SlowDiskIO(delay_s=0.15))
     assert [c.name for c in first.kept] == ["async_checkpoint"], first.records
     seen: list[str] = []

@@ -141,8 +141,10 @@ def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(dd
     print(link, {k: v for k, v in rank0.items() if k != "weight"})  # what the Autopilot did (-s shows it)
     for key in ("rows", "mode", "residuals", "yaml"):
         assert rank0[key] == rank1[key], key  # the ranks measured one link and chose alike
-    modes = [next(m for m, name in COMPRESSION_STRATEGIES.items() if f"strategy='{name}'" in change)
-             for change, _, _, _ in rank0["rows"]]
+    modes = [
+        next(m for m, name in COMPRESSION_STRATEGIES.items() if f"strategy='{name}'" in change)
+        for change, _, _, _ in rank0["rows"]
+    ]
     if link == "slow":  # 10 MB/s: Top-K's all-gather of 1 % beats bf16's all-reduce at 2 ranks
         assert modes[0] == "topk" and "slow" in rank0["rows"][0][0], rank0["rows"]
     if link == "qsgd":

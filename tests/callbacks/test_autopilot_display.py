@@ -51,8 +51,11 @@ def measured(monkeypatch):
     def measure(self, warmup_steps, steps):
         window = real(self, warmup_steps, steps)
         extras = self.run.extras
-        scale = window.samples / (100.0 * (1.3 if "faster" in extras else 1.0)
-                                  * (0.8 if "slower" in extras else 1.0)) / window.seconds
+        scale = (
+            window.samples
+            / (100.0 * (1.3 if "faster" in extras else 1.0) * (0.8 if "slower" in extras else 1.0))
+            / window.seconds
+        )
         window.seconds *= scale
         window.stage_seconds = {k: v * scale for k, v in window.stage_seconds.items()}
         return window
@@ -72,8 +75,16 @@ def measured(monkeypatch):
 
 
 def _fit(autopilot, progress_bar: bool) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=progress_bar, enable_model_summary=False, callbacks=[autopilot])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress_bar,
+        enable_model_summary=False,
+        callbacks=[autopilot],
+    )
     trainer.fit(Model(sleep_s=0.0), _loader(sleep_s=0.0))
 
 
@@ -87,10 +98,15 @@ def _positions(out: str, needles: list[str]) -> list[int]:
 
 
 ORDER = [
-    "Autopilot | baseline", "Autopilot trial 0: baseline (as configured)",
-    "Autopilot | trial 1 of <= 3: faster, measuring", "Autopilot | trial 1 of <= 3: faster, numerics probe",
-    "Autopilot | trial 1 of <= 3: faster, confirmation (A B B A)", "Autopilot trial 1: faster |",
-    "best 1.30x", "trial 2 of <= 3: slower, numerics probe", "Autopilot trial 2: slower |",
+    "Autopilot | baseline",
+    "Autopilot trial 0: baseline (as configured)",
+    "Autopilot | trial 1 of <= 3: faster, measuring",
+    "Autopilot | trial 1 of <= 3: faster, numerics probe",
+    "Autopilot | trial 1 of <= 3: faster, confirmation (A B B A)",
+    "Autopilot trial 1: faster |",
+    "best 1.30x",
+    "trial 2 of <= 3: slower, numerics probe",
+    "Autopilot trial 2: slower |",
 ]
 
 
@@ -112,8 +128,17 @@ def test_a_terminal_gets_a_live_line_and_the_rows_above_it(measured, capsys, mon
     autopilot = Autopilot(**FAST, only=[], interventions=[Faster(), Slower()], save_plan=False)
     _fit(autopilot, progress_bar=True)
     out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", capsys.readouterr().out)
-    _positions(out, ["Autopilot | baseline", "Autopilot trial 0: baseline", "faster, numerics probe",
-                     "Autopilot trial 1: faster |", "slower, numerics probe", "Autopilot trial 2: slower |"])
+    _positions(
+        out,
+        [
+            "Autopilot | baseline",
+            "Autopilot trial 0: baseline",
+            "faster, numerics probe",
+            "Autopilot trial 1: faster |",
+            "slower, numerics probe",
+            "Autopilot trial 2: slower |",
+        ],
+    )
     assert measured["printed_inside"] == 0
 
 

@@ -25,7 +25,8 @@ PARAMS = {
 }
 #: (label, intervention, params): every built-in once, compression in each of its modes
 CASES = [(name, name, PARAMS.get(name, {})) for name in INTERVENTIONS if name != "compression"] + [
-    (f"compression:{mode}", "compression", {"compression": mode}) for mode in ("bf16", "fp16", "topk", "qsgd")]
+    (f"compression:{mode}", "compression", {"compression": mode}) for mode in ("bf16", "fp16", "topk", "qsgd")
+]
 
 
 class Net(pl.LightningModule):
@@ -44,8 +45,12 @@ class Net(pl.LightningModule):
         return x.square().mean()
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(64, 8, 16)), batch_size=self.batch_size,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            TensorDataset(torch.randn(64, 8, 16)),
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=False)
@@ -53,8 +58,12 @@ class Net(pl.LightningModule):
 
 def _plain(value):
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape), value.detach().cpu().contiguous().view(-1)
-                .view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        return (
+            "tensor",
+            str(value.dtype),
+            tuple(value.shape),
+            value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"",
+        )
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -67,26 +76,36 @@ def fingerprint(run) -> dict:
 
     module, trainer = run.module, run.trainer
     plugin = trainer.precision_plugin
-    return _plain({
-        "params": dict(module.named_parameters()),
-        "buffers": dict(module.named_buffers()),
-        "modules": [(n, type(m).__name__) for n, m in module.named_modules()],
-        "hooks": [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-                  for n, m in module.named_modules()],
-        "compiled": [n for n, m in module.named_modules() if compiled_call(m) is not None],
-        "patched": [n for n, m in module.named_modules() if "forward" in m.__dict__],
-        "optimizers": [({k: v for k, v in o.defaults.items()},
-                        [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
-                        {i: s for i, s in enumerate(o.state.values())}) for o in trainer.optimizers],
-        "loader": run.source.current(), "overrides": dict(run.source._overrides),
-        "attributes": (module.batch_size, module.num_workers),
-        "config": (run.config.accumulate, run.config.prefetch, run.config.prefetch_depth),
-        "plugin": (id(plugin), type(plugin).__name__, plugin.state_dict(), getattr(plugin, "precision", None)),
-        "matmul": torch.get_float32_matmul_precision(),
-        "checkpoint_io": (type(trainer.strategy.checkpoint_io).__name__, id(trainer.strategy.checkpoint_io)),
-        "comm": run.extras["comm_switch"].mode,
-        "residuals": {m: r for m, r in run.extras["comm_switch"].residuals().items() if r},
-    })
+    return _plain(
+        {
+            "params": dict(module.named_parameters()),
+            "buffers": dict(module.named_buffers()),
+            "modules": [(n, type(m).__name__) for n, m in module.named_modules()],
+            "hooks": [
+                (n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+                for n, m in module.named_modules()
+            ],
+            "compiled": [n for n, m in module.named_modules() if compiled_call(m) is not None],
+            "patched": [n for n, m in module.named_modules() if "forward" in m.__dict__],
+            "optimizers": [
+                (
+                    {k: v for k, v in o.defaults.items()},
+                    [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
+                    {i: s for i, s in enumerate(o.state.values())},
+                )
+                for o in trainer.optimizers
+            ],
+            "loader": run.source.current(),
+            "overrides": dict(run.source._overrides),
+            "attributes": (module.batch_size, module.num_workers),
+            "config": (run.config.accumulate, run.config.prefetch, run.config.prefetch_depth),
+            "plugin": (id(plugin), type(plugin).__name__, plugin.state_dict(), getattr(plugin, "precision", None)),
+            "matmul": torch.get_float32_matmul_precision(),
+            "checkpoint_io": (type(trainer.strategy.checkpoint_io).__name__, id(trainer.strategy.checkpoint_io)),
+            "comm": run.extras["comm_switch"].mode,
+            "residuals": {m: r for m, r in run.extras["comm_switch"].residuals().items() if r},
+        }
+    )
 
 
 class Sweep(Callback):
@@ -105,9 +124,17 @@ class Sweep(Callback):
 
 
 def _fit(body, accumulate: int = 4) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
-                         callbacks=[Sweep(body)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        callbacks=[Sweep(body)],
+    )
     trainer.fit(Net())
 
 
@@ -295,12 +322,18 @@ def test_the_worker_search_is_costed_from_the_measured_load_time() -> None:
     assert worker_search_seconds([(2, 2), (2, 4)], 0.024, 1 / 0.009, 2) == pytest.approx(expected)
     # 5 ms a batch: one worker (200/s) feeds 111/s with the 20 % margin: measured twice, and the walk ends there
     assert worker_search_seconds([(1, 2), (1, 4), (2, 2)], 0.005, 1 / 0.009, 2) == pytest.approx(
-        2 * (WORKER_START_SECONDS + 25 * 0.005))
+        2 * (WORKER_START_SECONDS + 25 * 0.005)
+    )
 
     window = Window(samples=160, seconds=0.33, steps=10, stage_seconds={"data": 0.24, "forward": 0.09})
     source = SimpleNamespace(current=lambda: {"num_workers": 0, "pin_memory": False})
-    run = SimpleNamespace(current=window, baseline=window, source=source, config=SimpleNamespace(accumulate=1),
-                          trainer=SimpleNamespace(num_devices=1))
+    run = SimpleNamespace(
+        current=window,
+        baseline=window,
+        source=source,
+        config=SimpleNamespace(accumulate=1),
+        trainer=SimpleNamespace(num_devices=1),
+    )
     cost = DataLoaderSettings().setup_seconds(run)
     assert cost > 1.0  # the grid this rank's cores allow, from 24 ms a batch: a second or more of the trial
     assert DataLoaderSettings(num_workers=2, prefetch_factor=4).setup_seconds(run) == 0.0  # a replayed setting

@@ -21,12 +21,32 @@ GiB = 2**30
 class Net(pl.LightningModule):
     """Tiny regression model with a ``batch_size`` attribute; ``oom_above`` fakes CUDA OOMs above that size."""
 
-    def __init__(self, batch_size: int = 4, oom_above: int | None = None, n: int = 512, fail_above: int | None = None,
-                 lr: float = 0.01, activation_kb: int = 0, norm: bool = True) -> None:
+    def __init__(
+        self,
+        batch_size: int = 4,
+        oom_above: int | None = None,
+        n: int = 512,
+        fail_above: int | None = None,
+        lr: float = 0.01,
+        activation_kb: int = 0,
+        norm: bool = True,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
-        self.oom_above, self.fail_above, self.lr, self.n, self.activation_kb = oom_above, fail_above, lr, n, activation_kb
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32) if norm else nn.Identity(), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+        self.oom_above, self.fail_above, self.lr, self.n, self.activation_kb = (
+            oom_above,
+            fail_above,
+            lr,
+            n,
+            activation_kb,
+        )
+        self.net = nn.Sequential(
+            nn.Linear(16, 32),
+            nn.BatchNorm1d(32) if norm else nn.Identity(),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(32, 1),
+        )
         self.seen: list[int] = []
         self.sizes: list[int] = []
 
@@ -58,8 +78,16 @@ class Net(pl.LightningModule):
 
 
 def _trainer(callbacks, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
 
@@ -303,8 +331,9 @@ def test_cpu_ram_budget_is_measured_not_guessed() -> None:
 
 def test_throughput_mode_on_cpu() -> None:
     model = Net(n=1024)
-    tuner = BatchSizeTuner(mode="throughput", memory_budget=BIG, max_batch_size=512, throughput_threshold=0.05,
-                           print_summary=False)
+    tuner = BatchSizeTuner(
+        mode="throughput", memory_budget=BIG, max_batch_size=512, throughput_threshold=0.05, print_summary=False
+    )
     _trainer([tuner], max_steps=1).fit(model)
     probes = tuner.result.probes
     assert all(p.seconds_per_step is not None and p.seconds_per_step > 0 for p in probes)
@@ -328,8 +357,15 @@ def test_retune_at_a_later_epoch_rebuilds_the_dataloader() -> None:
 
 
 def test_bad_arguments() -> None:
-    for kwargs in (dict(mode="fast"), dict(memory_fraction=1.5), dict(lr_scaling="cubic"), dict(epochs=(-1,)),
-                   dict(max_probes=1), dict(init_batch_size=0), dict(memory_budget=-5)):
+    for kwargs in (
+        dict(mode="fast"),
+        dict(memory_fraction=1.5),
+        dict(lr_scaling="cubic"),
+        dict(epochs=(-1,)),
+        dict(max_probes=1),
+        dict(init_batch_size=0),
+        dict(memory_budget=-5),
+    ):
         with pytest.raises(ValueError, match="BatchSizeTuner"):
             BatchSizeTuner(**kwargs)
 
@@ -404,6 +440,7 @@ def test_ddp_ranks_with_different_memory_limits_adopt_the_minimum(ddp_script, tm
 # a DataLoader passed straight to trainer.fit(model, loader): re-created at each size, as the Autopilot does
 # ---------------------------------------------------------------------------------------------------------------
 
+
 class NoLoaderNet(Net):
     """The commonest script shape: no ``train_dataloader()``, no ``batch_size`` attribute."""
 
@@ -442,7 +479,10 @@ def test_a_fit_loader_with_a_custom_batch_sampler_is_refused_before_any_work() -
 
     loader = DataLoader(Indexed(64), batch_sampler=Pairs(SequentialSampler(range(64)), 2, False))
     model = NoLoaderNet()
-    with pytest.raises(ValueError, match=r"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created "
-                                         r"with another batch size: the loader batches with a custom Pairs"):
+    with pytest.raises(
+        ValueError,
+        match=r"BatchSizeTuner: the DataLoader passed to trainer.fit cannot be re-created "
+        r"with another batch size: the loader batches with a custom Pairs",
+    ):
         _trainer([BatchSizeTuner(memory_budget=BIG, print_summary=False)]).fit(model, loader)
     assert model.sizes == []

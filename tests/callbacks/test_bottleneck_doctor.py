@@ -76,8 +76,19 @@ class SleepInBackward(torch.autograd.Function):
 
 
 class Planted(pl.LightningModule):
-    def __init__(self, *, dim=32, hidden=32, batch=8, data=0.0, transfer=0.0, backward=0.0, optimizer=0.0,
-                 manual=False, pre_batched=False):
+    def __init__(
+        self,
+        *,
+        dim=32,
+        hidden=32,
+        batch=8,
+        data=0.0,
+        transfer=0.0,
+        backward=0.0,
+        optimizer=0.0,
+        manual=False,
+        pre_batched=False,
+    ):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
         self.dim, self.batch = dim, batch
@@ -118,10 +129,19 @@ class Planted(pl.LightningModule):
 def fit(model, doctor=None, max_steps=12, **trainer_kwargs):
     # Tiny windows of tiny steps: closing a window (mostly Lightning's self.log, ~1 ms per key on a busy 2-core
     # machine) would show up as "other" next to the planted stage, so these runs do not log.
-    doctor = doctor or BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                                        warn_interval_s=0, log_metrics=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor], **trainer_kwargs)
+    doctor = doctor or BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, warn_interval_s=0, log_metrics=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor],
+        **trainer_kwargs,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
@@ -180,14 +200,22 @@ def test_slow_backward_is_diagnosed_as_backward():
 
 def test_balanced_compute_bound_run_gets_no_warning_and_logs_metrics(tmp_path):
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=tmp_path / "doctor.json", print_report=False)
-    report, messages, trainer = fit(Planted(dim=512, hidden=1024, batch=512, pre_batched=True), doctor=doctor,
-                                    max_steps=18)
+    report, messages, trainer = fit(
+        Planted(dim=512, hidden=1024, batch=512, pre_batched=True), doctor=doctor, max_steps=18
+    )
     check_shares(report)
     assert report.bottleneck in ("forward", "backward"), report.timeline
     assert report.findings == [] and messages == []
     assert report.shares["data"] < 0.10
-    for key in ("doctor/share_data", "doctor/share_forward", "doctor/share_other", "doctor/data_wait_pct",
-                "doctor/step_ms", "doctor/cpu_process_pct", "doctor/cpu_workers_pct"):
+    for key in (
+        "doctor/share_data",
+        "doctor/share_forward",
+        "doctor/share_other",
+        "doctor/data_wait_pct",
+        "doctor/step_ms",
+        "doctor/cpu_process_pct",
+        "doctor/cpu_workers_pct",
+    ):
         assert key in trainer.callback_metrics, key
     assert "doctor/gpu_util_pct" not in trainer.callback_metrics
     # files: the JSON loads back to the same report; the PNG is a PNG
@@ -228,23 +256,27 @@ def test_measuring_problem_warns_once_and_training_goes_on(monkeypatch):
     assert any("stage timing stopped" in n for n in report.notes)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"window": 0}, "window"),
-    ({"warmup_batches": -1}, "warmup_batches"),
-    ({"thresholds": {"data_share": 1.5}}, "data_share"),
-    ({"thresholds": {"nope": 0.1}}, "unknown threshold"),
-    ({"thresholds": 0.1}, "thresholds"),
-    ({"report_path": 3}, "report_path"),
-    ({"warn_interval_s": -1}, "warn_interval_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window": 0}, "window"),
+        ({"warmup_batches": -1}, "warmup_batches"),
+        ({"thresholds": {"data_share": 1.5}}, "data_share"),
+        ({"thresholds": {"nope": 0.1}}, "unknown threshold"),
+        ({"thresholds": 0.1}, "thresholds"),
+        ({"report_path": 3}, "report_path"),
+        ({"warn_interval_s": -1}, "warn_interval_s"),
+    ],
+)
 def test_invalid_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BottleneckDoctor(**kwargs)
 
 
 def test_custom_thresholds_are_used_and_reported():
-    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                              thresholds={"optimizer_share": 0.99})
+    doctor = BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, thresholds={"optimizer_share": 0.99}
+    )
     report, _, _ = fit(Planted(optimizer=SLEEP), doctor=doctor)
     assert report.bottleneck == "optimizer" and "optimizer" not in {f.rule for f in report.findings}
     assert report.thresholds["optimizer_share"] == 0.99
@@ -259,8 +291,9 @@ class SlowValidation(Planted):
 
 
 def test_validation_inside_fit_is_not_counted():
-    report, _, _ = fit(SlowValidation(backward=SLEEP), val_check_interval=2, limit_val_batches=2,
-                       num_sanity_val_steps=0)
+    report, _, _ = fit(
+        SlowValidation(backward=SLEEP), val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0
+    )
     check_shares(report)
     # 40 ms of validation every 2 batches would be > 50 % of the time if it leaked into the data wait or "other"
     assert report.bottleneck == "backward"
@@ -281,8 +314,16 @@ def test_two_fits_with_one_doctor_and_epoch_boundaries():
 @pytest.mark.gpu
 def test_gpu_run_uses_cuda_events_and_finds_the_data_bottleneck():
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor],
+    )
     trainer.fit(Planted(data=SLEEP))
     report = doctor.report
     check_shares(report)
@@ -298,8 +339,15 @@ def test_mfu_monitor_throughput_and_mfu_reach_the_report():
 
     monitor = MFUMonitor(window=4, print_summary=False, prog_bar=False)
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=14, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor, monitor])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=14,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor, monitor],
+    )
     trainer.fit(Planted(backward=SLEEP))
     assert monitor.summary["mfu"] is not None
     assert doctor.report.mfu == monitor.summary["mfu"]
@@ -314,7 +362,10 @@ def test_precision_plugin_loss_scale_stats_are_reported():
 
     plugin = SimpleNamespace(loss_scale=torch.tensor(32768.0), skipped_steps=3, total_steps=100, other=1)
     assert _precision_stats(SimpleNamespace(precision_plugin=plugin)) == {
-        "loss_scale": 32768.0, "skipped_steps": 3, "total_steps": 100}
+        "loss_scale": 32768.0,
+        "skipped_steps": 3,
+        "total_steps": 100,
+    }
     assert _precision_stats(SimpleNamespace(precision_plugin=object())) == {}
 
 
@@ -322,10 +373,18 @@ def test_a_new_finding_asks_profile_window_for_a_trace(tmp_path):
     from lightning_accel import ProfileWindow
 
     window = ProfileWindow(dirpath=tmp_path, wait=0, warmup=0, active=2)
-    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                              warn_interval_s=0, log_metrics=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor, window])
+    doctor = BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, warn_interval_s=0, log_metrics=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=16,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor, window],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Planted(data=SLEEP))
@@ -337,8 +396,9 @@ def test_a_new_finding_asks_profile_window_for_a_trace(tmp_path):
 
 def test_a_report_path_ending_in_html_writes_the_page_and_the_json_beside_it(tmp_path):
     pytest.importorskip("matplotlib")
-    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=tmp_path / "run.html", print_report=False,
-                              log_metrics=False)
+    doctor = BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=tmp_path / "run.html", print_report=False, log_metrics=False
+    )
     report, _, _ = fit(Planted(dim=64, hidden=64, batch=32, pre_batched=True), doctor=doctor, max_steps=10)
     assert [p.name for p in doctor.files] == ["run.json", "run.png", "run.html"]
     assert DoctorReport.load(tmp_path / "run.json") == report

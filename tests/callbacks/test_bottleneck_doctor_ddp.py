@@ -122,7 +122,9 @@ class Model(pl.LightningModule):
 
 """
 
-WRAPPERS_SCRIPT = LINEAR_MODEL + """
+WRAPPERS_SCRIPT = (
+    LINEAR_MODEL
+    + """
 import json
 import lightning_accel  # registers the strategy strings
 from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
@@ -137,6 +139,7 @@ with open(f"wrappers_rank{trainer.global_rank}.json", "w") as fh:
     json.dump({"wrappers_after": len(trainer.strategy.comm_hook_wrappers), "buckets": doctor._comm.buckets,
                "measured": doctor.report.context.communication_measured, "shares": doctor.report.shares}, fh)
 """
+)
 
 
 @pytest.mark.distributed
@@ -152,7 +155,9 @@ def test_doctor_wraps_the_hook_of_the_ddp_compression_strategies(ddp_script, tmp
         assert sum(out["shares"].values()) == pytest.approx(1.0)
 
 
-BROKEN_RANK_SCRIPT = LINEAR_MODEL + """
+BROKEN_RANK_SCRIPT = (
+    LINEAR_MODEL
+    + """
 import json, os
 from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.core.stages import StageMachine
@@ -171,6 +176,7 @@ trainer.fit(Model())
 with open(f"broken_rank{trainer.global_rank}.json", "w") as fh:
     json.dump({"step": trainer.global_step, "report": doctor.report.to_dict()}, fh)
 """
+)
 
 
 @pytest.mark.distributed

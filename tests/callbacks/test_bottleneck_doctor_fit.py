@@ -45,11 +45,19 @@ class Task(pl.LightningModule):
 
 
 def fit(model, doctor=None, max_steps=24, callbacks=(), **kwargs):
-    doctor = doctor or BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                                        log_metrics=False)
-    defaults = dict(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
+    doctor = doctor or BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, log_metrics=False
+    )
+    defaults = dict(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer = pl.Trainer(**{**defaults, **kwargs}, callbacks=[doctor, *callbacks])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,9 +101,16 @@ class FailingIO(pl.plugins.io.TorchCheckpointIO):
 def test_a_checkpoint_that_raises_is_not_the_doctors_failure(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5)
     doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False, log_metrics=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[doctor, ckpt], plugins=[FailingIO()],
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor, ckpt],
+        plugins=[FailingIO()],
+        limit_val_batches=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(OSError, match="disk full"):

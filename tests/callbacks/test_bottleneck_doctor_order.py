@@ -65,9 +65,17 @@ class ThreeCauses(pl.LightningModule):
 def test_validation_its_tail_the_loader_and_checkpoints_come_largest_first(tmp_path):
     doctor = BottleneckDoctor(window=10, warmup_batches=2, report_path=False, print_report=False, warn=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=25, save_top_k=1)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=152, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[doctor, ckpt], val_check_interval=30,
-                         limit_val_batches=4, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=152,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor, ckpt],
+        val_check_interval=30,
+        limit_val_batches=4,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(ThreeCauses())
     report = doctor.report
     rules = [f.rule for f in report.findings]
@@ -130,8 +138,9 @@ with open(f"order_rank{trainer.global_rank}.json", "w") as fh:
 
 
 @pytest.mark.distributed
-def test_a_straggler_and_a_slow_loader_on_every_rank_come_largest_first_and_the_network_not_at_all(ddp_script,
-                                                                                                tmp_path):
+def test_a_straggler_and_a_slow_loader_on_every_rank_come_largest_first_and_the_network_not_at_all(
+    ddp_script, tmp_path
+):
     ddp_script(DDP_SCRIPT, timeout=240)
     report, _ = read_rank_json(tmp_path, "order")
     rules = [f["rule"] for f in report["findings"]]

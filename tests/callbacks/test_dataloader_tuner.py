@@ -39,15 +39,30 @@ class Model(pl.LightningModule):
 
     def train_dataloader(self):
         workers = self.num_workers
-        return DataLoader(Sleepy(self.n, self.sleep_s), batch_size=self.batch_size, shuffle=True, generator=self.order,
-                          num_workers=workers, prefetch_factor=self.prefetch_factor if workers else None,
-                          persistent_workers=self.persistent_workers and workers > 0)
+        return DataLoader(
+            Sleepy(self.n, self.sleep_s),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=self.order,
+            num_workers=workers,
+            prefetch_factor=self.prefetch_factor if workers else None,
+            persistent_workers=self.persistent_workers and workers > 0,
+        )
 
 
 def _trainer(callbacks, **kwargs) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=kwargs.pop("max_steps", 6), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=callbacks, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=kwargs.pop("max_steps", 6),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 def test_slow_dataset_chooses_workers_and_keeps_the_sample_order() -> None:
@@ -112,7 +127,10 @@ def test_grid_pins_memory_only_on_gpu() -> None:
         trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), num_devices=1)
         grid = tuner._grid(trainer, present)
         assert [(g.num_workers, g.prefetch_factor, g.persistent_workers) for g in grid] == [
-            (0, None, False), (2, 2, True), (2, 4, True)]
+            (0, None, False),
+            (2, 2, True),
+            (2, 4, True),
+        ]
         assert all(g.pin_memory is pinned for g in grid)
     no_prefetch = tuner._grid(trainer, {**present, "prefetch_factor": False})
     assert [(g.num_workers, g.prefetch_factor) for g in no_prefetch] == [(0, None), (2, None)]
@@ -122,8 +140,13 @@ def test_grid_and_arguments() -> None:
     assert default_worker_counts(1) == [0, 1]
     assert default_worker_counts(2) == [0, 1, 2]
     assert default_worker_counts(6) == [0, 1, 2, 4, 6]
-    for kwargs in (dict(num_workers=(-1,)), dict(prefetch_factors=(0,)), dict(margin=-0.1),
-                   dict(batches_per_trial=1), dict(consumption_steps=1)):
+    for kwargs in (
+        dict(num_workers=(-1,)),
+        dict(prefetch_factors=(0,)),
+        dict(margin=-0.1),
+        dict(batches_per_trial=1),
+        dict(consumption_steps=1),
+    ):
         with pytest.raises(ValueError, match="DataLoaderTuner"):
             DataLoaderTuner(**kwargs)
 
@@ -153,8 +176,15 @@ def test_a_loader_too_short_to_time_keeps_its_settings_with_a_warning():
             return DataLoader(TensorDataset(torch.randn(20, 4)), batch_size=4, num_workers=self.num_workers)
 
     tuner = DataLoaderTuner(print_summary=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[tuner])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tuner],
+    )
     model = Tiny()
     with pytest.warns(UserWarning, match="the train loader has 5 batches"):
         trainer.fit(model)

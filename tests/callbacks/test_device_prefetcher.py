@@ -31,8 +31,11 @@ class Samples(Dataset):
 
 
 def collate(samples):
-    return {"x": torch.stack([s["x"] for s in samples]), "idx": [s["idx"] for s in samples],
-            "item": Item(torch.cat([s["item"].x for s in samples]), ",".join(s["item"].tag for s in samples))}
+    return {
+        "x": torch.stack([s["x"] for s in samples]),
+        "idx": [s["idx"] for s in samples],
+        "item": Item(torch.cat([s["item"].x for s in samples]), ",".join(s["item"].tag for s in samples)),
+    }
 
 
 class EpochRecordingSampler(RandomSampler):
@@ -77,9 +80,17 @@ class Model(pl.LightningModule):
 def fit(callbacks, **kwargs):
     torch.manual_seed(0)
     model = Model()
-    args = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
-                limit_val_batches=1)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+    )
     args.update(kwargs)
     trainer = pl.Trainer(callbacks=callbacks, **args)
     trainer.fit(model)
@@ -137,9 +148,17 @@ def test_loader_error_surfaces_from_fit():
         def train_dataloader(self):
             return DataLoader(Broken(), batch_size=4, collate_fn=collate)
 
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[DevicePrefetcher()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[DevicePrefetcher()],
+    )
     with pytest.raises(ValueError, match="corrupt sample 9"):
         trainer.fit(M())
     assert not prefetch_threads()
@@ -147,9 +166,17 @@ def test_loader_error_surfaces_from_fit():
 
 def test_existing_instance_patch_is_restored():
     prefetcher = DevicePrefetcher()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[prefetcher])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[prefetcher],
+    )
     calls = []
 
     def theirs(dl):
@@ -171,12 +198,15 @@ def test_demo_flags_add_the_callbacks():
         DemoConfig(profile_at_step=-1).validate()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
-    ({"pin_memory": "yes"}, "pin_memory"),
-    ({"loaders": ("train", "eval")}, "choose one or more of"),
-    ({"loaders": ()}, "choose one or more of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
+        ({"pin_memory": "yes"}, "pin_memory"),
+        ({"loaders": ("train", "eval")}, "choose one or more of"),
+        ({"loaders": ()}, "choose one or more of"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DevicePrefetcher(**kwargs)

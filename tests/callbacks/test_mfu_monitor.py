@@ -49,9 +49,17 @@ class LinearModel(pl.LightningModule):
 
 
 def trainer(callbacks, **kwargs):
-    defaults = dict(accelerator="cpu", devices=1, max_steps=24, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=24,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
 
@@ -76,7 +84,8 @@ def test_logged_keys_reach_the_logger(fake_time, tmp_path):
 
     monitor = MFUMonitor(window=5, warmup_batches=0, peak_flops=1e6, print_summary=False)
     trainer([monitor], logger=CSVLogger(tmp_path, name="m"), log_every_n_steps=5, max_steps=20).fit(
-        LinearModel(fake_time))
+        LinearModel(fake_time)
+    )
     text = (tmp_path / "m" / "version_0" / "metrics.csv").read_text()
     header = text.splitlines()[0].split(",")
     for key in ("perf/samples_per_sec", "perf/batches_per_sec", "perf/tflops_per_sec_per_device", "perf/mfu"):
@@ -172,9 +181,11 @@ def test_a_probe_that_under_reads_is_raised_and_mfu_stays_a_fraction(fake_time, 
     achieved = FLOPS_PER_BATCH / STEP_S  # 102.4 kFLOP/s; the probe reads half of it
     monitor = MFUMonitor(window=5, warmup_batches=4)
     t = trainer([monitor], logger=CSVLogger(tmp_path, name="m"), log_every_n_steps=5, max_steps=24)
-    with mock.patch.object(peak, "cpu_hardware_peak", return_value=None), \
-            mock.patch.object(peak, "measure_peak_flops", return_value=achieved / 2), \
-            pytest.warns(UserWarning, match="raised") as record:
+    with (
+        mock.patch.object(peak, "cpu_hardware_peak", return_value=None),
+        mock.patch.object(peak, "measure_peak_flops", return_value=achieved / 2),
+        pytest.warns(UserWarning, match="raised") as record,
+    ):
         t.fit(SpeedingUpModel(fake_time))
     raised = [str(w.message) for w in record if "raised" in str(w.message)]
     assert len(raised) == 1  # one warning, though the third window raises the peak again
@@ -202,8 +213,10 @@ def test_gpu_window_above_the_datasheet_warns_with_the_numbers(fake_time, tmp_pa
     datasheet = PeakFlops(80e3, "table", "NVIDIA H100 80GB HBM3, bf16 dense: NVIDIA H100 datasheet (SXM5)")
     monitor = MFUMonitor(window=5, warmup_batches=4, print_summary=False)
     t = trainer([monitor], logger=CSVLogger(tmp_path, name="m"), log_every_n_steps=5, max_steps=14)
-    with mock.patch("lightning_accel.callbacks.mfu_monitor.resolve_peak_flops", return_value=datasheet), \
-            pytest.warns(UserWarning, match="cannot run faster than its datasheet") as record:
+    with (
+        mock.patch("lightning_accel.callbacks.mfu_monitor.resolve_peak_flops", return_value=datasheet),
+        pytest.warns(UserWarning, match="cannot run faster than its datasheet") as record,
+    ):
         t.fit(LinearModel(fake_time))
     message = next(str(w.message) for w in record if "datasheet" in str(w.message))
     assert "achieved 102.4 kFLOP/s" in message and "128.0 % of the peak 80.0 kFLOP/s (table: NVIDIA H100" in message
@@ -236,8 +249,17 @@ def test_too_short_run_reports_why_instead_of_dividing_by_zero():
     assert monitor.summary["batches_measured"] == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(window=0), dict(window=1.5), dict(warmup_batches=-1),
-                                    dict(flops_per_batch=0), dict(peak_flops=-3.0), dict(peak_flops="fast")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(window=0),
+        dict(window=1.5),
+        dict(warmup_batches=-1),
+        dict(flops_per_batch=0),
+        dict(peak_flops=-3.0),
+        dict(peak_flops="fast"),
+    ],
+)
 def test_invalid_arguments_name_the_value(kwargs):
     with pytest.raises(ValueError, match=repr(next(iter(kwargs.values())))):
         MFUMonitor(**kwargs)
@@ -352,7 +374,10 @@ def test_ddp_ranks_of_one_device_kind_share_the_raised_peak(ddp_script, tmp_path
     fast = FLOPS_PER_BATCH / STEP_S
     # later windows run at the same rate: they may raise it again by a rounding error of the window's seconds
     assert s0["peak_flops"] == pytest.approx(fast) and s0["peak_flops_initial"] == 6e4 and s0["peak_raises"] >= 1
-    assert re.fullmatch(r"achieved by window \d on rank 0 \(102.4 kFLOP/s\), raised from the user peak 60.0 kFLOP/s "
-                        r"\(given by the user\)", s0["peak_source"])
+    assert re.fullmatch(
+        r"achieved by window \d on rank 0 \(102.4 kFLOP/s\), raised from the user peak 60.0 kFLOP/s "
+        r"\(given by the user\)",
+        s0["peak_source"],
+    )
     assert [h["mfu"] for h in s0["history"]] == pytest.approx([0.75, 0.75, 0.75])  # (1.0 + 0.5) / 2 per window
     assert s0["mfu"] == pytest.approx(0.75)

@@ -18,8 +18,9 @@ from lightning_accel.precision import AutoMixedPrecision
 class Net(pl.LightningModule):
     """``nan_loss_at``: steps whose loss is nan; ``nan_grad_at``: steps where one entry of fc1.weight.grad is nan."""
 
-    def __init__(self, nan_loss_at: set[int] = frozenset(), nan_grad_at: set[int] = frozenset(),
-                 nan_from: int | None = None) -> None:
+    def __init__(
+        self, nan_loss_at: set[int] = frozenset(), nan_grad_at: set[int] = frozenset(), nan_from: int | None = None
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.fc1 = nn.Linear(6, 12)
@@ -56,21 +57,32 @@ class Spy(Callback):
         self.after: dict[int, Any] = {}
 
     def _snap(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-        return ({k: v.clone() for k, v in pl_module.state_dict().items()},
-                copy.deepcopy(trainer.optimizers[0].state_dict()["state"]))
+        return (
+            {k: v.clone() for k, v in pl_module.state_dict().items()},
+            copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
+        )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         self.before[trainer.global_step] = self._snap(trainer, pl_module)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any,
-                           i: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any, i: int
+    ) -> None:
         self.after[trainer.global_step] = self._snap(trainer, pl_module)
 
 
 def fit(model: pl.LightningModule, steps: int, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                         log_every_n_steps=1, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        **kwargs,
+    )
     trainer.fit(model)
     return trainer
 
@@ -109,8 +121,11 @@ def test_bad_steps_are_skipped_bit_for_bit_and_named() -> None:
 def test_stops_after_max_consecutive_bad_steps_without_writing_bad_values() -> None:
     guard, spy = NonFiniteGuard(max_consecutive=3), Spy()
     model = Net(nan_from=3)
-    with pytest.raises(RuntimeError, match=r"3 consecutive optimizer steps .*\(loss nan; non-finite gradients in "
-                                           r"fc1\.weight, fc1\.bias, fc2\.weight, fc2\.bias.* none of these steps"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"3 consecutive optimizer steps .*\(loss nan; non-finite gradients in "
+        r"fc1\.weight, fc1\.bias, fc2\.weight, fc2\.bias.* none of these steps",
+    ):
         fit(model, 20, [guard, spy])
     assert guard.bad_steps == 3 and guard.consecutive == 3
     weights_before_bad, _ = spy.before[3]

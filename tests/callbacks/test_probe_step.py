@@ -105,8 +105,12 @@ def _runner(module: Tiny, *, scaler: Any = None, world_size: int = 1) -> tuple[S
         precision.scaler = scaler(log)
     model = DDPLike(module, log)
     strategy = SimpleNamespace(root_device=torch.device("cpu"), model=model, training_step=model)
-    trainer = SimpleNamespace(strategy=strategy, precision_plugin=precision, world_size=world_size,
-                              optimizers=[RecordingSGD(module.parameters(), log)])
+    trainer = SimpleNamespace(
+        strategy=strategy,
+        precision_plugin=precision,
+        world_size=world_size,
+        optimizers=[RecordingSGD(module.parameters(), log)],
+    )
     return StepRunner(trainer, module), log  # type: ignore[arg-type]
 
 
@@ -181,8 +185,9 @@ def test_through_the_strategy_all_but_the_last_micro_batch_skip_the_gradient_syn
     timer = SimpleNamespace(marks=[])
     timer.start = lambda stage, host=False: timer.marks.append(("start", stage))
     timer.stop = lambda stage: timer.marks.append(("stop", stage))
-    runner.optimizer_step([_batch(slice(0, 3)), _batch(slice(3, 6)), _batch(slice(6, 8))], 3,
-                          through_strategy=True, timer=timer)
+    runner.optimizer_step(
+        [_batch(slice(0, 3)), _batch(slice(3, 6)), _batch(slice(6, 8))], 3, through_strategy=True, timer=timer
+    )
     assert log == [("strategy", 0, False), ("strategy", 1, False), ("strategy", 2, True), "opt.step", "zero_grad"]
     stages = [s for kind, s in timer.marks if kind == "start"]
     assert stages == ["forward", "backward"] * 3 + ["optimizer"]

@@ -38,9 +38,16 @@ class Model(pl.LightningModule):
 
 def fit(window, model=None, max_steps=12, tmp_path=None):
     model = model or Model()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[window],
-                         default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[window],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
     return model
 
@@ -70,8 +77,10 @@ def test_at_step_records_exactly_active_steps_and_nothing_outside(tmp_path, wait
     table = open(info["table"]).read()
     assert f"recorded global steps {first}..{first + active - 1} ({active} steps" in table
     assert "self_cpu_time_total" in table and "Self CPU" in table and "aten::addmm" in table
-    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["top_ops_step4_rank0.txt",
-                                                                      "trace_step4_rank0.json"]
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == [
+        "top_ops_step4_rank0.txt",
+        "trace_step4_rank0.json",
+    ]
 
 
 def test_request_opens_one_window_at_the_next_batch(tmp_path):
@@ -111,13 +120,16 @@ def test_state_dict_round_trip():
     assert other.request("x") is False  # max_windows already used by the resumed run
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"active": 0}, "active=0"),
-    ({"wait": -1}, "wait=-1"),
-    ({"at_step": 1.5}, "at_step=1.5"),
-    ({"max_windows": 0}, "max_windows=0"),
-    ({"row_limit": True}, "row_limit=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"active": 0}, "active=0"),
+        ({"wait": -1}, "wait=-1"),
+        ({"at_step": 1.5}, "at_step=1.5"),
+        ({"max_windows": 0}, "max_windows=0"),
+        ({"row_limit": True}, "row_limit=True"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ProfileWindow(**kwargs)

@@ -53,15 +53,24 @@ class Losses(Callback):
     def __init__(self) -> None:
         self.values: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.values.append(float(outputs["loss"]))
 
 
 def fit(callbacks: list[Callback], steps: int = 4, **kwargs: Any) -> tuple[pl.Trainer, Net]:
     model = Net()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
     trainer.fit(model)
     return trainer, model
 
@@ -117,8 +126,11 @@ def test_listed_submodules_and_bad_targets() -> None:
     _, model = fit([compile_cb], steps=1)
     assert compile_cb.compiled_names == ["model.0", "model.2"]
     assert model.model[0]._compiled_call_impl is not None and model.model[1]._compiled_call_impl is None
-    with pytest.raises(ValueError, match=r"'encoder\.\*' matched no submodule of Net; names present include "
-                                         r"\['model', 'model\.0'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'encoder\.\*' matched no submodule of Net; names present include "
+        r"\['model', 'model\.0'",
+    ):
         fit([TorchCompile(modules=["encoder.*"])], steps=1)
 
 

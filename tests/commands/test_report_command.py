@@ -8,15 +8,28 @@ from lightning_accel.core.rules import STAGES, Finding
 def saved(path, *, bottleneck, data, step, sps, mfu, findings=()):
     shares = dict.fromkeys(STAGES, 0.0)
     shares.update(data=data, forward=(1 - data) / 2, backward=(1 - data) / 2)
-    report = DoctorReport(bottleneck=bottleneck, shares=shares, step_seconds=step,
-                          stage_seconds={k: v * step for k, v in shares.items()}, batches=40, windows=2,
-                          samples_per_sec=sps, mfu=mfu, findings=list(findings))
+    report = DoctorReport(
+        bottleneck=bottleneck,
+        shares=shares,
+        step_seconds=step,
+        stage_seconds={k: v * step for k, v in shares.items()},
+        batches=40,
+        windows=2,
+        samples_per_sec=sps,
+        mfu=mfu,
+        findings=list(findings),
+    )
     return report.save(path)
 
 
 def test_report_with_baseline_shows_what_changed(tmp_path, capsys):
-    slow = Finding("data_wait", "data", "waiting for the next batch takes 46.0 % of the step time.",
-                   "DataLoader(num_workers=4)", 0.46)
+    slow = Finding(
+        "data_wait",
+        "data",
+        "waiting for the next batch takes 46.0 % of the step time.",
+        "DataLoader(num_workers=4)",
+        0.46,
+    )
     old = saved(tmp_path / "old.json", bottleneck="data", data=0.46, step=0.1, sps=320.0, mfu=0.1, findings=[slow])
     new = saved(tmp_path / "new.json", bottleneck="forward", data=0.04, step=0.058, sps=551.7, mfu=0.17)
     assert main(["report", str(new), "--baseline", str(old)]) == 0

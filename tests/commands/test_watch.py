@@ -57,15 +57,24 @@ trainer.fit(Model())
 def start_fit(tmp_path, fail_at=-1):
     script = tmp_path / "fit.py"
     script.write_text(textwrap.dedent(FIT))
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "logs" / "run.json"), str(fail_at)],
-                            cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "logs" / "run.json"), str(fail_at)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def watch(*args):
-    return subprocess.run([sys.executable, "-m", "lightning_accel.cli", "watch", *map(str, args)],
-                          capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(REPO),
-                                                                            "PATH": "/usr/bin:/bin", "COLUMNS": "120"})
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_accel.cli", "watch", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "120"},
+    )
 
 
 @pytest.mark.slow

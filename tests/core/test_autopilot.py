@@ -76,8 +76,12 @@ def test_batch_digest_sees_every_byte() -> None:
 
 
 def _probe(losses, grad, update=None, digests=("a", "b")) -> ProbeResult:
-    return ProbeResult(list(digests), list(losses), torch.tensor(grad, dtype=torch.float64),
-                       None if update is None else torch.tensor(update, dtype=torch.float64))
+    return ProbeResult(
+        list(digests),
+        list(losses),
+        torch.tensor(grad, dtype=torch.float64),
+        None if update is None else torch.tensor(update, dtype=torch.float64),
+    )
 
 
 def test_compare_probes_per_kind() -> None:
@@ -116,13 +120,20 @@ def test_propose_orders_findings_then_the_bottleneck_stage() -> None:
     assert propose(["data_wait"], "data", available, {"dataloader"}) == ["prefetch", "micro_batch"]
     # compute-bound, no finding: the compute fixes, in order
     assert propose([], "backward", available, ()) == ["precision", "compile", "micro_batch"]
-    assert propose(["optimizer", "data_wait"], "optimizer", available, ()) == \
-        ["optimizer_foreach", "dataloader", "prefetch", "micro_batch"]
+    assert propose(["optimizer", "data_wait"], "optimizer", available, ()) == [
+        "optimizer_foreach",
+        "dataloader",
+        "prefetch",
+        "micro_batch",
+    ]
     assert propose(["unknown_rule"], None, available, ()) == []
     # the fixes of the largest stage exhausted: the next stages' fixes, by share
     shares = {"data": 0.5, "optimizer": 0.3, "forward": 0.2}
-    assert propose(["data_wait"], "data", available, {"dataloader", "prefetch", "micro_batch"}, shares) == \
-        ["optimizer_foreach", "precision", "compile"]
+    assert propose(["data_wait"], "data", available, {"dataloader", "prefetch", "micro_batch"}, shares) == [
+        "optimizer_foreach",
+        "precision",
+        "compile",
+    ]
     # a stage under 4.8 % of the step cannot yield a 5 % gain
     assert propose([], "forward", ["dataloader", "compile"], (), {"forward": 0.97, "data": 0.03}) == ["compile"]
 
@@ -137,8 +148,12 @@ def test_budget_counts_from_its_start() -> None:
 
 
 def test_plan_round_trip_and_bad_files(tmp_path) -> None:
-    plan = AutopilotPlan(kept=[{"name": "dataloader", "params": {"num_workers": 2}}], baseline_samples_per_sec=10.0,
-                         final_samples_per_sec=20.0, model="M")
+    plan = AutopilotPlan(
+        kept=[{"name": "dataloader", "params": {"num_workers": 2}}],
+        baseline_samples_per_sec=10.0,
+        final_samples_per_sec=20.0,
+        model="M",
+    )
     path = plan.save(tmp_path / "sub" / "plan.json")
     loaded = AutopilotPlan.load(path)
     assert loaded.kept == plan.kept and loaded.final_samples_per_sec == 20.0 and loaded.model == "M"
@@ -160,13 +175,18 @@ def test_plan_round_trip_and_bad_files(tmp_path) -> None:
 
 
 def test_render_yaml_merges_callbacks_and_nests_keys() -> None:
-    text = render_yaml([
-        ("data.num_workers", 2),
-        ("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}]),
-        ("trainer.accumulate_grad_batches", 2),
-        ("trainer.callbacks", [{"class_path": "lightning_accel.TorchCompile", "init_args": {"mode": "max-autotune"}}]),
-        ("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "bf16"}}]),
-    ])
+    text = render_yaml(
+        [
+            ("data.num_workers", 2),
+            ("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}]),
+            ("trainer.accumulate_grad_batches", 2),
+            (
+                "trainer.callbacks",
+                [{"class_path": "lightning_accel.TorchCompile", "init_args": {"mode": "max-autotune"}}],
+            ),
+            ("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "bf16"}}]),
+        ]
+    )
     assert text == (
         "data:\n"
         "  num_workers: 2\n"
@@ -188,8 +208,15 @@ def test_render_yaml_merges_callbacks_and_nests_keys() -> None:
 
 def test_rendered_yaml_parses_as_yaml() -> None:
     yaml = pytest.importorskip("yaml")
-    text = render_yaml([("model.batch_size", 64), ("trainer.plugins",
-                        [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "fp32"}}]),
-                        ("data.name", "a: b")])
-    assert yaml.safe_load(text) == {"model": {"batch_size": 64}, "data": {"name": "a: b"}, "trainer": {"plugins": [
-        {"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "fp32"}}]}}
+    text = render_yaml(
+        [
+            ("model.batch_size", 64),
+            ("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "fp32"}}]),
+            ("data.name", "a: b"),
+        ]
+    )
+    assert yaml.safe_load(text) == {
+        "model": {"batch_size": 64},
+        "data": {"name": "a: b"},
+        "trainer": {"plugins": [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "fp32"}}]},
+    }

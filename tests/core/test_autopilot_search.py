@@ -26,8 +26,17 @@ SAMPLES_PER_STEP = 10
 
 
 class Change:
-    def __init__(self, name: str, gain: float = 1.0, *, kind: str = "exact", numerics_ok: bool = True,
-                 expected: float | None = None, fails_apply: bool = False, repeatable: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        gain: float = 1.0,
+        *,
+        kind: str = "exact",
+        numerics_ok: bool = True,
+        expected: float | None = None,
+        fails_apply: bool = False,
+        repeatable: bool = False,
+    ) -> None:
         self.name, self.gain, self.kind, self.numerics_ok = name, gain, kind, numerics_ok
         self.expected, self.fails_apply, self.repeatable = expected, fails_apply, repeatable
         self.warmup_steps = 0
@@ -38,8 +47,15 @@ class Change:
 
 
 class Scripted:
-    def __init__(self, changes: list[Change], *, rate: float = 100.0, noise: list[float] | None = None,
-                 shares: dict[str, float] | None = None, bad_together: list[set[str]] | None = None) -> None:
+    def __init__(
+        self,
+        changes: list[Change],
+        *,
+        rate: float = 100.0,
+        noise: list[float] | None = None,
+        shares: dict[str, float] | None = None,
+        bad_together: list[set[str]] | None = None,
+    ) -> None:
         self.changes, self.rate, self.noise = changes, rate, list(noise or [])
         self.shares = shares or {"forward": 0.5, "backward": 0.3, "data": 0.2}
         self.bad_together = [frozenset(b) for b in bad_together or []]
@@ -147,10 +163,15 @@ def test_a_clear_gain_is_confirmed_with_paired_windows_and_kept() -> None:
     assert result.final_samples_per_sec == pytest.approx(140.0) and result.stopped == "no candidate left"
     assert events.rows == [(0, "baseline", True), (1, "workers", True)]
     phases = [(p.phase, p.candidate) for p in events.phases]
-    assert phases == [("baseline", None), ("numerics reference", None),
-                      ("measuring the current configuration", "workers"), ("applying", "workers"),
-                      ("numerics probe", "workers"),
-                      ("measuring", "workers"), ("confirmation (A B B A)", "workers")]
+    assert phases == [
+        ("baseline", None),
+        ("numerics reference", None),
+        ("measuring the current configuration", "workers"),
+        ("applying", "workers"),
+        ("numerics probe", "workers"),
+        ("measuring", "workers"),
+        ("confirmation (A B B A)", "workers"),
+    ]
     assert events.phases[-1].best_speedup == pytest.approx(1.0)  # before the confirmation decided it
     assert backend.applied == [backend.changes[0]]  # left applied for the training
 
@@ -217,8 +238,21 @@ def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
     # the bundle's numerics were checked on all three together, then A B B A
     assert ("check", ("fused_adamw", "sdpa", "workers")) in backend.log
     both = ("sdpa", "workers", "fused_adamw")
-    assert _measured(backend) == [(), (), ("sdpa",), (), ("fused_adamw",), (), ("workers",), (), ("slower",),
-                                  (), both, both, ()]
+    assert _measured(backend) == [
+        (),
+        (),
+        ("sdpa",),
+        (),
+        ("fused_adamw",),
+        (),
+        ("workers",),
+        (),
+        ("slower",),
+        (),
+        both,
+        both,
+        (),
+    ]
     assert result.final_samples_per_sec == pytest.approx(100 * 1.03 * 1.02 * 1.025)
 
 
@@ -229,7 +263,8 @@ def test_a_bundle_whose_two_pairs_disagree_gets_a_third() -> None:
     bundle = next(r for r in result.records if r.name == "bundle")
     together = 1.03 * 1.03
     assert bundle.kept and bundle.reason.startswith(
-        f"paired {together * 1.08:.3f}x and {together * 0.93:.3f}x and {together:.3f}x beat the 1.05x gate")
+        f"paired {together * 1.08:.3f}x and {together * 0.93:.3f}x and {together:.3f}x beat the 1.05x gate"
+    )
     assert _measured(backend)[-5:] == [(), ("a", "b"), ("a", "b"), (), ("a", "b")]
     assert {c.name for c in backend.applied} == {"a", "b"} and {c.name for c in result.kept} == {"a", "b"}
 
@@ -309,8 +344,9 @@ def test_a_fit_too_short_to_repay_a_search_is_not_searched() -> None:
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
     # five steps estimated the 0.1 s step; 0.02 x 30 s is far below twice a baseline + one trial (4 x 2.5 s)
     assert _measured(backend) == [()] and result.records == [] and result.kept == []
-    assert result.stopped.startswith("not searched: the fit (~30 s) is too short to repay a search: the best fix on "
-                                     "offer is expected to save ~0.6 s")
+    assert result.stopped.startswith(
+        "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to save ~0.6 s"
+    )
     assert backend.t == pytest.approx(0.5)
 
 
@@ -340,7 +376,8 @@ def test_a_fix_whose_one_off_work_exceeds_its_saving_is_no_reason_to_search() ->
     # twice a baseline and a confirmed trial even in short windows (5.2 x 0.5 s)
     assert result.records == [] and result.stopped.startswith(
         "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to save "
-        "~2.7 s (9.0% of a 100.0 ms step over 300 steps)")
+        "~2.7 s (9.0% of a 100.0 ms step over 300 steps)"
+    )
 
 
 class Confident(Scripted):
@@ -366,7 +403,8 @@ def test_a_short_fit_counts_only_the_confident_share_of_a_prior_before_searching
         # half of it (~4.5 s) does not: the balanced fit trains untouched (bf16 on a CPU is a bet, 0.905x here)
         assert result.records == [] and result.stopped.startswith(
             "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to "
-            "save ~4.5 s (15.0% of a 100.0 ms step over 300 steps)")
+            "save ~4.5 s (15.0% of a 100.0 ms step over 300 steps)"
+        )
 
 
 def test_bf16_on_a_cpu_with_it_in_hardware_is_counted_at_half_its_prior() -> None:
@@ -466,8 +504,13 @@ class LongerSteps(Scripted):
         if any(c.name == "jump" for c in self.applied):
             extra = (warmup_steps + steps) * window.step_seconds * (4 / 1.3 - 1)
             self.t += extra
-            return Measurement(window.samples_per_sec, window.step_seconds * 4 / 1.3,
-                               window.seconds * 4 / 1.3, window.warmup_seconds * 4 / 1.3, self.shares)
+            return Measurement(
+                window.samples_per_sec,
+                window.step_seconds * 4 / 1.3,
+                window.seconds * 4 / 1.3,
+                window.warmup_seconds * 4 / 1.3,
+                self.shares,
+            )
         return window
 
 
@@ -491,7 +534,8 @@ def test_a_trial_longer_than_the_time_left_is_passed_over_for_a_cheaper_one() ->
     result = _search(backend, budget_seconds=30.0).run()
     rows = {r.name: r for r in result.records}
     assert rows["compile"].samples_per_sec is None and rows["compile"].reason.startswith(
-        "not trialled: its trial needs ~")
+        "not trialled: its trial needs ~"
+    )
     assert "(the cheaper foreach is tried instead)" in rows["compile"].reason
     assert [c.name for c in result.kept] == ["foreach"] and backend.t <= 30.0
     assert ("compile",) not in _measured(backend)
@@ -545,16 +589,26 @@ def test_expected_gain_is_the_stage_share_times_what_the_fix_removes() -> None:
     assert expected_gain("precision", shares, "cpu") == pytest.approx(0.04)
     # a CPU with bf16 in hardware: its own precision prior, and the CPU's loader prior still applies
     assert expected_gain("precision", shares, "cpu+bf16") == pytest.approx(0.12)
-    assert expected_gain("dataloader", shares, "cpu+bf16") == expected_gain("dataloader", shares, "cpu") == \
-        pytest.approx(0.25)
+    assert (
+        expected_gain("dataloader", shares, "cpu+bf16")
+        == expected_gain("dataloader", shares, "cpu")
+        == pytest.approx(0.25)
+    )
     assert expected_gain("my_fix", shares) is None
-    assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == \
-        ["dataloader", "compile", "optimizer_foreach", "my_fix"]
+    assert rank_by_expected_gain(["optimizer_foreach", "my_fix", "compile", "dataloader"], shares) == [
+        "dataloader",
+        "compile",
+        "optimizer_foreach",
+        "my_fix",
+    ]
     # the micro-batch first, whatever the priors: bf16 at micro-batch 4 is not bf16 at 32
     fwd = {"forward": 0.5, "backward": 0.4, "other": 0.1}
     assert expected_gain("precision", fwd, "cpu+bf16") > expected_gain("micro_batch", fwd, "cpu+bf16")
-    assert rank_by_expected_gain(["precision", "fused_attention", "micro_batch"], fwd, "cpu+bf16") == \
-        ["micro_batch", "precision", "fused_attention"]
+    assert rank_by_expected_gain(["precision", "fused_attention", "micro_batch"], fwd, "cpu+bf16") == [
+        "micro_batch",
+        "precision",
+        "fused_attention",
+    ]
 
 
 def test_a_held_change_that_no_longer_applies_is_dropped_from_the_bundle() -> None:

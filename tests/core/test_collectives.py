@@ -48,12 +48,14 @@ def test_a_rank_that_hangs_or_died_fails_the_others_in_bounded_time_naming_it(mo
     script.write_text(SCRIPT)
     port = str(_port())
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    peer = subprocess.Popen([sys.executable, str(script), "1", mode, port], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    peer = subprocess.Popen(
+        [sys.executable, str(script), "1", mode, port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(script), "0", mode, port], env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(script), "0", mode, port], env=env, capture_output=True, text=True, timeout=120
+        )
         elapsed = time.perf_counter() - start
     finally:
         peer.kill()

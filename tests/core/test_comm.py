@@ -17,11 +17,11 @@ def test_exposed_time_is_last_completion_minus_last_launch():
 
     timed = timed_comm_hook(hook, rec)
     clock.t = 1.0
-    f1 = timed(None, torch.ones(3))       # first bucket launched during backward
+    f1 = timed(None, torch.ones(3))  # first bucket launched during backward
     clock.t = 1.5
     pending[0][0].set_result(pending[0][1] * 2)  # ... and finished, hidden behind backward
     clock.t = 2.0
-    f2 = timed(None, torch.ones(2))       # last bucket: local backward is done
+    f2 = timed(None, torch.ones(2))  # last bucket: local backward is done
     clock.t = 2.75
     pending[1][0].set_result(pending[1][1])
     assert torch.equal(f1.wait(), torch.full((3,), 2.0)) and torch.equal(f2.wait(), torch.ones(2))

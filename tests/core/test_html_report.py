@@ -51,29 +51,74 @@ def full_report():
     report = make()
     for i, w in enumerate(report.timeline):  # throughput per window, the second one faster
         w["samples_per_sec"] = 100.0 * (i + 1)
-    report.findings = [Finding("data_wait", "data", "waiting 46 %", "DataLoaderTuner()", 0.46, saving=0.40),
-                       Finding("validation_heavy", "validation", "validation 25 % of the fit",
-                               "Trainer(val_check_interval=200)", 0.25, kind="fit", saving=0.12)]
-    report.fit = {"seconds": {"startup": 2.0, "train": 10.0, "validation": 3.0, "checkpoint": 0.5},
-                  "wall": 15.5, "counts": {}, "train_batches": 40}
-    report.smells = [Finding("optimizer_not_foreach", "optimizer", "Adam(foreach=False)", "foreach=True", 1.0,
-                             kind="smell")]
+    report.findings = [
+        Finding("data_wait", "data", "waiting 46 %", "DataLoaderTuner()", 0.46, saving=0.40),
+        Finding(
+            "validation_heavy",
+            "validation",
+            "validation 25 % of the fit",
+            "Trainer(val_check_interval=200)",
+            0.25,
+            kind="fit",
+            saving=0.12,
+        ),
+    ]
+    report.fit = {
+        "seconds": {"startup": 2.0, "train": 10.0, "validation": 3.0, "checkpoint": 0.5},
+        "wall": 15.5,
+        "counts": {},
+        "train_batches": 40,
+    }
+    report.smells = [
+        Finding("optimizer_not_foreach", "optimizer", "Adam(foreach=False)", "foreach=True", 1.0, kind="smell")
+    ]
     return report
 
 
-PLAN = {"trials": [{"index": 1, "name": "dataloader", "change": "num_workers=4", "samples_per_sec": 180.0,
-                    "vs_baseline": 1.8, "kept": True, "reason": "1.80x, lower bound 1.62x", "ratio": 1.8},
-                   {"index": 2, "name": "compile", "change": "torch.compile", "samples_per_sec": 178.0,
-                    "vs_baseline": 0.99, "kept": False, "reason": "no gain beyond the noise", "ratio": 0.99}],
-        "baseline_samples_per_sec": 100.0, "final_samples_per_sec": 180.0, "noise": 0.03, "search_seconds": 12.5}
+PLAN = {
+    "trials": [
+        {
+            "index": 1,
+            "name": "dataloader",
+            "change": "num_workers=4",
+            "samples_per_sec": 180.0,
+            "vs_baseline": 1.8,
+            "kept": True,
+            "reason": "1.80x, lower bound 1.62x",
+            "ratio": 1.8,
+        },
+        {
+            "index": 2,
+            "name": "compile",
+            "change": "torch.compile",
+            "samples_per_sec": 178.0,
+            "vs_baseline": 0.99,
+            "kept": False,
+            "reason": "no gain beyond the noise",
+            "ratio": 0.99,
+        },
+    ],
+    "baseline_samples_per_sec": 100.0,
+    "final_samples_per_sec": 180.0,
+    "noise": 0.03,
+    "search_seconds": 12.5,
+}
 
 
 def test_the_page_holds_every_section_in_reading_order_and_loads_nothing():
     text = render_html(full_report(), baseline=make(data=0.1, sps=50.0), plan=PLAN)
     page = parse(text)
     assert page.headings[0] == "lightning-accel run report"
-    order = ["Findings, largest saving first", "Step breakdown", "Over time", "The fit's phases", "Code smells",
-             "The Autopilot's trials", "Against the baseline", "Notes"]
+    order = [
+        "Findings, largest saving first",
+        "Step breakdown",
+        "Over time",
+        "The fit's phases",
+        "Code smells",
+        "The Autopilot's trials",
+        "Against the baseline",
+        "Notes",
+    ]
     assert [h for h in page.headings if h in order] == order
     # self-contained: no script, no stylesheet link, no image or font fetched from anywhere
     assert page.external == [] and "script" not in page.tags and "link" not in page.tags
@@ -108,8 +153,15 @@ def test_user_text_is_escaped():
 def test_an_attribution_in_the_report_gets_its_section():
     report = full_report()
     data = report.to_dict()
-    data["attribution"] = {"modules": [{"module": "model.blocks.0.attn", "share": 0.42,
-                                        "ops": [{"name": "aten::bmm", "share": 0.3, "shapes": "[8, 64, 64]"}]}]}
+    data["attribution"] = {
+        "modules": [
+            {
+                "module": "model.blocks.0.attn",
+                "share": 0.42,
+                "ops": [{"name": "aten::bmm", "share": 0.3, "shapes": "[8, 64, 64]"}],
+            }
+        ]
+    }
     page = render_html(DoctorReport.from_dict(data)) if "attribution" in DoctorReport.__dataclass_fields__ else None
     if page is None:  # the report has no attribution field yet: the section reads the dict it is given
         from lightning_accel.core.html_report import _attribution_section
@@ -143,21 +195,51 @@ def test_the_command_writes_the_page_with_baseline_and_plan(tmp_path):
     plan = AutopilotPlan(**{k: v for k, v in PLAN.items()})
     plan.save(tmp_path / "plan.json")
     assert json.loads((tmp_path / "plan.json").read_text())["trials"][0]["name"] == "dataloader"
-    proc = subprocess.run([sys.executable, "-m", "lightning_accel.cli", "report", str(tmp_path / "new.json"),
-                           "--baseline", str(tmp_path / "old.json"), "--plan", str(tmp_path / "plan.json"),
-                           "--html", str(tmp_path / "out.html")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_accel.cli",
+            "report",
+            str(tmp_path / "new.json"),
+            "--baseline",
+            str(tmp_path / "old.json"),
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--html",
+            str(tmp_path / "out.html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     page = parse((tmp_path / "out.html").read_text())
     assert "The Autopilot's trials" in page.headings and "Against the baseline" in page.headings
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
-                    reason="no headless chromium (apt-get install chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
+    reason="no headless chromium (apt-get install chromium)",
+)
 def test_a_headless_browser_loads_the_page_without_console_errors(tmp_path):
     path = write_html(full_report(), tmp_path / "run.html", baseline=make(data=0.1), plan=PLAN)
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-                           "--v=0", "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--dump-dom",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Findings, largest saving first" in proc.stdout  # the DOM it built
     console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]

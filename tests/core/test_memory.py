@@ -73,16 +73,19 @@ def test_from_model_counts_shared_parameters_once():
         estimate_zero_memory.from_model(model, 4, 2, num_params=5)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"num_params": -1}, "num_params=-1"),
-    ({"num_params": 1.5}, "num_params=1.5"),
-    ({"num_devices": 0}, "num_devices=0"),
-    ({"stage": 4}, "stages are 0, 1, 2 and 3"),
-    ({"offload_optimizer": "gpu"}, "offload_optimizer='gpu'"),
-    ({"stage": 0, "offload_optimizer": "cpu"}, "stage >= 1"),
-    ({"stage": 2, "offload_params": "cpu"}, "needs ZeRO stage 3"),
-    ({"optimizer_bytes_per_param": -4}, "optimizer_bytes_per_param=-4"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_params": -1}, "num_params=-1"),
+        ({"num_params": 1.5}, "num_params=1.5"),
+        ({"num_devices": 0}, "num_devices=0"),
+        ({"stage": 4}, "stages are 0, 1, 2 and 3"),
+        ({"offload_optimizer": "gpu"}, "offload_optimizer='gpu'"),
+        ({"stage": 0, "offload_optimizer": "cpu"}, "stage >= 1"),
+        ({"stage": 2, "offload_params": "cpu"}, "needs ZeRO stage 3"),
+        ({"optimizer_bytes_per_param": -4}, "optimizer_bytes_per_param=-4"),
+    ],
+)
 def test_bad_input_is_rejected_with_the_value(kwargs, match):
     args = {"num_params": 10, "num_devices": 2, "stage": 1, **kwargs}
     with pytest.raises(ValueError, match=match):

@@ -114,8 +114,14 @@ def test_comm_recorder_opens_a_communication_range_per_bucket_closed_on_completi
     timed = timed_comm_hook(hook, recorder)
     for bucket in range(3):
         assert timed(None, torch.ones(bucket + 1)).wait().numel() == bucket + 1
-    assert [c[:2] for c in mock.calls] == [("start", "communication"), ("end", 1), ("start", "communication"),
-                                           ("end", 2), ("start", "communication"), ("end", 3)]
+    assert [c[:2] for c in mock.calls] == [
+        ("start", "communication"),
+        ("end", 1),
+        ("start", "communication"),
+        ("end", 2),
+        ("start", "communication"),
+        ("end", 3),
+    ]
     assert mock.balanced()
 
 
@@ -146,8 +152,16 @@ def _loader():
 
 
 def _trainer(callbacks, steps=6):
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
 
 
 def test_bottleneck_doctor_nvtx_emits_the_stages_balanced(monkeypatch, tmp_path):
@@ -156,8 +170,16 @@ def test_bottleneck_doctor_nvtx_emits_the_stages_balanced(monkeypatch, tmp_path)
     mock = MockNvtx()
     monkeypatch.setattr(nvtx_module, "_default_backend", lambda: mock)
     monkeypatch.setattr(nvtx_module, "nvtx_unavailable", lambda: None)  # the mock is the backend
-    doctor = BottleneckDoctor(nvtx=True, window=2, warmup_batches=1, report_path=False, print_report=False,
-                              utilisation=False, smells=False, warn=False)
+    doctor = BottleneckDoctor(
+        nvtx=True,
+        window=2,
+        warmup_batches=1,
+        report_path=False,
+        print_report=False,
+        utilisation=False,
+        smells=False,
+        warn=False,
+    )
     _trainer([doctor]).fit(Tiny(), _loader())
     assert mock.balanced()
     assert {"data", "transfer", "forward", "backward", "optimizer"} <= set(mock.pushed())
@@ -194,8 +216,14 @@ def test_nsys_capture_opens_the_range_between_the_chosen_steps_on_the_chosen_ran
     _trainer([capture, spy]).fit(Tiny(), _loader())
     assert profiler.calls == ["start", "stop"] and capture.captured == [(2, 4)]
     # started before the batch that runs step 2, stopped after the one that runs step 3 (global_step then 4)
-    assert [calls for step, calls in spy.seen] == [[], [], ["start"], ["start", "stop"], ["start", "stop"],
-                                                   ["start", "stop"]]
+    assert [calls for step, calls in spy.seen] == [
+        [],
+        [],
+        ["start"],
+        ["start", "stop"],
+        ["start", "stop"],
+        ["start", "stop"],
+    ]
     other = MockProfiler()
     _trainer([NsysCapture(start_step=1, stop_step=2, ranks=(1,), profiler=other)]).fit(Tiny(), _loader())
     assert other.calls == []  # rank 0 is not among the chosen ranks
@@ -236,8 +264,16 @@ def test_doctor_and_autopilot_with_nvtx_but_no_support_warn_once_and_train(monke
 
     monkeypatch.setitem(sys.modules, "nvtx", None)
     monkeypatch.setattr(torch.version, "cuda", None)  # as on a CPU-only build, whatever this test runs on
-    doctor = BottleneckDoctor(nvtx=True, window=2, warmup_batches=1, report_path=False, print_report=False,
-                              utilisation=False, smells=False, warn=False)
+    doctor = BottleneckDoctor(
+        nvtx=True,
+        window=2,
+        warmup_batches=1,
+        report_path=False,
+        print_report=False,
+        utilisation=False,
+        smells=False,
+        warn=False,
+    )
     autopilot = Autopilot(nvtx=True, budget_seconds=0.0, save_plan=False, print_summary=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

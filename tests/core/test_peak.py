@@ -44,8 +44,15 @@ def test_table_resolves_real_device_names(name, dtype, expected):
         assert get_peak_flops(torch.device("cuda", 0), dtype) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("Tesla V100-SXM2-32GB", torch.bfloat16), ("Tesla T4", "bf16"),
-                                             ("NVIDIA A100-SXM4-80GB", "fp8"), ("Tesla T4", "tf32")])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("Tesla V100-SXM2-32GB", torch.bfloat16),
+        ("Tesla T4", "bf16"),
+        ("NVIDIA A100-SXM4-80GB", "fp8"),
+        ("Tesla T4", "tf32"),
+    ],
+)
 def test_dtype_the_chip_lacks_is_none(name, dtype):
     assert get_peak_flops(name, dtype) is None
 
@@ -101,14 +108,19 @@ def hardware(flops):
     return peak.PeakFlops(flops, "hardware", f"hardware: 2 cores x 2.25 GHz x 32 fp32 FLOP/cycle = {flops:g}")
 
 
-@pytest.mark.parametrize(("hardware_flops", "probe_flops", "source", "expected", "says"), [
-    (100e9, 80e9, "hardware", 100e9, "the probe reached 80 % of it"),  # a probe under load reads low: not used
-    (100e9, 120e9, "measured", 120e9, "above the hardware figure (2 cores x 2.25 GHz"),  # turbo: the probe wins
-    (100e9, None, "hardware", 100e9, "hardware: 2 cores"),  # measure=False
-])
+@pytest.mark.parametrize(
+    ("hardware_flops", "probe_flops", "source", "expected", "says"),
+    [
+        (100e9, 80e9, "hardware", 100e9, "the probe reached 80 % of it"),  # a probe under load reads low: not used
+        (100e9, 120e9, "measured", 120e9, "above the hardware figure (2 cores x 2.25 GHz"),  # turbo: the probe wins
+        (100e9, None, "hardware", 100e9, "hardware: 2 cores"),  # measure=False
+    ],
+)
 def test_cpu_peak_is_the_larger_of_hardware_and_probe(hardware_flops, probe_flops, source, expected, says):
-    with mock.patch.object(peak, "cpu_hardware_peak", return_value=hardware(hardware_flops)), \
-            mock.patch.object(peak, "measure_peak_flops", return_value=probe_flops):
+    with (
+        mock.patch.object(peak, "cpu_hardware_peak", return_value=hardware(hardware_flops)),
+        mock.patch.object(peak, "measure_peak_flops", return_value=probe_flops),
+    ):
         got = resolve_peak_flops("cpu", "fp32", measure=probe_flops is not None)
     assert (got.source, got.flops) == (source, expected)
     assert says in got.detail
@@ -116,16 +128,30 @@ def test_cpu_peak_is_the_larger_of_hardware_and_probe(hardware_flops, probe_flop
 
 # ---------------------------------------------------------------------- the CPU's hardware peak from /proc/cpuinfo
 
-def x86(n, *, vendor="GenuineIntel", family=6, model=106, name="Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz",
-        mhz="2900.000", flags="fpu sse sse2 avx fma avx2 avx512f", core=None):
-    return (f"processor\t: {n}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
-            f"model name\t: {name}\ncpu MHz\t\t: {mhz}\nphysical id\t: 0\ncore id\t\t: {n if core is None else core}\n"
-            f"flags\t\t: {flags}\n")
+
+def x86(
+    n,
+    *,
+    vendor="GenuineIntel",
+    family=6,
+    model=106,
+    name="Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz",
+    mhz="2900.000",
+    flags="fpu sse sse2 avx fma avx2 avx512f",
+    core=None,
+):
+    return (
+        f"processor\t: {n}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        f"model name\t: {name}\ncpu MHz\t\t: {mhz}\nphysical id\t: 0\ncore id\t\t: {n if core is None else core}\n"
+        f"flags\t\t: {flags}\n"
+    )
 
 
 def arm(n, part, features="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp"):
-    return (f"processor\t: {n}\nBogoMIPS\t: 243.75\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
-            f"CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {part}\nCPU revision\t: 1\n")
+    return (
+        f"processor\t: {n}\nBogoMIPS\t: 243.75\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
+        f"CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {part}\nCPU revision\t: 1\n"
+    )
 
 
 def fake_cpu(tmp_path, blocks, max_khz=None):
@@ -142,48 +168,121 @@ ZEN2_FLAGS = "fpu sse sse2 ssse3 fma sse4_1 avx f16c avx2 sha_ni"
 CPUS = {
     # name: (blocks, cpufreq max kHz per cpu, threads, dtype, cores x Hz x FLOP/cycle, words the detail must hold)
     "Ice Lake-SP, 2 cores with SMT, cpufreq": (
-        [x86(0, core=0), x86(1, core=0), x86(2, core=1), x86(3, core=1)], {n: 3_500_000 for n in range(4)}, 4,
-        "fp32", 2 * 3.5e9 * 64, ["2 cores", "3.50 GHz (cpufreq max)", "64 fp32 FLOP/cycle", "AVX-512"]),
+        [x86(0, core=0), x86(1, core=0), x86(2, core=1), x86(3, core=1)],
+        {n: 3_500_000 for n in range(4)},
+        4,
+        "fp32",
+        2 * 3.5e9 * 64,
+        ["2 cores", "3.50 GHz (cpufreq max)", "64 fp32 FLOP/cycle", "AVX-512"],
+    ),
     "Ice Lake-SP fp64": (
-        [x86(0), x86(1)], {0: 3_500_000, 1: 3_500_000}, 2, "fp64", 2 * 3.5e9 * 32, ["32 fp64 FLOP/cycle"]),
+        [x86(0), x86(1)],
+        {0: 3_500_000, 1: 3_500_000},
+        2,
+        "fp64",
+        2 * 3.5e9 * 32,
+        ["32 fp64 FLOP/cycle"],
+    ),
     "Ice Lake-SP bf16 without bf16 instructions": (
-        [x86(0), x86(1)], {0: 3_500_000, 1: 3_500_000}, 2, "bf16", 2 * 3.5e9 * 64, ["runs on the fp32 FMA units"]),
+        [x86(0), x86(1)],
+        {0: 3_500_000, 1: 3_500_000},
+        2,
+        "bf16",
+        2 * 3.5e9 * 64,
+        ["runs on the fp32 FMA units"],
+    ),
     "Sapphire Rapids bf16 on AMX": (
-        [x86(0, flags="sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile", model=143)], {0: 3_800_000}, 1,
-        "bf16", 3.8e9 * 1024, ["1024 bf16 FLOP/cycle", "AMX-BF16"]),
+        [x86(0, flags="sse2 avx fma avx2 avx512f avx512_bf16 amx_bf16 amx_tile", model=143)],
+        {0: 3_800_000},
+        1,
+        "bf16",
+        3.8e9 * 1024,
+        ["1024 bf16 FLOP/cycle", "AMX-BF16"],
+    ),
     "AMD EPYC Zen 2 VM: no cpufreq, cpu MHz": (
-        [x86(n, vendor="AuthenticAMD", family=23, model=49, name="AMD EPYC", mhz="2245.780", flags=ZEN2_FLAGS)
-         for n in range(2)], None, 2, "fp32", 2 * 2245.780e6 * 32,
-        ["2 cores", "2.25 GHz (cpuinfo cpu MHz)", "32 fp32 FLOP/cycle", "AVX2 FMA"]),
+        [
+            x86(n, vendor="AuthenticAMD", family=23, model=49, name="AMD EPYC", mhz="2245.780", flags=ZEN2_FLAGS)
+            for n in range(2)
+        ],
+        None,
+        2,
+        "fp32",
+        2 * 2245.780e6 * 32,
+        ["2 cores", "2.25 GHz (cpuinfo cpu MHz)", "32 fp32 FLOP/cycle", "AVX2 FMA"],
+    ),
     "AMD Zen 1: 128-bit FMA pipes": (
         [x86(0, vendor="AuthenticAMD", family=23, model=1, name="AMD EPYC 7601", mhz="2200.000", flags=ZEN2_FLAGS)],
-        {0: 3_200_000}, 1, "fp32", 3.2e9 * 16, ["16 fp32 FLOP/cycle", "Zen/Zen+"]),
+        {0: 3_200_000},
+        1,
+        "fp32",
+        3.2e9 * 16,
+        ["16 fp32 FLOP/cycle", "Zen/Zen+"],
+    ),
     "AMD Zen 4: AVX-512 through 256-bit pipes, bf16 dot products": (
-        [x86(0, vendor="AuthenticAMD", family=25, model=17, name="AMD EPYC 9654", mhz="2400.000",
-             flags=ZEN2_FLAGS + " avx512f avx512_bf16")], {0: 3_700_000}, 1, "bf16", 3.7e9 * 64,
-        ["64 bf16 FLOP/cycle", "AVX512-BF16", "Zen 4"]),
+        [
+            x86(
+                0,
+                vendor="AuthenticAMD",
+                family=25,
+                model=17,
+                name="AMD EPYC 9654",
+                mhz="2400.000",
+                flags=ZEN2_FLAGS + " avx512f avx512_bf16",
+            )
+        ],
+        {0: 3_700_000},
+        1,
+        "bf16",
+        3.7e9 * 64,
+        ["64 bf16 FLOP/cycle", "AVX512-BF16", "Zen 4"],
+    ),
     "Sandy Bridge: AVX without FMA, base clock from the model name": (
         [x86(0, model=45, name="Intel(R) Xeon(R) CPU E5-2670 0 @ 2.60GHz", mhz="1200.000", flags="sse sse2 avx")],
-        None, 1, "fp32", 2.6e9 * 16, ["2.60 GHz (model name)", "16 fp32 FLOP/cycle", "without FMA"]),
+        None,
+        1,
+        "fp32",
+        2.6e9 * 16,
+        ["2.60 GHz (model name)", "16 fp32 FLOP/cycle", "without FMA"],
+    ),
     "SSE2 only": (
         [x86(0, model=23, name="Intel(R) Core(TM)2 Duo CPU E8400 @ 3.00GHz", mhz="3000.000", flags="sse sse2")],
-        None, 1, "fp32", 3.0e9 * 8, ["8 fp32 FLOP/cycle", "SSE2"]),
+        None,
+        1,
+        "fp32",
+        3.0e9 * 8,
+        ["8 fp32 FLOP/cycle", "SSE2"],
+    ),
     "threads limit the cores": (
-        [x86(n) for n in range(4)], {n: 2_000_000 for n in range(4)}, 1, "fp32", 2e9 * 64, ["1 core x"]),
+        [x86(n) for n in range(4)],
+        {n: 2_000_000 for n in range(4)},
+        1,
+        "fp32",
+        2e9 * 64,
+        ["1 core x"],
+    ),
     "aarch64 Neoverse N1 (Graviton2), cpufreq": (
-        [arm(n, "0xd0c") for n in range(2)], {0: 2_500_000, 1: 2_500_000}, 2, "fp32", 2 * 2.5e9 * 16,
-        ["2 cores", "16 fp32 FLOP/cycle", "Neoverse N1"]),
+        [arm(n, "0xd0c") for n in range(2)],
+        {0: 2_500_000, 1: 2_500_000},
+        2,
+        "fp32",
+        2 * 2.5e9 * 16,
+        ["2 cores", "16 fp32 FLOP/cycle", "Neoverse N1"],
+    ),
     "aarch64 Neoverse V1 (Graviton3) with SVE": (
-        [arm(0, "0xd40", features="fp asimd sve bf16")], {0: 2_600_000}, 1, "fp32", 2.6e9 * 32,
-        ["32 fp32 FLOP/cycle", "Neoverse V1"]),
+        [arm(0, "0xd40", features="fp asimd sve bf16")],
+        {0: 2_600_000},
+        1,
+        "fp32",
+        2.6e9 * 32,
+        ["32 fp32 FLOP/cycle", "Neoverse V1"],
+    ),
 }
 
 
 @pytest.mark.parametrize("case", CPUS, ids=list(CPUS))
 def test_cpu_hardware_peak_from_cpuinfo_and_cpufreq(tmp_path, case):
     blocks, khz, threads, dtype, expected, words = CPUS[case]
-    got = peak.cpu_hardware_peak(dtype, threads=threads, affinity=range(len(blocks)),
-                                 **fake_cpu(tmp_path, blocks, khz))
+    got = peak.cpu_hardware_peak(dtype, threads=threads, affinity=range(len(blocks)), **fake_cpu(tmp_path, blocks, khz))
     assert got.source == "hardware" and got.detail.startswith("hardware: ")
     assert got.flops == pytest.approx(expected)
     for word in words:
@@ -200,8 +299,11 @@ UNKNOWN = {
     "aarch64 part not in the table": ([arm(0, "0xd03")], {0: 1_500_000}, "fp32"),
     "aarch64 without a clock": ([arm(0, "0xd0c")], None, "fp32"),
     "aarch64 bf16": ([arm(0, "0xd40", features="fp asimd sve bf16")], {0: 2_600_000}, "bf16"),
-    "ppc64le": (["processor\t: 0\ncpu\t\t: POWER9 (raw), altivec supported\nclock\t\t: 3800.000000MHz\n"], None,
-                "fp32"),
+    "ppc64le": (
+        ["processor\t: 0\ncpu\t\t: POWER9 (raw), altivec supported\nclock\t\t: 3800.000000MHz\n"],
+        None,
+        "fp32",
+    ),
     "x86 fp8": ([x86(0)], {0: 3_000_000}, "fp8"),
     "no cpuinfo": ([], None, "fp32"),
 }
@@ -216,7 +318,9 @@ def test_unknown_cpu_has_no_hardware_figure_and_the_probe_is_the_peak(tmp_path, 
     assert peak.cpu_hardware_peak(dtype, threads=1, affinity={0}, **paths) is None
     if dtype == "fp32":
         on_this_cpu = functools.partial(peak.cpu_hardware_peak, threads=1, affinity={0}, **paths)
-        with mock.patch.object(peak, "cpu_hardware_peak", on_this_cpu), \
-                mock.patch.object(peak, "measure_peak_flops", return_value=3e10):
+        with (
+            mock.patch.object(peak, "cpu_hardware_peak", on_this_cpu),
+            mock.patch.object(peak, "measure_peak_flops", return_value=3e10),
+        ):
             got = resolve_peak_flops("cpu", dtype)
         assert got.source == "measured" and got.flops == 3e10 and got.detail.startswith("probe: ")

@@ -29,8 +29,9 @@ def test_the_innermost_phase_gets_the_time():
     fit.stop()
     out = fit.breakdown(train_seconds=9.5, train_batches=100)
     assert out.wall == 17.0 and set(out.seconds) == set(FIT_PHASES)
-    assert out.seconds == pytest.approx({"startup": 2.5, "train": 9.5, "validation": 2.5, "checkpoint": 1.0,
-                                         "other": 1.5})
+    assert out.seconds == pytest.approx(
+        {"startup": 2.5, "train": 9.5, "validation": 2.5, "checkpoint": 1.0, "other": 1.5}
+    )
     assert out.counts == {"validation": 1, "sanity_check": 1, "checkpoint": 1} and out.sanity_seconds == 0.5
     assert FitBreakdown.from_dict(out.to_dict()) == out
     with pytest.raises(ValueError, match="startup"):
@@ -89,8 +90,9 @@ def test_a_phase_with_a_tail_in_the_training_batches_is_judged_with_it():
 
 
 def test_phase_cadences_from_the_settings_else_from_the_fit():
-    ctx = RunContext(log_every_n_steps=50, checkpoint_every_n_train_steps=20, val_check_interval=100,
-                     accumulate_grad_batches=4)
+    ctx = RunContext(
+        log_every_n_steps=50, checkpoint_every_n_train_steps=20, val_check_interval=100, accumulate_grad_batches=4
+    )
     # step counts are optimizer steps: 4 batches each; an int val_check_interval counts batches
     assert phase_cadences(ctx) == {"logging": 200, "checkpoint": 80, "validation": 100}
     measured = fit_with(counts={"validation": 4, "checkpoint": 10})  # 200 training batches

@@ -46,8 +46,14 @@ def structured_batches(n: int) -> list[Any]:
     out = []
     for i in range(n):
         x = torch.full((2, 3), float(i))
-        out.append({"pair": Pair(x, torch.tensor([i, i])), "sample": Sample(x * 2, torch.tensor(i), f"s{i}"),
-                    "ids": [i, "text", None], "nested": (x + 1, {"k": 3.5})})
+        out.append(
+            {
+                "pair": Pair(x, torch.tensor([i, i])),
+                "sample": Sample(x * 2, torch.tensor(i), f"s{i}"),
+                "ids": [i, "text", None],
+                "nested": (x + 1, {"k": 3.5}),
+            }
+        )
     return out
 
 
@@ -72,6 +78,7 @@ def assert_same(a: Any, b: Any) -> None:
 
 # --- map_tensors -------------------------------------------------------------------------------------------------
 
+
 def test_map_tensors_keeps_structure_and_non_tensor_leaves():
     batch = structured_batches(1)[0]
     batch["od"] = OrderedDict(a=torch.ones(1))
@@ -87,6 +94,7 @@ def test_map_tensors_keeps_structure_and_non_tensor_leaves():
 
 
 # --- CPU prefetching ---------------------------------------------------------------------------------------------
+
 
 def test_same_batches_same_order_any_structure_over_epochs():
     batches = structured_batches(7)
@@ -255,11 +263,14 @@ def test_empty_loader():
     assert wait_for(lambda: not prefetch_threads())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
-    ({"depth": True}, r"depth=True\): use an integer >= 1"),
-    ({"device": "meta"}, "only 'cpu' and 'cuda'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"depth": 0}, r"depth=0\): use an integer >= 1 \(batches\), e.g. depth=2"),
+        ({"depth": True}, r"depth=True\): use an integer >= 1"),
+        ({"device": "meta"}, "only 'cpu' and 'cuda'"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrefetchingLoader([1], **kwargs)
@@ -268,6 +279,7 @@ def test_bad_arguments(kwargs, match):
 
 
 # --- CUDA path, structure handling with mocks ---------------------------------------------------------------------
+
 
 class FakeStream:
     def __init__(self, name):
@@ -288,8 +300,14 @@ class FakeEvent:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    log: dict[str, Any] = {"active_stream": [], "pinned": [], "copied": [], "record_stream": [], "current": None,
-                           "allow_unpinned": False}
+    log: dict[str, Any] = {
+        "active_stream": [],
+        "pinned": [],
+        "copied": [],
+        "record_stream": [],
+        "current": None,
+        "allow_unpinned": False,
+    }
     side = FakeStream("side")
     current = FakeStream("compute")
     log["side"], log["current"] = side, current
@@ -388,6 +406,7 @@ def test_cpu_device_means_host_only(fake_cuda):
 
 # --- real CUDA ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_cuda_prefetch_real_device():
     data = [{"x": torch.randn(64, 128), "y": torch.arange(64), "meta": "m"} for _ in range(6)]
@@ -399,4 +418,3 @@ def test_cuda_prefetch_real_device():
         assert torch.equal(out["y"].cpu(), ref["y"])
     on_gpu = torch.ones(3, device="cuda")
     assert list(PrefetchingLoader([on_gpu], device="cuda"))[0] is on_gpu
-

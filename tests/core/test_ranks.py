@@ -7,14 +7,27 @@ from lightning_accel.core.rules import RunContext, diagnose
 
 
 def ms(**stages):
-    return {k: v / 1000 for k, v in {"data": 0, "transfer": 0, "forward": 0, "backward": 0, "optimizer": 0,
-                                      "communication": 0, "other": 0, **stages}.items()}
+    return {
+        k: v / 1000
+        for k, v in {
+            "data": 0,
+            "transfer": 0,
+            "forward": 0,
+            "backward": 0,
+            "optimizer": 0,
+            "communication": 0,
+            "other": 0,
+            **stages,
+        }.items()
+    }
 
 
 # rank 1 waits 16 ms for data; ranks 0 and 2 wait ~16 ms for rank 1 in the all-reduce
-SLOW_DATA = [ms(data=0.5, forward=2, backward=4, communication=16.5, other=0.5),
-             ms(data=16.5, forward=2, backward=4, communication=0.5, other=0.5),
-             ms(data=0.5, forward=2, backward=4, communication=16.5, other=0.5)]
+SLOW_DATA = [
+    ms(data=0.5, forward=2, backward=4, communication=16.5, other=0.5),
+    ms(data=16.5, forward=2, backward=4, communication=0.5, other=0.5),
+    ms(data=0.5, forward=2, backward=4, communication=16.5, other=0.5),
+]
 
 
 def test_the_straggler_is_named_with_its_stage_and_the_others_wait():
@@ -29,8 +42,10 @@ def test_the_straggler_is_named_with_its_stage_and_the_others_wait():
 
 
 def test_balanced_ranks_have_no_straggler():
-    even = [ms(data=1, forward=5, backward=10, communication=2),
-            ms(data=1.2, forward=5.1, backward=10, communication=1.9)]
+    even = [
+        ms(data=1, forward=5, backward=10, communication=2),
+        ms(data=1.2, forward=5.1, backward=10, communication=1.9),
+    ]
     assert find_stragglers(even) == [] and find_stragglers(even[:1]) == []
 
 
@@ -59,8 +74,10 @@ def test_bad_rank_rows_raise():
 
 # rank 1 loads its batches 16 ms slower; its own all-reduce (4 ms, what the network costs) is above the 15 %
 # communication threshold of the 25.5 ms step, and rank 0 waits 16 ms more for rank 1 in it
-OWN_COMM_ABOVE = [ms(data=0.5, forward=2, backward=2, optimizer=0.5, communication=20, other=0.5),
-                  ms(data=16.5, forward=2, backward=2, optimizer=0.5, communication=4, other=0.5)]
+OWN_COMM_ABOVE = [
+    ms(data=0.5, forward=2, backward=2, optimizer=0.5, communication=20, other=0.5),
+    ms(data=16.5, forward=2, backward=2, optimizer=0.5, communication=4, other=0.5),
+]
 
 
 def _shares(rank_seconds):
@@ -84,8 +101,10 @@ def test_the_straggler_comes_first_and_the_network_keeps_only_its_own_cost():
 
 def test_a_loader_slow_on_every_rank_and_a_straggler_are_two_findings_sized_by_what_each_fix_saves():
     # every rank waits 6 ms per batch for data; rank 1 waits 12 ms more, and rank 0 waits for it in the all-reduce
-    ranks = [ms(data=6, forward=2, backward=2, optimizer=0.5, communication=12.5, other=0.5),
-             ms(data=18, forward=2, backward=2, optimizer=0.5, communication=0.5, other=0.5)]
+    ranks = [
+        ms(data=6, forward=2, backward=2, optimizer=0.5, communication=12.5, other=0.5),
+        ms(data=18, forward=2, backward=2, optimizer=0.5, communication=0.5, other=0.5),
+    ]
     ctx = RunContext(world_size=2, communication_measured=True, num_workers=0)
     findings = diagnose(_shares(ranks), ctx, rank_seconds=ranks).findings
     assert [f.rule for f in findings] == ["straggler", "data_wait"]

@@ -11,16 +11,27 @@ def make(bottleneck="data", data=0.46, sps=100.0, mfu=0.1, findings=True):
     shares.update(data=data, forward=(1 - data) * 0.4, backward=(1 - data) * 0.6)
     step = 0.05
     return DoctorReport(
-        bottleneck=bottleneck, shares=shares, stage_seconds={k: v * step for k, v in shares.items()},
-        step_seconds=step, batches=40, windows=2, world_size=1, samples_per_sec=sps, mfu=mfu,
+        bottleneck=bottleneck,
+        shares=shares,
+        stage_seconds={k: v * step for k, v in shares.items()},
+        step_seconds=step,
+        batches=40,
+        windows=2,
+        world_size=1,
+        samples_per_sec=sps,
+        mfu=mfu,
         utilisation={"cpu_process_pct": 98.0, "cpu_workers_pct": 0.0},
         findings=[Finding("data_wait", "data", "waiting 46 %", "DataLoader(num_workers=4)", data)] if findings else [],
         skipped=[SkippedRule("gpu_utilisation", "no GPU in use")],
         context=RunContext(device_type="cpu", num_workers=0, device_capability=(8, 0)),
         precision={"loss_scale": 65536.0, "skipped_steps": 1, "total_steps": 40},
-        timeline=[{"batch": 20, "shares": shares, "step_seconds": step},
-                  {"batch": 40, "shares": shares, "step_seconds": step}],
-        notes=["a note"], thresholds={"data_share": 0.1})
+        timeline=[
+            {"batch": 20, "shares": shares, "step_seconds": step},
+            {"batch": 40, "shares": shares, "step_seconds": step},
+        ],
+        notes=["a note"],
+        thresholds={"data_share": 0.1},
+    )
 
 
 def test_json_round_trip(tmp_path):
@@ -101,11 +112,16 @@ def test_plot_without_matplotlib_raises_with_the_install_line(tmp_path, monkeypa
 def test_v2_fields_round_trip_show_in_the_table_and_compare(tmp_path):
     from rich.console import Console
 
-    fit = {"seconds": {"startup": 1.0, "train": 4.0, "validation": 5.0, "checkpoint": 0.0, "other": 0.0},
-           "wall": 10.0, "counts": {"validation": 9, "sanity_check": 0, "checkpoint": 0}, "sanity_seconds": 0.0,
-           "train_batches": 90}
-    heavy = Finding("validation_heavy", "validation", "validation takes 5.00 s", "Trainer(val_check_interval=95)",
-                    0.55, kind="fit")
+    fit = {
+        "seconds": {"startup": 1.0, "train": 4.0, "validation": 5.0, "checkpoint": 0.0, "other": 0.0},
+        "wall": 10.0,
+        "counts": {"validation": 9, "sanity_check": 0, "checkpoint": 0},
+        "sanity_seconds": 0.0,
+        "train_batches": 90,
+    }
+    heavy = Finding(
+        "validation_heavy", "validation", "validation takes 5.00 s", "Trainer(val_check_interval=95)", 0.55, kind="fit"
+    )
     smell = Finding("optimizer_not_foreach", "optimizer", "Adam loops", "fused=True", 3.0, gain=3.0, kind="smell")
     before = make()
     before.fit, before.fit_findings, before.smells = fit, [heavy], [smell]
@@ -117,8 +133,16 @@ def test_v2_fields_round_trip_show_in_the_table_and_compare(tmp_path):
     console = Console(width=160, record=True)
     console.print(loaded.table())
     text = console.export_text()
-    for needle in ("whole fit: 10.00 s", "validation", "50.0 %", "per rank (ms / batch)", "p95 30.00 ms",
-                   "code smells (before the first step)", "previewed 3.00x", "fit 1. [validation]"):
+    for needle in (
+        "whole fit: 10.00 s",
+        "validation",
+        "50.0 %",
+        "per rank (ms / batch)",
+        "p95 30.00 ms",
+        "code smells (before the first step)",
+        "previewed 3.00x",
+        "fit 1. [validation]",
+    ):
         assert needle in text, needle
     after = make(data=0.04, findings=False)
     after.fit = {**fit, "seconds": {**fit["seconds"], "validation": 0.2, "train": 4.0}, "wall": 5.2}

@@ -4,8 +4,15 @@ import pytest
 
 from lightning_accel.core.rules import STAGES, RunContext, Thresholds, bottleneck_of, diagnose
 
-BALANCED = {"data": 0.03, "transfer": 0.01, "forward": 0.35, "backward": 0.5, "optimizer": 0.08,
-            "communication": 0.0, "other": 0.03}
+BALANCED = {
+    "data": 0.03,
+    "transfer": 0.01,
+    "forward": 0.35,
+    "backward": 0.5,
+    "optimizer": 0.08,
+    "communication": 0.0,
+    "other": 0.03,
+}
 
 
 def shares(**overrides):
@@ -15,8 +22,13 @@ def shares(**overrides):
 
 
 def gpu(**kw):
-    base = dict(device_type="cuda", device_name="NVIDIA A100-SXM4-80GB", device_capability=(8, 0),
-                compute_dtype="bf16", world_size=1)
+    base = dict(
+        device_type="cuda",
+        device_name="NVIDIA A100-SXM4-80GB",
+        device_capability=(8, 0),
+        compute_dtype="bf16",
+        world_size=1,
+    )
     base.update(kw)
     return RunContext(**base)
 
@@ -40,8 +52,7 @@ def test_balanced_cpu_run_has_no_finding_and_says_what_was_skipped():
     skipped = {s.rule: s.reason for s in d.skipped}
     assert skipped["gpu_utilisation"] == "no GPU in use"
     assert "single process" in skipped["communication"]
-    assert set(skipped) == {"gpu_utilisation", "fp32_compute", "communication", "memory", "launch_bound",
-                            "math_sdpa"}
+    assert set(skipped) == {"gpu_utilisation", "fp32_compute", "communication", "memory", "launch_bound", "math_sdpa"}
 
 
 def test_data_wait_fires_above_threshold_with_the_fix():
@@ -70,13 +81,15 @@ def test_data_wait_on_a_dali_pipeline_names_dali_settings_not_dataloader_ones():
     assert "decode_device='mixed'" in f.fix and "num_threads=4" in f.fix and "prefetch_queue_depth=3" in f.fix
     assert "DataLoader" not in f.fix and "num_workers" not in f.fix
     # on a CPU-only machine with every core in use: no GPU to move to, no idle core; the pixels are the work
-    (f,) = diagnose(shares(data=0.3, forward=0.7),
-                    RunContext(device_type="cpu", cpu_count=2, **{**dali, "prefetch_queue_depth": 4})).findings
+    (f,) = diagnose(
+        shares(data=0.3, forward=0.7), RunContext(device_type="cpu", cpu_count=2, **{**dali, "prefetch_queue_depth": 4})
+    ).findings
     assert "mixed" not in f.fix and "num_threads" not in f.fix and "prefetch_queue_depth" not in f.fix
     assert "pre-resize" in f.fix
     # already on nvJPEG: the Huffman stage runs on the CPU threads
-    (f,) = diagnose(shares(data=0.3, forward=0.7),
-                    gpu(cpu_count=16, **{**dali, "decode_device": "mixed", "loader_threads": 8})).findings
+    (f,) = diagnose(
+        shares(data=0.3, forward=0.7), gpu(cpu_count=16, **{**dali, "decode_device": "mixed", "loader_threads": 8})
+    ).findings
     assert "decode_device='mixed'" not in f.fix and "num_threads=16" in f.fix
     # a GPU idling for want of data: the utilisation finding gives the same DALI fix
     ctx = gpu(cpu_count=16, gpu_utilisation=0.5, **dali)
@@ -113,8 +126,14 @@ def test_communication_rule():
 
 
 def test_gpu_rules_fire_on_a_gpu_context():
-    ctx = gpu(compute_dtype="fp32", gpu_utilisation=0.55, mfu=0.05, sdpa_backend="math", memory_peak_fraction=0.95,
-              batch_size=4)
+    ctx = gpu(
+        compute_dtype="fp32",
+        gpu_utilisation=0.55,
+        mfu=0.05,
+        sdpa_backend="math",
+        memory_peak_fraction=0.95,
+        batch_size=4,
+    )
     d = diagnose(shares(forward=0.4, backward=0.4, data=0.05, other=0.15), ctx)
     by_rule = {f.rule: f for f in d.findings}
     assert set(by_rule) == {"gpu_utilisation", "fp32_compute", "memory", "launch_bound", "math_sdpa"}
@@ -127,8 +146,14 @@ def test_gpu_rules_fire_on_a_gpu_context():
 
 
 def test_gpu_rules_quiet_when_healthy():
-    ctx = gpu(compute_dtype="bf16", gpu_utilisation=0.97, mfu=0.45, sdpa_backend="flash", memory_peak_fraction=0.6,
-              batch_size=64)
+    ctx = gpu(
+        compute_dtype="bf16",
+        gpu_utilisation=0.97,
+        mfu=0.45,
+        sdpa_backend="flash",
+        memory_peak_fraction=0.6,
+        batch_size=64,
+    )
     assert diagnose(BALANCED, ctx).findings == []
 
 
@@ -157,8 +182,16 @@ def test_findings_are_ordered_by_what_their_fix_saves_and_bad_shares_raise():
 
 
 def test_each_rule_says_what_its_fix_saves():
-    ctx = gpu(compute_dtype="fp32", gpu_utilisation=0.55, mfu=0.05, sdpa_backend="math", memory_peak_fraction=0.95,
-              batch_size=4, world_size=2, communication_measured=True)
+    ctx = gpu(
+        compute_dtype="fp32",
+        gpu_utilisation=0.55,
+        mfu=0.05,
+        sdpa_backend="math",
+        memory_peak_fraction=0.95,
+        batch_size=4,
+        world_size=2,
+        communication_measured=True,
+    )
     d = diagnose(shares(forward=0.3, backward=0.3, transfer=0.12, communication=0.23, other=0.05), ctx)
     saving = {f.rule: f.saving for f in d.findings}
     assert saving["fp32_compute"] == pytest.approx(0.6 / 3)  # 1.5x on forward + backward
@@ -170,8 +203,14 @@ def test_each_rule_says_what_its_fix_saves():
     [comm] = [f for f in d.findings if f.rule == "communication"]
     assert "Meanwhile: GPU utilisation 55.0 % (threshold 90.0 %)" in comm.evidence
     # largest saving first; those that cannot say follow, in rule order
-    assert [f.rule for f in d.findings] == ["launch_bound", "communication", "fp32_compute", "transfer", "memory",
-                                            "math_sdpa"]
+    assert [f.rule for f in d.findings] == [
+        "launch_bound",
+        "communication",
+        "fp32_compute",
+        "transfer",
+        "memory",
+        "math_sdpa",
+    ]
 
 
 def test_time_another_finding_accounts_for_is_not_judged_again():

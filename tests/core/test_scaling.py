@@ -39,7 +39,8 @@ def test_ring_collectives_by_hand():
     assert allreduce_seconds(1e9, 1, LINK) == 0.0 and allgather_seconds(1e9, 1, LINK) == 0.0
     # reduce-scatter + all-gather = all-reduce (the ZeRO paper's 2Ψ for stages 1-2)
     assert reduce_scatter_seconds(5e8, 8, LINK) + allgather_seconds(5e8, 8, LINK) == pytest.approx(
-        allreduce_seconds(5e8, 8, LINK))
+        allreduce_seconds(5e8, 8, LINK)
+    )
 
 
 def test_ddp_overlap_and_last_bucket_by_hand():
@@ -89,21 +90,30 @@ def test_zero_volumes_follow_the_zero_paper():
     # 2/3 s, at least the last unit's reduce-scatter
     assert z3.exposed_s == pytest.approx((ag - 1 / 3) + max(rs, ag + rs - 2 / 3))
     # 10 units (blocks): 10 collectives of a tenth each: 9 more latencies, the same bytes; the last is a tenth
-    (z3u,) = project_scaling(ScalingWorkload(compute_s=1.0, params=250_000_000, units=10), LINK, n=[4],
-                             strategies=["zero3"])
+    (z3u,) = project_scaling(
+        ScalingWorkload(compute_s=1.0, params=250_000_000, units=10), LINK, n=[4], strategies=["zero3"]
+    )
     ag10 = rs10 = 0.753 + 9 * 3 * 1e-3
     assert z3u.comm_s == pytest.approx(2 * ag10 + rs10)
     assert z3u.exposed_s == pytest.approx((ag10 - 1 / 3) + max(3e-3 + 0.075, ag10 + rs10 - 2 / 3))
     # stage 1-2 reduce-scatter in buckets: 4 buckets of 250 MB -> 3 more latencies
-    (z2b,) = project_scaling(ScalingWorkload(compute_s=1.0, params=250_000_000, bucket_bytes=250e6), LINK, n=[4],
-                             strategies=["zero2"])
+    (z2b,) = project_scaling(
+        ScalingWorkload(compute_s=1.0, params=250_000_000, bucket_bytes=250e6), LINK, n=[4], strategies=["zero2"]
+    )
     assert z2b.comm_s == pytest.approx(rs + 3 * 3e-3 + ag)
 
 
 def test_tensor_parallel_times_data_parallel_by_hand():
     nvlink = Interconnect("fast", 100e9, 1e-5)
-    w = ScalingWorkload(compute_s=0.8, params=80_000_000, bucket_bytes=1e12, n_layers=2, hidden_size=1000,
-                        tokens_per_step=5000, activation_bytes=2)
+    w = ScalingWorkload(
+        compute_s=0.8,
+        params=80_000_000,
+        bucket_bytes=1e12,
+        n_layers=2,
+        hidden_size=1000,
+        tokens_per_step=5000,
+        activation_bytes=2,
+    )
     (p,) = project_scaling(w, LINK, n=[16], strategies=["tp"], tp_size=8, tp_interconnect=nvlink)
     act = 5000 * 1000 * 2  # 10 MB per all-reduce
     tp = 4 * 2 * (2 * 3 * 1e-5 + 2 * act / 100e9)  # the tree (0.26 ms) beats the ring (0.315 ms) at 10 MB
@@ -171,8 +181,10 @@ def test_topk_and_qsgd_are_all_gathers_that_pay_on_few_ranks_over_slow_links_and
 
     w = ScalingWorkload(compute_s=0.3, params=100_000_000, bucket_bytes=4e8)  # one bucket: exact arithmetic
     link = get_interconnect("25gbe")
-    by = {(p.strategy, p.n): p for p in project_scaling(w, link, n=(2, 8, 512),
-                                                        strategies=("ddp", "ddp_topk", "ddp_qsgd"))}
+    by = {
+        (p.strategy, p.n): p
+        for p in project_scaling(w, link, n=(2, 8, 512), strategies=("ddp", "ddp_topk", "ddp_qsgd"))
+    }
     # Top-K: each rank contributes 8 bytes per kept entry (fp32 value + int32 index), the all-gather delivers N of them
     assert by["ddp_topk", 8].comm_s == pytest.approx(allgather_seconds(8 * 0.01 * 1e8 * 8, 8, link))
     # QSGD: 4 bits + one fp32 norm per 128 entries, per rank

@@ -22,9 +22,24 @@ BUDGET = 0.8 * 80 * GiB
 class Curve:
     """Simulated step: peak = (fixed + per·b + quad·b²)·(1 ± noise); OOM above ``cliff`` or above ``capacity``."""
 
-    def __init__(self, fixed: float, per: float, quad: float = 0.0, noise: float = 0.0, cliff: int | None = None,
-                 capacity: float | None = None, seed: int = 0) -> None:
-        self.fixed, self.per, self.quad, self.noise, self.cliff, self.capacity = fixed, per, quad, noise, cliff, capacity
+    def __init__(
+        self,
+        fixed: float,
+        per: float,
+        quad: float = 0.0,
+        noise: float = 0.0,
+        cliff: int | None = None,
+        capacity: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.fixed, self.per, self.quad, self.noise, self.cliff, self.capacity = (
+            fixed,
+            per,
+            quad,
+            noise,
+            cliff,
+            capacity,
+        )
         self.rng = random.Random(seed)
         self.calls: list[int] = []
 
@@ -50,8 +65,10 @@ class Curve:
 def _never_failed(result) -> None:
     failed = {p.batch_size for p in result.probes if p.outcome != "ok"}
     assert result.batch_size not in failed
-    assert any(p.batch_size == result.batch_size and p.outcome == "ok" and p.peak_bytes <= result.budget_bytes
-               for p in result.probes)
+    assert any(
+        p.batch_size == result.batch_size and p.outcome == "ok" and p.peak_bytes <= result.budget_bytes
+        for p in result.probes
+    )
     assert all(result.batch_size < f for f in failed)
 
 
@@ -174,9 +191,16 @@ def test_is_oom_error() -> None:
     assert not is_oom_error(ValueError("out of memory"))
 
 
-@pytest.mark.parametrize("kwargs", [dict(budget_bytes=0), dict(budget_bytes=1e9, init_batch_size=0),
-                                    dict(budget_bytes=1e9, multiple_of=0), dict(budget_bytes=1e9, max_probes=1),
-                                    dict(budget_bytes=1e9, tolerance=0.7)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(budget_bytes=0),
+        dict(budget_bytes=1e9, init_batch_size=0),
+        dict(budget_bytes=1e9, multiple_of=0),
+        dict(budget_bytes=1e9, max_probes=1),
+        dict(budget_bytes=1e9, tolerance=0.7),
+    ],
+)
 def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         find_batch_size(Curve(1, 1), **kwargs)

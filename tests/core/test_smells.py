@@ -28,44 +28,75 @@ def test_tf32_off_on_an_ampere_gpu_in_fp32():
     found = find_smells(model, rules=["tf32_off"], float32_matmul_precision="highest", **gpu)
     assert rules(found) == {"tf32_off"} and "set_float32_matmul_precision('high')" in found.findings[0].fix
     assert rules(find_smells(model, rules=["tf32_off"], float32_matmul_precision="high", **gpu)) == set()
-    assert rules(find_smells(model, rules=["tf32_off"], float32_matmul_precision="highest",
-                             **{**gpu, "device_capability": (7, 0)})) == set()
+    assert (
+        rules(
+            find_smells(
+                model, rules=["tf32_off"], float32_matmul_precision="highest", **{**gpu, "device_capability": (7, 0)}
+            )
+        )
+        == set()
+    )
     assert "no GPU" in skipped(find_smells(model, rules=["tf32_off"], device_type="cpu"))["tf32_off"]
 
 
 def test_single_tensor_optimizer_carries_the_measured_gain():
     model = mlp(*[16] * 41)  # 80 small tensors: the per-tensor loop dominates
-    found = find_smells(model, [torch.optim.Adam(model.parameters(), lr=1e-3)], device_type="cpu",
-                        rules=["optimizer_not_foreach"])
+    found = find_smells(
+        model, [torch.optim.Adam(model.parameters(), lr=1e-3)], device_type="cpu", rules=["optimizer_not_foreach"]
+    )
     [finding] = found.findings
     assert finding.rule == "optimizer_not_foreach" and finding.stage == "optimizer" and finding.kind == "smell"
     assert finding.gain is not None and finding.gain >= 1.1
     assert "fused=True" in finding.fix and f"{finding.gain:.2f}x faster" in finding.evidence
     # the real parameters and state are untouched by the preview
     assert all(p.grad is None for p in model.parameters())
-    fused = find_smells(model, [torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)], device_type="cpu",
-                        rules=["optimizer_not_foreach"])
+    fused = find_smells(
+        model,
+        [torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)],
+        device_type="cpu",
+        rules=["optimizer_not_foreach"],
+    )
     assert fused.findings == [] and fused.skipped == []
     # on a GPU the for-loop is a smell without a preview; foreach=None is already foreach there
-    gpu = find_smells(model, [torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)], device_type="cuda",
-                      preview=False, rules=["optimizer_not_foreach"])
+    gpu = find_smells(
+        model,
+        [torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)],
+        device_type="cuda",
+        preview=False,
+        rules=["optimizer_not_foreach"],
+    )
     assert rules(gpu) == {"optimizer_not_foreach"} and gpu.findings[0].gain is None
-    default = find_smells(model, [torch.optim.Adam(model.parameters(), lr=1e-3)], device_type="cuda",
-                          preview=False, rules=["optimizer_not_foreach"])
+    default = find_smells(
+        model,
+        [torch.optim.Adam(model.parameters(), lr=1e-3)],
+        device_type="cuda",
+        preview=False,
+        rules=["optimizer_not_foreach"],
+    )
     assert default.findings == []
 
 
 def test_find_unused_parameters_when_every_parameter_gets_a_gradient():
     model = mlp(8, 8)
-    hit = find_smells(model, find_unused_parameters=True, every_param_got_grad=True,
-                      rules=["ddp_find_unused_parameters"])
+    hit = find_smells(
+        model, find_unused_parameters=True, every_param_got_grad=True, rules=["ddp_find_unused_parameters"]
+    )
     assert rules(hit) == {"ddp_find_unused_parameters"} and "find_unused_parameters=False" in hit.findings[0].fix
-    assert find_smells(model, find_unused_parameters=True, every_param_got_grad=False,
-                       rules=["ddp_find_unused_parameters"]).findings == []
-    assert "one backward" in skipped(find_smells(model, find_unused_parameters=True,
-                                                 rules=["ddp_find_unused_parameters"]))["ddp_find_unused_parameters"]
-    assert "not a DDP" in skipped(find_smells(model, rules=["ddp_find_unused_parameters"]))[
-        "ddp_find_unused_parameters"]
+    assert (
+        find_smells(
+            model, find_unused_parameters=True, every_param_got_grad=False, rules=["ddp_find_unused_parameters"]
+        ).findings
+        == []
+    )
+    assert (
+        "one backward"
+        in skipped(find_smells(model, find_unused_parameters=True, rules=["ddp_find_unused_parameters"]))[
+            "ddp_find_unused_parameters"
+        ]
+    )
+    assert (
+        "not a DDP" in skipped(find_smells(model, rules=["ddp_find_unused_parameters"]))["ddp_find_unused_parameters"]
+    )
 
 
 def test_batchnorm_with_small_micro_batches_under_accumulation():
@@ -76,10 +107,16 @@ def test_batchnorm_with_small_micro_batches_under_accumulation():
     assert "micro-batch of 4 samples" in finding.evidence and "effective batch 32" in finding.evidence
     assert "GroupNorm" in finding.fix
     assert find_smells(model, loader=loader, accumulate_grad_batches=1, rules=["batchnorm_accumulation"]).findings == []
-    assert find_smells(model, loader={"batch_size": 64}, accumulate_grad_batches=8,
-                       rules=["batchnorm_accumulation"]).findings == []
-    assert find_smells(mlp(4, 4), loader=loader, accumulate_grad_batches=8,
-                       rules=["batchnorm_accumulation"]).findings == []
+    assert (
+        find_smells(
+            model, loader={"batch_size": 64}, accumulate_grad_batches=8, rules=["batchnorm_accumulation"]
+        ).findings
+        == []
+    )
+    assert (
+        find_smells(mlp(4, 4), loader=loader, accumulate_grad_batches=8, rules=["batchnorm_accumulation"]).findings
+        == []
+    )
 
 
 def test_16_bit_matmul_dims_not_multiples_of_8():
@@ -87,11 +124,14 @@ def test_16_bit_matmul_dims_not_multiples_of_8():
     model = torch.nn.Sequential(torch.nn.Embedding(1001, 64), torch.nn.Linear(64, 1001))
     [finding] = find_smells(model, **gpu).findings
     assert "0 Embedding" not in finding.evidence and "1001x64" in finding.evidence and "50304" in finding.fix
-    assert find_smells(torch.nn.Sequential(torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 1024)),
-                       **gpu).findings == []
+    assert (
+        find_smells(torch.nn.Sequential(torch.nn.Embedding(1024, 64), torch.nn.Linear(64, 1024)), **gpu).findings == []
+    )
     assert find_smells(model, device_type="cuda", compute_dtype="fp32", rules=["dims_not_multiple_of_8"]).findings == []
-    assert "no GPU" in skipped(find_smells(model, device_type="cpu", rules=["dims_not_multiple_of_8"]))[
-        "dims_not_multiple_of_8"]
+    assert (
+        "no GPU"
+        in skipped(find_smells(model, device_type="cpu", rules=["dims_not_multiple_of_8"]))["dims_not_multiple_of_8"]
+    )
 
 
 class SlowData(Dataset):
@@ -140,8 +180,12 @@ class SlowFirstCall(Dataset):
 def test_a_slow_first_batch_is_timed_again_and_the_faster_reading_counts():
     loader = DataLoader(SlowFirstCall(), batch_size=4)
     assert loader_settings(loader, time_batch=True)["load_seconds"] < 0.005
-    assert find_smells(None, loader=DataLoader(SlowFirstCall(), batch_size=4), cpu_count=4,
-                       rules=["num_workers_zero"]).findings == []
+    assert (
+        find_smells(
+            None, loader=DataLoader(SlowFirstCall(), batch_size=4), cpu_count=4, rules=["num_workers_zero"]
+        ).findings
+        == []
+    )
 
 
 def test_pin_memory_and_persistent_workers():
@@ -149,18 +193,32 @@ def test_pin_memory_and_persistent_workers():
     gpu = find_smells(None, loader=unpinned, device_type="cuda", rules=["pin_memory_off", "persistent_workers_off"])
     assert rules(gpu) == {"pin_memory_off", "persistent_workers_off"}
     good = {"num_workers": 2, "pin_memory": True, "persistent_workers": True}
-    assert find_smells(None, loader=good, device_type="cuda",
-                       rules=["pin_memory_off", "persistent_workers_off"]).findings == []
+    assert (
+        find_smells(None, loader=good, device_type="cuda", rules=["pin_memory_off", "persistent_workers_off"]).findings
+        == []
+    )
     cpu = find_smells(None, loader=unpinned, device_type="cpu", rules=["pin_memory_off"])
     assert "no GPU" in skipped(cpu)["pin_memory_off"]
-    assert find_smells(None, loader={"num_workers": 0, "persistent_workers": False},
-                       rules=["persistent_workers_off"]).findings == []
+    assert (
+        find_smells(
+            None, loader={"num_workers": 0, "persistent_workers": False}, rules=["persistent_workers_off"]
+        ).findings
+        == []
+    )
 
 
 def test_hugging_face_model_on_eager_attention():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=8,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     model = transformers.GPT2LMHeadModel(config)
     [finding] = find_smells(model, rules=["hf_eager_attention"]).findings
     assert "GPT2LMHeadModel" in finding.evidence and "attn_implementation='sdpa'" in finding.fix
@@ -192,10 +250,16 @@ def test_bad_arguments_raise():
 def test_smells_on_a_real_gpu():
     model = mlp(*[64] * 41).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
-    found = find_smells(model, [opt], device_type="cuda", device_capability=torch.cuda.get_device_capability(),
-                        compute_dtype="fp32", float32_matmul_precision="highest",
-                        rules=["optimizer_not_foreach", "tf32_off", "pin_memory_off"],
-                        loader=DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=4))
+    found = find_smells(
+        model,
+        [opt],
+        device_type="cuda",
+        device_capability=torch.cuda.get_device_capability(),
+        compute_dtype="fp32",
+        float32_matmul_precision="highest",
+        rules=["optimizer_not_foreach", "tf32_off", "pin_memory_off"],
+        loader=DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=4),
+    )
     by_rule = {f.rule: f for f in found.findings}
     assert set(by_rule) == {"optimizer_not_foreach", "tf32_off", "pin_memory_off"}
     gain = by_rule["optimizer_not_foreach"].gain
@@ -207,8 +271,9 @@ def test_the_share_gate_lists_small_smells_in_the_report_only() -> None:
     from lightning_accel.core.findings import Finding
     from lightning_accel.core.smells import gate_smells, smell_share
 
-    optimizer = Finding("optimizer_not_foreach", "optimizer", "a for-loop step.", "foreach=True", 1.0, gain=3.4,
-                        kind="smell")
+    optimizer = Finding(
+        "optimizer_not_foreach", "optimizer", "a for-loop step.", "foreach=True", 1.0, gain=3.4, kind="smell"
+    )
     workers = Finding("num_workers_zero", "data", "num_workers=0.", "num_workers=2", 1.0, kind="smell")
     batchnorm = Finding("batchnorm_accumulation", "forward", "BN on micro-batches.", "GroupNorm", 1.0, kind="smell")
     demo = {"optimizer": 0.034, "data": 0.009, "forward": 0.5}  # the demo's shares

@@ -36,8 +36,9 @@ def test_warmup_is_not_measured_and_stages_are_exact():
     window = machine.close_window()
     assert window.batches == 3 and window.samples == 24 and window.first_batch == 2
     assert window.wall == pytest.approx(3.0)
-    assert window.seconds == pytest.approx({"data": 0.6, "transfer": 0.15, "forward": 0.6, "backward": 1.2,
-                                            "optimizer": 0.3, "communication": 0.0})
+    assert window.seconds == pytest.approx(
+        {"data": 0.6, "transfer": 0.15, "forward": 0.6, "backward": 1.2, "optimizer": 0.3, "communication": 0.0}
+    )
     shares = window.shares()
     assert set(shares) == set(STAGES) and sum(shares.values()) == pytest.approx(1.0)
     assert shares["other"] == pytest.approx(0.05) and shares["backward"] == pytest.approx(0.4)
@@ -111,12 +112,15 @@ def test_stage_end_with_a_name_only_closes_that_stage_and_cancel_drops_the_open_
     assert machine.close_window().seconds["forward"] == 0.0
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda m: m.stage_start("other"), "'other' is derived"),
-    (lambda m: m.stage_start("communication"), "add_seconds"),
-    (lambda m: m.add_seconds("gpu", 1.0), "add_seconds"),
-    (lambda m: StageMachine(warmup_batches=-1), "warmup_batches"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.stage_start("other"), "'other' is derived"),
+        (lambda m: m.stage_start("communication"), "add_seconds"),
+        (lambda m: m.add_seconds("gpu", 1.0), "add_seconds"),
+        (lambda m: StageMachine(warmup_batches=-1), "warmup_batches"),
+    ],
+)
 def test_bad_input_raises_with_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call(StageMachine(clock=Clock()))

@@ -41,8 +41,9 @@ def test_spikes_made_of_data_wait_are_bursty_data_stalls():
         steps[i], data[i] = 0.050, 0.0405
     stats = merge_windows([summarise_window(steps, data)])
     assert stats["spike_period"] == 0
-    finding = variability_finding(stats, RunContext(num_workers=2, persistent_workers=False),
-                                  Thresholds(variability=1.5))
+    finding = variability_finding(
+        stats, RunContext(num_workers=2, persistent_workers=False), Thresholds(variability=1.5)
+    )
     assert finding.stage == "data" and "bursty data stalls" in finding.evidence
     assert "prefetch_factor=4" in finding.fix and "persistent_workers=True" in finding.fix
 

@@ -15,8 +15,15 @@ from lightning_accel.core.window_log import (
 
 
 def window(batch, data=0.5, findings=()):
-    return {"event": "window", "batch": batch, "shares": {"data": data, "forward": 1 - data}, "step_ms": 20.0,
-            "samples_per_sec": 400.0 + batch, "mfu": 0.12, "findings": list(findings)}
+    return {
+        "event": "window",
+        "batch": batch,
+        "shares": {"data": data, "forward": 1 - data},
+        "step_ms": 20.0,
+        "samples_per_sec": 400.0 + batch,
+        "mfu": 0.12,
+        "findings": list(findings),
+    }
 
 
 def test_the_reader_returns_each_complete_line_once_and_waits_for_a_partial_one(tmp_path):
@@ -48,8 +55,12 @@ def test_the_writer_starts_a_new_log_per_fit_and_flushes_each_line(tmp_path):
 
 def test_the_state_follows_start_windows_and_end():
     state = LiveState()
-    for event in [{"event": "start", "world_size": 2}, window(4), window(8),
-                  {"event": "end", "status": "finished", "report": "r.html"}]:
+    for event in [
+        {"event": "start", "world_size": 2},
+        window(4),
+        window(8),
+        {"event": "end", "status": "finished", "report": "r.html"},
+    ]:
         state.apply(event)
     assert state.world_size == 2 and [w["batch"] for w in state.windows] == [4, 8]
     assert state.ended and state.status == "finished" and state.report == "r.html"

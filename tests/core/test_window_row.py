@@ -40,8 +40,9 @@ def test_an_unmeasured_rank_is_all_nan_and_says_so():
 
 
 def test_utilisation_reduction_takes_the_peak_of_peaks_and_the_mean_of_the_rest():
-    assert reduce_utilisation({"memory_peak_frac": [0.2, 0.7, 0.4], "cpu_process_pct": [10.0, 30.0],
-                               "gpu_util_pct": []}) == {"memory_peak_frac": 0.7, "cpu_process_pct": 20.0}
+    assert reduce_utilisation(
+        {"memory_peak_frac": [0.2, 0.7, 0.4], "cpu_process_pct": [10.0, 30.0], "gpu_util_pct": []}
+    ) == {"memory_peak_frac": 0.7, "cpu_process_pct": 20.0}
 
 
 def test_one_cpu_count_divided_among_ranks():

@@ -13,8 +13,9 @@ LEVELS = ((30, 90, 150, 210), (40, 120, 200), (60, 180))
 PALETTE = np.array([(r, g, b) for r in LEVELS[0] for g in LEVELS[1] for b in LEVELS[2]], dtype=np.float64)
 
 
-def write_solid_folder(root: Path, *, num_classes: int = 3, per_class: int = 8, size: tuple[int, int] = (48, 40),
-                       fmt: str = "jpg") -> dict[str, tuple[int, int]]:
+def write_solid_folder(
+    root: Path, *, num_classes: int = 3, per_class: int = 8, size: tuple[int, int] = (48, 40), fmt: str = "jpg"
+) -> dict[str, tuple[int, int]]:
     """``root/class_k/img_i.<fmt>``, each a solid colour from PALETTE; returns name -> (palette id, label)."""
     from PIL import Image
 
@@ -27,8 +28,9 @@ def write_solid_folder(root: Path, *, num_classes: int = 3, per_class: int = 8, 
             pid = label * per_class + i
             name = f"class_{label}/img_{i}.{fmt}"
             pixels = np.broadcast_to(PALETTE[pid].astype(np.uint8), (size[1], size[0], 3)).copy()
-            Image.fromarray(pixels).save(root / name, quality=95) if fmt == "jpg" else \
-                Image.fromarray(pixels).save(root / name)
+            Image.fromarray(pixels).save(root / name, quality=95) if fmt == "jpg" else Image.fromarray(pixels).save(
+                root / name
+            )
             truth[name] = (pid, label)
     return truth
 

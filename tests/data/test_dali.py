@@ -76,8 +76,7 @@ def test_normalisation_matches_numpy_reference(tmp_path):
             out = out.transpose(0, 2, 3, 1)
         np.testing.assert_allclose(out, reference, atol=atol, rtol=0)
     # train pipeline with a full-image crop: the reference, or its mirror image
-    dm = make(train=tmp_path, mean=mean, std=std, random_area=(1.0, 1.0), random_aspect_ratio=(1.0, 1.0),
-              shuffle=False)
+    dm = make(train=tmp_path, mean=mean, std=std, random_area=(1.0, 1.0), random_aspect_ratio=(1.0, 1.0), shuffle=False)
     images, _ = next(iter(dm.train_dataloader()))
     out = images.double().numpy().transpose(0, 2, 3, 1)
     for got, ref in zip(out, reference):
@@ -155,8 +154,9 @@ def test_missing_and_empty_sources_are_named(tmp_path):
 def _corrupt(root: Path) -> tuple[Path, Path]:
     good = (root / "class_1" / "img_2.jpg").read_bytes()
     garbled = root / "class_1" / "img_3.jpg"  # valid JPEG markers at both ends, garbage in between
-    garbled.write_bytes(good[:200] + bytes(np.random.default_rng(0).integers(0, 256, len(good) - 400,
-                                                                             dtype=np.uint8)) + good[-200:])
+    garbled.write_bytes(
+        good[:200] + bytes(np.random.default_rng(0).integers(0, 256, len(good) - 400, dtype=np.uint8)) + good[-200:]
+    )
     text = root / "class_2" / "img_0.jpg"
     text.write_text("<html>not found</html>")
     return garbled, text
@@ -191,8 +191,10 @@ def test_skip_corrupt_replaces_counts_and_keeps_batch_counts(solid_folder):
     assert n == n2 == len(dm.train_dataloader()) == 6
     bad = {truth["class_1/img_3.jpg"][0], truth["class_2/img_0.jpg"][0]}
     assert not bad & set(ids + ids2) and len(ids) == 24
-    assert dm.num_skipped == 2 and sorted(f.split(" ")[0] for f in dm.skipped_files) == \
-        ["class_1/img_3.jpg", "class_2/img_0.jpg"]
+    assert dm.num_skipped == 2 and sorted(f.split(" ")[0] for f in dm.skipped_files) == [
+        "class_1/img_3.jpg",
+        "class_2/img_0.jpg",
+    ]
     assert sum("skipping corrupt image" in str(w.message) for w in caught) == 2
 
 
@@ -218,19 +220,32 @@ def test_fit_delivers_torch_batches_to_training_step(solid_folder):
     from lightning_accel.data.dali import DALIImageDataModule
 
     dm = DALIImageDataModule(train=root, image_size=32, batch_size=8, num_threads=1)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Probe(), datamodule=dm)
     assert trainer.num_training_batches == 3 and len(seen) == 6
     assert all(s == (torch.Tensor, torch.Tensor, torch.device("cpu"), torch.int64, (8, 3, 32, 32)) for s in seen)
 
 
 def test_import_lightning_accel_does_not_import_dali():
-    code = ("import sys, lightning_accel, lightning_accel.data; "
-            "from lightning_accel.data import dali, memmap, webdataset; "
-            "print('nvidia.dali' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys, lightning_accel, lightning_accel.data; "
+        "from lightning_accel.data import dali, memmap, webdataset; "
+        "print('nvidia.dali' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -279,13 +294,13 @@ def test_auto_decode_device_follows_the_trainer(solid_folder, monkeypatch):
         monkeypatch.setattr(dm, "_trainer_or_none", lambda t=trainer: t)
         assert dm._resolve_decode_device() == expected
     dm.decode_device = "cpu"
-    monkeypatch.setattr(dm, "_trainer_or_none", lambda: SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cuda", 0))))
+    monkeypatch.setattr(
+        dm, "_trainer_or_none", lambda: SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    )
     assert dm._resolve_decode_device() == ("cpu", 0)  # decoded on the CPU, delivered on cuda:0 by DALI
 
 
-def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None, fail_at=None,
-                   prefetch=False):
+def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None, fail_at=None, prefetch=False):
     """Fit 2 epochs of 6 batches; returns {(epoch, batch_idx): palette ids} and the warnings raised."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -316,19 +331,27 @@ def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None,
 
         checkpoint = OnExceptionCheckpoint(dirpath=ckpt_dir, filename="interrupted")
     elif val_check_interval is None:  # a checkpoint after every training step
-        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1,
-                                     every_n_train_steps=1)
+        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=1)
     else:  # a checkpoint after every (mid-epoch) validation
-        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1,
-                                     save_on_train_epoch_end=False)
-    dm = DALIImageDataModule(train=root, val=root if val_check_interval else None, image_size=32, batch_size=4,
-                             num_threads=1, seed=3)
+        checkpoint = ModelCheckpoint(
+            dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1, save_on_train_epoch_end=False
+        )
+    dm = DALIImageDataModule(
+        train=root, val=root if val_check_interval else None, image_size=32, batch_size=4, num_threads=1, seed=3
+    )
     from lightning_accel import DevicePrefetcher
 
     callbacks = [checkpoint] + ([DevicePrefetcher(depth=2)] if prefetch else [])
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         val_check_interval=val_check_interval)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=val_check_interval,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -339,19 +362,28 @@ def _fit_recording(root, ckpt_dir, *, resume_from=None, val_check_interval=None,
     return seen, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("checkpoint,val_check_interval,first_batch,prefetch", [
-    ("epoch=1-step=8.ckpt", None, 2, False),  # saved in on_train_batch_end, 2 batches into epoch 1
-    ("epoch=0-step=6.ckpt", None, 0, False),  # saved at the end of epoch 0: epoch 1 starts afresh
-    ("epoch=1-step=9.ckpt", 3, 3, False),  # saved after a mid-epoch validation, 3 batches into epoch 1
-    ("epoch=1-step=8.ckpt", None, 2, True),  # DevicePrefetcher fetched 2 batches ahead: still not skipped
-])
-def test_mid_epoch_checkpoint_resumes_with_exactly_the_unseen_batches(solid_folder, tmp_path, checkpoint,
-                                                                       val_check_interval, first_batch, prefetch):
+@pytest.mark.parametrize(
+    "checkpoint,val_check_interval,first_batch,prefetch",
+    [
+        ("epoch=1-step=8.ckpt", None, 2, False),  # saved in on_train_batch_end, 2 batches into epoch 1
+        ("epoch=0-step=6.ckpt", None, 0, False),  # saved at the end of epoch 0: epoch 1 starts afresh
+        ("epoch=1-step=9.ckpt", 3, 3, False),  # saved after a mid-epoch validation, 3 batches into epoch 1
+        ("epoch=1-step=8.ckpt", None, 2, True),  # DevicePrefetcher fetched 2 batches ahead: still not skipped
+    ],
+)
+def test_mid_epoch_checkpoint_resumes_with_exactly_the_unseen_batches(
+    solid_folder, tmp_path, checkpoint, val_check_interval, first_batch, prefetch
+):
     root, _ = solid_folder  # 24 images: 6 batches of 4 per epoch
     full, _ = _fit_recording(root, tmp_path / "a", val_check_interval=val_check_interval, prefetch=prefetch)
     assert sorted(full) == [(e, b) for e in (0, 1) for b in range(6)]
-    resumed, messages = _fit_recording(root, tmp_path / "b", resume_from=tmp_path / "a" / checkpoint,
-                                       val_check_interval=val_check_interval, prefetch=prefetch)
+    resumed, messages = _fit_recording(
+        root,
+        tmp_path / "b",
+        resume_from=tmp_path / "a" / checkpoint,
+        val_check_interval=val_check_interval,
+        prefetch=prefetch,
+    )
     assert sorted(resumed) == [(1, b) for b in range(first_batch, 6)]
     assert all(resumed[key] == full[key] for key in resumed)  # the same images, in the same batches
     assert not any("not resumable" in m for m in messages)
@@ -377,10 +409,22 @@ def test_resume_with_another_world_size_skips_no_unseen_batch_and_repeats_none(s
     dm = make(root, batch_size=4, seed=3)
     loader = dm.train_dataloader()
     assert isinstance(loader, _DALILoader)
-    consumed = np.concatenate([epoch_plan(24, batch_size=4, rank=r, world_size=2, shuffle=True, seed=3, epoch=0,
-                                          last_batch="drop")[0] for r in (0, 1)])  # 8 samples
-    state = {"epoch": 0, "samples_done": 8, "batch_size": 4, "world_size": 2, "num_samples": 24, "seed": 3,
-             "shuffle": True, "last_batch": "drop"}
+    consumed = np.concatenate(
+        [
+            epoch_plan(24, batch_size=4, rank=r, world_size=2, shuffle=True, seed=3, epoch=0, last_batch="drop")[0]
+            for r in (0, 1)
+        ]
+    )  # 8 samples
+    state = {
+        "epoch": 0,
+        "samples_done": 8,
+        "batch_size": 4,
+        "world_size": 2,
+        "num_samples": 24,
+        "seed": 3,
+        "shuffle": True,
+        "last_batch": "drop",
+    }
     loader.load_state_dict(state)
     ids, _, n = collect(loader)
     assert n == 4 and len(ids) == 16  # 8 samples done = exactly 2 batches of this 1-rank loader
@@ -440,15 +484,27 @@ def test_bottleneck_doctor_reads_the_dali_pipeline_and_names_its_knobs(tmp_path)
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     # a tiny model: nearly all of the step is waiting for DALI, so the data finding fires (threshold 1 %)
-    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False,
-                              thresholds=Thresholds(data_share=0.01))
+    doctor = BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, thresholds=Thresholds(data_share=0.01)
+    )
     dm = DALIImageDataModule(train=root, image_size=32, batch_size=2, num_threads=1, prefetch_queue_depth=2)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[doctor])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor],
+    )
     trainer.fit(Tiny(), datamodule=dm)
     report = doctor.report
-    assert (report.context.loader, report.context.decode_device, report.context.loader_threads,
-            report.context.prefetch_queue_depth) == ("DALIImageDataModule", "cpu", 1, 2)
+    assert (
+        report.context.loader,
+        report.context.decode_device,
+        report.context.loader_threads,
+        report.context.prefetch_queue_depth,
+    ) == ("DALIImageDataModule", "cpu", 1, 2)
     (finding,) = [f for f in report.findings if f.rule == "data_wait"]
     assert "DALIImageDataModule(decode_device='cpu', num_threads=1" in finding.evidence
     assert "num_workers" not in finding.fix and "prefetch_queue_depth=3" in finding.fix
@@ -470,10 +526,12 @@ def test_lightning_cli_configures_the_data_module_from_yaml(tmp_path, monkeypatc
     root = tmp_path / "images"
     write_solid_folder(root, num_classes=3, per_class=8)
     config = tmp_path / "config.yaml"
-    config.write_text(f"data:\n  train: {root}\n  val: {root}\n  image_size: 32\n  batch_size: 4\n  num_threads: 1\n"
-                      f"  random_area: [0.5, 1.0]\n  dtype: float16\n  layout: NHWC\nmodel:\n  num_classes: 3\n"
-                      f"trainer:\n  max_epochs: 1\n  logger: false\n  enable_progress_bar: false\n"
-                      f"  enable_model_summary: false\n  accelerator: cpu\n  default_root_dir: {tmp_path}\n")
+    config.write_text(
+        f"data:\n  train: {root}\n  val: {root}\n  image_size: 32\n  batch_size: 4\n  num_threads: 1\n"
+        f"  random_area: [0.5, 1.0]\n  dtype: float16\n  layout: NHWC\nmodel:\n  num_classes: 3\n"
+        f"trainer:\n  max_epochs: 1\n  logger: false\n  enable_progress_bar: false\n"
+        f"  enable_model_summary: false\n  accelerator: cpu\n  default_root_dir: {tmp_path}\n"
+    )
     monkeypatch.chdir(tmp_path)
     seen = []
 
@@ -482,8 +540,9 @@ def test_lightning_cli_configures_the_data_module_from_yaml(tmp_path, monkeypatc
             seen.append((images.dtype, tuple(images.shape)))
             return super().forward(images.permute(0, 3, 1, 2).float())
 
-    cli = LightningCLI(Task, DALIImageDataModule, args=["fit", "--config", str(config)],
-                       save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(
+        Task, DALIImageDataModule, args=["fit", "--config", str(config)], save_config_kwargs={"overwrite": True}
+    )
     dm = cli.datamodule
     assert (dm.random_area, dm.layout, dm.dtype, dm.image_size) == ((0.5, 1.0), "NHWC", "float16", 32)
     assert cli.trainer.num_training_batches == 6 and seen[0] == (torch.float16, (4, 32, 32, 3))
@@ -510,9 +569,15 @@ def test_the_tuners_in_the_recommended_stack_work_with_the_data_module(tmp_path)
 
     dm = DALIImageDataModule(train=root, image_size=32, batch_size=2, num_threads=1)
     tuner = BatchSizeTuner(init_batch_size=2, max_batch_size=8, memory_fraction=0.9, steps_per_trial=1)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[tuner, DataLoaderTuner()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tuner, DataLoaderTuner()],
+    )
     with pytest.warns(UserWarning, match="DataLoaderTuner: the training data comes from DALIImageDataModule"):
         trainer.fit(Task(num_classes=3), datamodule=dm)
     assert dm.batch_size == 8  # the tiny CNN fits the cap (24 images / 1 rank, max_batch_size=8)

@@ -22,7 +22,9 @@ from tests.data.conftest import identify
 from lightning_accel.data.dali import DALIImageDataModule
 """
 
-SCRIPT = PREAMBLE + """
+SCRIPT = (
+    PREAMBLE
+    + """
 class Probe(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -60,6 +62,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=3,
                      num_sanity_val_steps=0)
 trainer.fit(Probe(), datamodule=dm)
 """
+)
 
 
 @pytest.mark.parametrize("source", ["folder", "shards"])
@@ -92,7 +95,9 @@ def test_ddp_every_sample_once_per_epoch_equal_batches_reshuffled(ddp_script, tm
     assert Counter(tuple(t) for r in ranks for t in r["types"]) == {("torch.float32", "torch.int64", "cpu"): 36}
 
 
-RESUMABLE_SCRIPT = PREAMBLE + """
+RESUMABLE_SCRIPT = (
+    PREAMBLE
+    + """
 class Probe(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -119,6 +124,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devic
                                                 every_n_train_steps=1)])
 trainer.fit(Probe(), datamodule=dm, ckpt_path=resume)
 """
+)
 
 
 def test_ddp_checkpoint_resumed_on_one_process_sees_every_remaining_sample_once(ddp_script, tmp_path):
@@ -130,8 +136,11 @@ def test_ddp_checkpoint_resumed_on_one_process_sees_every_remaining_sample_once(
     full = read_rank_json(tmp_path, "full")
     trained = [i for r in full for i in r["1/0"]]  # epoch 1, batch 0 on both ranks: 8 images
     assert len(set(trained)) == 8
-    run_script(RESUMABLE_SCRIPT, tmp_path,
-               args=[str(root), str(REPO), "resumed", "1", str(tmp_path / "ckpt" / "epoch=1-step=4.ckpt")])
+    run_script(
+        RESUMABLE_SCRIPT,
+        tmp_path,
+        args=[str(root), str(REPO), "resumed", "1", str(tmp_path / "ckpt" / "epoch=1-step=4.ckpt")],
+    )
     resumed = read_rank_json(tmp_path, "resumed", world_size=1)[0]
     assert all(key.startswith("1/") for key in resumed)
     rest = [i for ids in resumed.values() for i in ids]

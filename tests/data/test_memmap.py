@@ -64,11 +64,11 @@ def test_tokens_windows_across_shards(tmp_path):
     assert len(ds) == (1001 - 1) // 64
     for i in range(len(ds)):  # windows 4 and 9 cross shard boundaries
         x, y = ds[i]
-        assert x.dtype == torch.int64 and x.tolist() == stream[i * 64: i * 64 + 64].tolist()
-        assert y.tolist() == stream[i * 64 + 1: i * 64 + 65].tolist()
+        assert x.dtype == torch.int64 and x.tolist() == stream[i * 64 : i * 64 + 64].tolist()
+        assert y.tolist() == stream[i * 64 + 1 : i * 64 + 65].tolist()
     overlapping = TokenMemmapDataset(tmp_path / "t", seq_len=10, stride=3)
     assert len(overlapping) == (1001 - 11) // 3 + 1
-    assert overlapping[-1][1].tolist() == stream[(len(overlapping) - 1) * 3 + 1:][:10].tolist()
+    assert overlapping[-1][1].tolist() == stream[(len(overlapping) - 1) * 3 + 1 :][:10].tolist()
     docs = [np.arange(5), np.arange(3)]
     pack_memmap(docs, tmp_path / "d", kind="tokens", eos=99, progress_bar=False)
     assert TokenMemmapDataset(tmp_path / "d", seq_len=9)[0][0].tolist() == [0, 1, 2, 3, 4, 99, 0, 1, 2]
@@ -110,8 +110,9 @@ def test_interrupted_pack_leaves_no_partial_shard_and_no_index(tmp_path):
 
 def test_datasets_with_two_workers(samples, tmp_path):
     x, y, _, path = samples
-    loader = DataLoader(MemmapDataset(path), batch_size=10, num_workers=2, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        MemmapDataset(path), batch_size=10, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     got_x, got_y = [], []
     for bx, by in loader:
         got_x.append(bx)
@@ -134,12 +135,20 @@ def test_datamodule_defaults_and_fit(samples, tmp_path):
     dm = MemmapDataModule(train=path, val=path, batch_size=16, num_workers=2)
     dm.setup("fit")
     settings = dm.loader_settings()
-    assert settings == {"batch_size": 16, "num_workers": 2, "pin_memory": False, "persistent_workers": True,
-                        "prefetch_factor": 4}
+    assert settings == {
+        "batch_size": 16,
+        "num_workers": 2,
+        "pin_memory": False,
+        "persistent_workers": True,
+        "prefetch_factor": 4,
+    }
     loader = dm.train_dataloader()
     assert loader.drop_last and len(loader) == 103 // 16
     assert MemmapDataModule(train=path, num_workers=0).loader_settings() == {
-        "batch_size": 32, "num_workers": 0, "pin_memory": False}
+        "batch_size": 32,
+        "num_workers": 0,
+        "pin_memory": False,
+    }
 
     class Probe(pl.LightningModule):
         def __init__(self):
@@ -153,8 +162,15 @@ def test_datamodule_defaults_and_fit(samples, tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(Probe(), datamodule=MemmapDataModule(train=path, batch_size=16, num_workers=0))
     assert trainer.global_step == 103 // 16
 
@@ -171,8 +187,24 @@ def test_cli_pack_memmap(tmp_path, capsys):
     ds = MemmapDataset(tmp_path / "s")
     assert [float(ds[i][0, 0]) for i in range(6)] == [0, 1, 2, 3, 4, 5]
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "a.bin")
-    assert main(["pack", "memmap", str(tmp_path / "a.bin"), str(tmp_path / "t"), "--kind", "tokens",
-                 "--bin-dtype", "uint16", "--dtype", "uint16", "--no-progress-bar"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                "memmap",
+                str(tmp_path / "a.bin"),
+                str(tmp_path / "t"),
+                "--kind",
+                "tokens",
+                "--bin-dtype",
+                "uint16",
+                "--dtype",
+                "uint16",
+                "--no-progress-bar",
+            ]
+        )
+        == 0
+    )
     assert TokenMemmapDataset(tmp_path / "t", seq_len=9)[0][1].tolist() == list(range(1, 10))
     assert main(["pack", "memmap", str(tmp_path / "a.bin"), str(tmp_path / "t2"), "--kind", "tokens"]) == 2
     assert "--bin-dtype" in capsys.readouterr().err

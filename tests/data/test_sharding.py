@@ -11,8 +11,12 @@ from lightning_accel.data.sharding import epoch_plan, num_batches
 
 
 def plans(n, bs, world, policy, epoch=0, shuffle=True, seed=3):
-    return [epoch_plan(n, batch_size=bs, rank=r, world_size=world, shuffle=shuffle, seed=seed, epoch=epoch,
-                       last_batch=policy) for r in range(world)]
+    return [
+        epoch_plan(
+            n, batch_size=bs, rank=r, world_size=world, shuffle=shuffle, seed=seed, epoch=epoch, last_batch=policy
+        )
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("n,bs,world", list(itertools.product([7, 24, 25, 64, 101], [1, 4, 8], [1, 2, 3])))

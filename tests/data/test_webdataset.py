@@ -79,8 +79,7 @@ def test_cli_pack_webdataset(tmp_path, capsys):
 
     src = tmp_path / "src"
     write_solid_folder(src, num_classes=2, per_class=3)
-    assert main(["pack", "webdataset", str(src), str(tmp_path / "out"), "--shard-size", "4",
-                 "--no-progress-bar"]) == 0
+    assert main(["pack", "webdataset", str(src), str(tmp_path / "out"), "--shard-size", "4", "--no-progress-bar"]) == 0
     assert "packed 6 images of 2 classes into 2 shard(s)" in capsys.readouterr().out
     assert len(read_shards(tmp_path / "out")) == 6
     assert main(["pack", "webdataset", str(tmp_path / "missing"), str(tmp_path / "o2")]) == 2

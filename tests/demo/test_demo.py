@@ -26,7 +26,8 @@ def test_demo_runs_and_reports_mfu():
     result = run_demo(DemoConfig(steps=20, window=5, val_every=10, progress_bar=False))
     summary = result["mfu_monitor"]
     assert summary["samples_per_sec"] > 0 and summary["tokens_per_sec"] == pytest.approx(
-        summary["samples_per_sec"] * 64)
+        summary["samples_per_sec"] * 64
+    )
     assert summary["peak_source"].startswith(("hardware: ", "probe: ", "achieved by window"))
     assert 0 < summary["mfu"] <= 1  # a window above the peak raises the peak: MFU is a fraction
     assert summary["mfu"] == pytest.approx(summary["flops_per_sec_per_device"] / summary["peak_flops"])
@@ -43,9 +44,26 @@ def test_demo_cli_prints_summary_and_rejects_bad_input(capsys):
 
 @pytest.mark.distributed
 def test_demo_cli_two_process_ddp_on_cpu():
-    proc = subprocess.run([sys.executable, "-m", "lightning_accel.cli", "demo", "--devices", "2", "--steps", "8",
-                           "--window", "3", "--no-progress-bar"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_accel.cli",
+            "demo",
+            "--devices",
+            "2",
+            "--steps",
+            "8",
+            "--window",
+            "3",
+            "--no-progress-bar",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("MFUMonitor summary") == 1  # printed by rank 0 only
     assert "cpu × 2" in proc.stdout

@@ -21,8 +21,19 @@ def test_autopilot_flags_parse():
 def test_slow_data_demo_gets_workers_and_the_plan_replays(tmp_path, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    small = dict(steps=30, batch_size=8, seq_len=16, n_layer=1, d_model=32, window=5, val_every=100,
-                 progress_bar=False, slow_data=True, doctor=False, output_dir=str(tmp_path))
+    small = dict(
+        steps=30,
+        batch_size=8,
+        seq_len=16,
+        n_layer=1,
+        d_model=32,
+        window=5,
+        val_every=100,
+        progress_bar=False,
+        slow_data=True,
+        doctor=False,
+        output_dir=str(tmp_path),
+    )
     try:
         result = run_demo(DemoConfig(**small, autopilot=True, autopilot_budget=60.0))
         plan_path = tmp_path / "autopilot_plan.json"
@@ -32,8 +43,9 @@ def test_slow_data_demo_gets_workers_and_the_plan_replays(tmp_path, capsys):
         assert result["trainer"].datamodule.num_workers == workers >= 1
         out = capsys.readouterr().out
         assert "Autopilot (rank 0)" in out and f"num_workers: {workers}" in out  # table + the LightningCLI fragment
-        replay = run_demo(DemoConfig(**{**small, "output_dir": str(tmp_path / "replay")},
-                                     autopilot_plan=str(plan_path)))
+        replay = run_demo(
+            DemoConfig(**{**small, "output_dir": str(tmp_path / "replay")}, autopilot_plan=str(plan_path))
+        )
     finally:
         torch.set_num_threads(threads)
     assert replay["trainer"].datamodule.num_workers == workers

@@ -31,8 +31,11 @@ def test_gpt_demo_reads_packed_token_windows(tmp_path):
 def test_image_demo_trains_a_cnn_through_dali(tmp_path):
     from lightning_accel.demo.run import DemoConfig, run_demo
 
-    result = run_demo(DemoConfig(data="images", steps=6, val_every=6, batch_size=16, window=2,
-                                 progress_bar=False, output_dir=str(tmp_path)))
+    result = run_demo(
+        DemoConfig(
+            data="images", steps=6, val_every=6, batch_size=16, window=2, progress_bar=False, output_dir=str(tmp_path)
+        )
+    )
     assert np.isfinite(result["train_loss"]) and 0.0 <= result["val_acc"] <= 1.0
     assert len(list((tmp_path / "data" / "images" / "train").glob("class_*/*.jpg"))) == 640
     assert result["mfu_monitor"]["samples_per_sec"] > 0

@@ -18,8 +18,18 @@ def test_slow_data_demo_is_diagnosed_as_data(tmp_path, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = DemoConfig(steps=24, batch_size=8, seq_len=16, n_layer=1, d_model=32, window=5, val_every=100,
-                         progress_bar=False, slow_data=True, doctor_report=str(tmp_path / "before.json"))
+        cfg = DemoConfig(
+            steps=24,
+            batch_size=8,
+            seq_len=16,
+            n_layer=1,
+            d_model=32,
+            window=5,
+            val_every=100,
+            progress_bar=False,
+            slow_data=True,
+            doctor_report=str(tmp_path / "before.json"),
+        )
         result = run_demo(cfg)
     finally:
         torch.set_num_threads(threads)

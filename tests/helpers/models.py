@@ -20,8 +20,15 @@ class TinyRegressor(pl.LightningModule):
     ``dropout`` makes every step depend on the global RNG.
     """
 
-    def __init__(self, batch_size: int = 4, n: int = 64, features: int = 16, num_workers: int = 0,
-                 nan_at_batch: int | None = None, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 4,
+        n: int = 64,
+        features: int = 16,
+        num_workers: int = 0,
+        nan_at_batch: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.batch_size, self.n, self.features, self.num_workers = batch_size, n, features, num_workers
         self.nan_at_batch = nan_at_batch  # this training batch's loss is NaN (a non-finite step to guard against)
@@ -46,14 +53,25 @@ class TinyRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(IndexedDataset(self.n, self.features), batch_size=self.batch_size, shuffle=True,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            IndexedDataset(self.n, self.features),
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.num_workers,
+        )
 
 
 def cpu_trainer(callbacks: Any = (), **kwargs: Any) -> pl.Trainer:
     """A one-device CPU Trainer without logger, checkpoints, progress bar or model summary (overridable)."""
-    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=3, logger=False,
-                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                    num_sanity_val_steps=0)
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=list(callbacks), **defaults)

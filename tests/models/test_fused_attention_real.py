@@ -96,8 +96,11 @@ def test_model_that_cannot_switch_says_why_and_is_rewritten_instead():
     inputs = inputs_of("gpt2")
     with torch.no_grad():
         ref = model(**inputs).logits
-    with pytest.warns(UserWarning, match=r"NoSdpaGPT2: set_attn_implementation\('sdpa'\) refused: .*Rewriting its "
-                                         r"hand-written attention instead \(2 modules\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"NoSdpaGPT2: set_attn_implementation\('sdpa'\) refused: .*Rewriting its "
+        r"hand-written attention instead \(2 modules\)",
+    ):
         result = use_fused_attention(model)
     assert list(result.unswitchable) == [""] and result.library == {}
     assert result.blocks == attention_modules(model)
@@ -126,9 +129,13 @@ def test_the_autopilot_does_not_offer_fused_attention_to_blocks_that_call_sdpa_a
     from lightning_accel.callbacks.interventions.attention import FusedAttention
     from lightning_accel.demo.model import GPT, GPTConfig
 
-    models = {"nanogpt": lambda: NanoGPT(flash=True),  # its forward has both paths: the manual one may run
-              "demo": lambda: GPT(GPTConfig(seq_len=16, n_layer=1, d_model=32)),
-              "gpt2_eager": lambda: gpt2("eager"), "gpt2_sdpa": lambda: gpt2("sdpa"), "llama_sdpa": lambda: llama("sdpa")}
+    models = {
+        "nanogpt": lambda: NanoGPT(flash=True),  # its forward has both paths: the manual one may run
+        "demo": lambda: GPT(GPTConfig(seq_len=16, n_layer=1, d_model=32)),
+        "gpt2_eager": lambda: gpt2("eager"),
+        "gpt2_sdpa": lambda: gpt2("sdpa"),
+        "llama_sdpa": lambda: llama("sdpa"),
+    }
     why = FusedAttention().unavailable(SimpleNamespace(module=models[name]()))
     if name in ("demo", "gpt2_sdpa", "llama_sdpa"):
         assert why == "the attention already runs fused (its blocks call F.scaled_dot_product_attention)"

@@ -32,9 +32,17 @@ def family(name: str):
 
 
 def fit(task: Task, callbacks: list, plugins: list | None = None, steps: int = 4) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                         plugins=plugins or [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        plugins=plugins or [],
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         trainer.fit(task)
@@ -56,8 +64,9 @@ def test_measure_guard_checkpoint_and_mixed_precision_together(name):
     # MFUMonitor's default warm-up (3) ends after batch 1, where ActivationCheckpointing measures what it
     # recomputes (also with a short warm-up: see below)
     monitor = la.MFUMonitor(window=2, warmup_batches=3, peak_flops=PEAK, print_summary=False)
-    doctor = la.BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False,
-                                 utilisation=False)
+    doctor = la.BottleneckDoctor(
+        window=2, warmup_batches=1, report_path=False, print_report=False, warn=False, utilisation=False
+    )
     guard = la.NonFiniteGuard()
     ckpt = la.ActivationCheckpointing(modules=[fam.block()])
     amp = la.AutoMixedPrecision()
@@ -120,11 +129,20 @@ def test_autopilot_searches_on_the_model_and_trains_on_what_it_kept(name):
     # sdpa); litgpt already runs SDPA, nanoGPT's manual path is rewritten
     model = fam.build("eager") if fam.needs == "transformers" else None
     task = Task(fam, model=model, batch_size=2)
-    autopilot = la.Autopilot(warmup_steps=2, measure_steps=6, budget_seconds=90, freeze=["compile"], save_plan=False,
-                             print_summary=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[autopilot])
+    autopilot = la.Autopilot(
+        warmup_steps=2, measure_steps=6, budget_seconds=90, freeze=["compile"], save_plan=False, print_summary=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[autopilot],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(task)
@@ -145,11 +163,11 @@ def test_autopilot_searches_on_the_model_and_trains_on_what_it_kept(name):
             assert "attn_implementation" in fused[0].change and "sdpa" in fused[0].change
     if name == "litgpt":  # its attention already calls SDPA (read from its code): not offered, nothing measured
         fused = [r for r in autopilot.records if r.name == "fused_attention"]
-        assert all(r.samples_per_sec is None and r.numerics is None and "already runs fused" in r.reason
-                   for r in fused), fused
+        assert all(
+            r.samples_per_sec is None and r.numerics is None and "already runs fused" in r.reason for r in fused
+        ), fused
     # accumulation 2: the larger micro-batch with the same global batch is tried (before the smells' fixes)
-    assert any(r.name == "micro_batch" and r.samples_per_sec is not None for r in autopilot.records), \
-        autopilot.records
+    assert any(r.name == "micro_batch" and r.samples_per_sec is not None for r in autopilot.records), autopilot.records
     # the training after the search: the global batch held (2 x 2), finite losses, the steps all counted
     assert task.batch_size * trainer.accumulate_grad_batches == 4
     assert trainer.global_step == 3 and all(math.isfinite(x) for x in task.losses)

@@ -54,8 +54,9 @@ def run(ddp_script, tmp_path, strategy: str, engine: str) -> list[tuple[dict, di
     """Train every family under ``strategy``; per family, both ranks' results after the common checks."""
     if not AVAILABLE:
         pytest.skip("no model family available (transformers / litgpt missing)")
-    ddp_script(SCRIPT, args=[strategy, ",".join(AVAILABLE)], timeout=480,
-               env={"MASTER_PORT": str(find_free_network_port())})
+    ddp_script(
+        SCRIPT, args=[strategy, ",".join(AVAILABLE)], timeout=480, env={"MASTER_PORT": str(find_free_network_port())}
+    )
     rank0, rank1 = read_rank_json(tmp_path, "models")
     pairs = []
     for name in AVAILABLE:

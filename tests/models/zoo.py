@@ -24,8 +24,10 @@ VOCAB, SEQ, D, LAYERS, HEADS = 128, 32, 64, 2, 4
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAVE_LITGPT = importlib.util.find_spec("litgpt") is not None
 NO_TRANSFORMERS = "needs transformers: pip install 'lightning-accel[dev]'"
-NO_LITGPT = ("needs litgpt's model code: pip install --no-deps litgpt (its own dependency pins — lightning>=2.6.1, "
-             "torch>=2.7, psutil==7.2.2, huggingface-hub<1.4 — conflict with transformers 5.x)")
+NO_LITGPT = (
+    "needs litgpt's model code: pip install --no-deps litgpt (its own dependency pins — lightning>=2.6.1, "
+    "torch>=2.7, psutil==7.2.2, huggingface-hub<1.4 — conflict with transformers 5.x)"
+)
 
 
 @dataclasses.dataclass
@@ -42,6 +44,7 @@ class Family:
 
 
 # --- nanoGPT-style (Karpathy's model.py, manual attention path) -----------------------------------------------------
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, flash: bool = False) -> None:
@@ -97,6 +100,7 @@ class NanoGPT(nn.Module):
 
 # --- builders -------------------------------------------------------------------------------------------------------
 
+
 def _tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g)}
 
@@ -114,34 +118,75 @@ def _logits_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 def llama(attn: str = "sdpa") -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D,
-                                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
-                                        max_position_embeddings=SEQ, attn_implementation=attn))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            intermediate_size=2 * D,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            attn_implementation=attn,
+        )
+    )
 
 
 def gpt2(attn: str = "sdpa") -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=LAYERS, n_head=HEADS,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=D,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation=attn,
+        )
+    )
 
 
 def bert(attn: str = "sdpa") -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * D,
-        max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attn_implementation=attn))
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * D,
+            max_position_embeddings=SEQ,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation=attn,
+        )
+    )
 
 
 def vit(attn: str = "sdpa") -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    return ViTForImageClassification(ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=D, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, intermediate_size=2 * D, num_labels=10, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation=attn))
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=32,
+            patch_size=8,
+            num_channels=3,
+            hidden_size=D,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * D,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation=attn,
+        )
+    )
 
 
 def litgpt_gpt() -> nn.Module:
@@ -149,8 +194,18 @@ def litgpt_gpt() -> nn.Module:
     from litgpt.model import GPT
 
     # a named config (Pythia: parallel residual, rotary, biased projections), shrunk
-    return GPT(Config.from_name("pythia-14m", n_layer=LAYERS, n_embd=D, n_head=HEADS, block_size=SEQ,
-                                vocab_size=VOCAB, padded_vocab_size=VOCAB, intermediate_size=2 * D))
+    return GPT(
+        Config.from_name(
+            "pythia-14m",
+            n_layer=LAYERS,
+            n_embd=D,
+            n_head=HEADS,
+            block_size=SEQ,
+            vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+            intermediate_size=2 * D,
+        )
+    )
 
 
 def _bert_sample(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -176,13 +231,21 @@ def _block(module: str, name: str) -> Callable[[], type]:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", llama, _tokens, _lm_loss, _block("transformers.models.llama.modeling_llama",
-                                                               "LlamaDecoderLayer")),
+    "llama": Family(
+        "llama", llama, _tokens, _lm_loss, _block("transformers.models.llama.modeling_llama", "LlamaDecoderLayer")
+    ),
     "gpt2": Family("gpt2", gpt2, _tokens, _lm_loss, _block("transformers.models.gpt2.modeling_gpt2", "GPT2Block")),
-    "bert": Family("bert", bert, _bert_sample, _hf_loss, _block("transformers.models.bert.modeling_bert",
-                                                                 "BertLayer"), decoder=False),
-    "vit": Family("vit", vit, _vit_sample, _hf_loss, _block("transformers.models.vit.modeling_vit", "ViTLayer"),
-                  decoder=False),
+    "bert": Family(
+        "bert",
+        bert,
+        _bert_sample,
+        _hf_loss,
+        _block("transformers.models.bert.modeling_bert", "BertLayer"),
+        decoder=False,
+    ),
+    "vit": Family(
+        "vit", vit, _vit_sample, _hf_loss, _block("transformers.models.vit.modeling_vit", "ViTLayer"), decoder=False
+    ),
     "litgpt": Family("litgpt", litgpt_gpt, _tokens, _logits_loss, _block("litgpt.model", "Block"), needs="litgpt"),
     "nanogpt": Family("nanogpt", NanoGPT, _tokens, _logits_loss, lambda: Block, needs=""),
 }
@@ -201,8 +264,11 @@ def matmul_params(model: nn.Module) -> int:
     """N of the formula: parameters that take part in a matmul (embedding lookups do no FLOPs; a token embedding
     tied to the output projection counts once, as the projection)."""
     linear_weights = {id(m.weight) for m in model.modules() if hasattr(m, "weight") and not isinstance(m, nn.Embedding)}
-    lookups = {id(m.weight): m.weight.numel() for m in model.modules()
-               if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights}
+    lookups = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
+    }
     return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
 
 
@@ -227,8 +293,14 @@ class _Samples(Dataset):
 class Task(pl.LightningModule):
     """A LightningModule around one family's model, as a user writes it; ``batch_size`` is what tuners set."""
 
-    def __init__(self, family: Family | str, batch_size: int = 4, samples: int = 64, lr: float = 1e-3,
-                 model: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        family: Family | str,
+        batch_size: int = 4,
+        samples: int = 64,
+        lr: float = 1e-3,
+        model: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.family = FAMILIES[family] if isinstance(family, str) else family
         torch.manual_seed(0)

@@ -58,8 +58,15 @@ class Net(pl.LightningModule):
 
 def trainer(plugin: AutoMixedPrecision | None, steps: int, **kwargs: Any) -> pl.Trainer:
     kwargs.setdefault("enable_checkpointing", False)
-    return pl.Trainer(accelerator="cpu", plugins=[plugin] if plugin else None, max_steps=steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        plugins=[plugin] if plugin else None,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- dtype choice
@@ -72,8 +79,9 @@ def test_explicit_dtype_unsupported_names_what_device_supports(monkeypatch: pyte
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((8, 0), torch.bfloat16), ((7, 0), torch.float16)])
-def test_auto_on_cuda_bf16_in_hardware_else_fp16(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
-                                                 expected: torch.dtype) -> None:
+def test_auto_on_cuda_bf16_in_hardware_else_fp16(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: torch.dtype
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "hip", None)
@@ -82,14 +90,18 @@ def test_auto_on_cuda_bf16_in_hardware_else_fp16(monkeypatch: pytest.MonkeyPatch
     assert choice.needs_scaler == (expected == torch.float16)
 
 
-@pytest.mark.parametrize(("speedups", "expected"), [
-    ({"bf16": 0.4, "fp16": 0.3}, torch.float32),     # emulated half precision: keep fp32
-    ({"bf16": 1.05, "fp16": 1.08}, torch.float32),   # within noise of fp32: keep fp32
-    ({"bf16": 1.8, "fp16": 1.9}, torch.bfloat16),    # within 10 % of the fastest: bf16 (no scaler)
-    ({"bf16": 1.2, "fp16": 2.0}, torch.float16),     # fp16 clearly fastest (AMX-FP16)
-])
-def test_auto_on_cpu_follows_the_probe(monkeypatch: pytest.MonkeyPatch, speedups: dict[str, float],
-                                       expected: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("speedups", "expected"),
+    [
+        ({"bf16": 0.4, "fp16": 0.3}, torch.float32),  # emulated half precision: keep fp32
+        ({"bf16": 1.05, "fp16": 1.08}, torch.float32),  # within noise of fp32: keep fp32
+        ({"bf16": 1.8, "fp16": 1.9}, torch.bfloat16),  # within 10 % of the fastest: bf16 (no scaler)
+        ({"bf16": 1.2, "fp16": 2.0}, torch.float16),  # fp16 clearly fastest (AMX-FP16)
+    ],
+)
+def test_auto_on_cpu_follows_the_probe(
+    monkeypatch: pytest.MonkeyPatch, speedups: dict[str, float], expected: torch.dtype
+) -> None:
     monkeypatch.setattr(core_precision, "autocast_speedup", lambda device, name: speedups[name])
     choice = choose_autocast_dtype("cpu", "auto")
     assert choice.dtype == expected
@@ -152,8 +164,7 @@ def test_island_upcasts_half_inputs_restores_autocast_after_an_error_and_survive
         assert copied[2](torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.float32  # island on the copy
         assert copied[2].forward.__self__ is copied[2]
     islands.remove()
-    assert "forward" not in vars(model[1]) and list(model.state_dict()) == ["0.weight", "0.bias", "2.weight",
-                                                                            "2.bias"]
+    assert "forward" not in vars(model[1]) and list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 def test_unmatched_fp32_modules_warn_with_their_names() -> None:
@@ -188,8 +199,9 @@ class WeightSpy(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         self.before[i] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any,
-                           i: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, out: Any, batch: Any, i: int
+    ) -> None:
         self.after[i] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         self.opt_after[i] = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
 
@@ -237,12 +249,14 @@ class ClipNet(Net):
         super().__init__(optimizer="sgd")
         self.norms_after_clip: list[float] = []
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.norms_after_clip.append(float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g) for g in grads]))))
+        self.norms_after_clip.append(
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        )
 
 
 class GradAtStep(Callback):
@@ -271,9 +285,19 @@ def test_gradients_are_unscaled_before_clipping_with_accumulation(dtype: str) ->
 
 def test_state_dict_loaded_before_setup_is_applied_when_the_scaler_exists() -> None:
     plugin = AutoMixedPrecision(dtype="fp16")
-    plugin.load_state_dict({"scaler": {"scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                       "growth_interval": 7, "_growth_tracker": 0},
-                            "skipped_steps": 3, "total_steps": 10})
+    plugin.load_state_dict(
+        {
+            "scaler": {
+                "scale": 4.0,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 7,
+                "_growth_tracker": 0,
+            },
+            "skipped_steps": 3,
+            "total_steps": 10,
+        }
+    )
     assert plugin.scaler is None
     trainer(plugin, 1).fit(Net())
     assert plugin.scaler is not None and plugin.scaler.get_growth_interval() == 7

@@ -12,8 +12,17 @@ from tests.precision.test_auto_mixed_precision import Net, WeightSpy
 
 
 def gpu_trainer(plugin: AutoMixedPrecision, steps: int, **kwargs: object) -> pl.Trainer:
-    return pl.Trainer(accelerator="gpu", devices=1, plugins=[plugin], max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        plugins=[plugin],
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 @pytest.mark.gpu

@@ -99,6 +99,15 @@ def test_all_four_together_under_two_process_ddp(ddp_script: Any, tmp_path: Any)
         assert r["ln_dtype"] == "torch.float32" and r["out_dtype"] == "torch.float16"  # island / autocast
         assert r["finite"]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas identical
-    assert ranks[0]["keys"] == ["model.0.ln.weight", "model.0.ln.bias", "model.0.fc.weight", "model.0.fc.bias",
-                                "model.1.ln.weight", "model.1.ln.bias", "model.1.fc.weight", "model.1.fc.bias",
-                                "model.2.weight", "model.2.bias"]
+    assert ranks[0]["keys"] == [
+        "model.0.ln.weight",
+        "model.0.ln.bias",
+        "model.0.fc.weight",
+        "model.0.fc.bias",
+        "model.1.ln.weight",
+        "model.1.ln.bias",
+        "model.1.fc.weight",
+        "model.1.fc.bias",
+        "model.2.weight",
+        "model.2.bias",
+    ]

@@ -13,8 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                     "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -79,10 +79,18 @@ def test_bucket_state_follows_its_parameters_into_another_layout():
 
 def test_topk_and_qsgd_defaults_and_bad_input():
     topk, qsgd = ddp_topk(), ddp_qsgd()
-    assert topk.string == "ddp_topk" and topk._hook_kwargs == {"use_error_feedback": True, "start_iter": 2,
-                                                               "density": 0.01}
-    assert qsgd._hook_kwargs == {"use_error_feedback": False, "start_iter": 0, "levels": 7, "chunk_size": 128,
-                                 "seed": 0}
+    assert topk.string == "ddp_topk" and topk._hook_kwargs == {
+        "use_error_feedback": True,
+        "start_iter": 2,
+        "density": 0.01,
+    }
+    assert qsgd._hook_kwargs == {
+        "use_error_feedback": False,
+        "start_iter": 0,
+        "levels": 7,
+        "chunk_size": 128,
+        "seed": 0,
+    }
     with pytest.raises(ValueError, match="density=0"):
         ddp_topk(density=0)
     with pytest.raises(ValueError, match="density=1.5"):

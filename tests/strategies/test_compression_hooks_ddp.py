@@ -141,7 +141,9 @@ def test_topk_qsgd_train_close_to_ddp_send_fewer_bytes_and_resume_exactly(ddp_sc
 
 #: PowerSGD without warm start draws a fresh random Q from its generator on every compressed step: the resumed run
 #: must continue the generator where the first run left it
-COLD_POWERSGD = SCRIPT[:SCRIPT.index("out = {}")] + r"""
+COLD_POWERSGD = (
+    SCRIPT[: SCRIPT.index("out = {}")]
+    + r"""
 def cold():
     return DDPCompressionStrategy(compression="powersgd", start_powerSGD_iter=10, matrix_approximation_rank=2,
                                   warm_start=False)
@@ -154,6 +156,7 @@ with open(f"cold_rank{first['rank']}.json", "w") as f:
                "rng": [resumed["rng"], straight["rng"]], "loss": [resumed["eval_loss"], straight["eval_loss"]],
                "psgd_steps": [resumed["stats"]["powersgd_steps"], straight["stats"]["powersgd_steps"]]}, f)
 """
+)
 
 
 @pytest.mark.distributed

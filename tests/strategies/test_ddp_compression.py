@@ -186,8 +186,11 @@ def test_documented_defaults_and_string_construction():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_powersgd", logger=False)
     strategy = trainer.strategy
     assert isinstance(strategy, DDPCompressionStrategy) and strategy.compression == "powersgd"
-    assert strategy._ddp_kwargs == {"find_unused_parameters": False, "gradient_as_bucket_view": True,
-                                    "static_graph": False}
+    assert strategy._ddp_kwargs == {
+        "find_unused_parameters": False,
+        "gradient_as_bucket_view": True,
+        "static_graph": False,
+    }
     assert strategy._powersgd_kwargs["matrix_approximation_rank"] == 1
     assert strategy._powersgd_kwargs["start_powerSGD_iter"] == 1000
     assert strategy.comm_hook_wrappers == [] and strategy.comm_stats == CommStats()
@@ -209,9 +212,17 @@ def test_single_device_warns_that_it_does_nothing(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ddp_bf16_compress", max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp_bf16_compress",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))

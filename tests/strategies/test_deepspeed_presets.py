@@ -83,8 +83,13 @@ with open(f"ds_rank{trainer.global_rank}.json", "w") as f:
 """
 
 # every preset DeepSpeed runs on CPU (NVMe offload needs libaio's async_io op: see the refusal test below)
-CPU_PRESETS = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3",
-               "deepspeed_zero3_offload"]
+CPU_PRESETS = [
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero2_offload",
+    "deepspeed_zero3",
+    "deepspeed_zero3_offload",
+]
 
 
 @pytest.mark.distributed
@@ -118,9 +123,13 @@ def test_preset_configs_follow_deepspeed_docs_and_merge_overrides():
     assert preset_config("zero2_offload")["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     z3 = preset_config("zero3_offload")["zero_optimization"]
     assert z3["offload_param"]["device"] == z3["offload_optimizer"]["device"] == "cpu"
-    merged = preset_config("zero3", {"zero_optimization": {"reduce_bucket_size": 1e7,
-                                                           "offload_optimizer": {"device": "cpu"}},
-                                     "gradient_clipping": 1.0})
+    merged = preset_config(
+        "zero3",
+        {
+            "zero_optimization": {"reduce_bucket_size": 1e7, "offload_optimizer": {"device": "cpu"}},
+            "gradient_clipping": 1.0,
+        },
+    )
     assert merged["zero_optimization"]["reduce_bucket_size"] == 1e7
     assert merged["zero_optimization"]["overlap_comm"] is True  # untouched preset keys stay
     assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
@@ -153,8 +162,11 @@ def test_strategy_bad_input(tmp_path, monkeypatch):
     from lightning_accel.strategies import deepspeed_presets
 
     real_access = os.access
-    monkeypatch.setattr(deepspeed_presets.os, "access",
-                        lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    monkeypatch.setattr(
+        deepspeed_presets.os,
+        "access",
+        lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode),
+    )
     with pytest.raises(ValueError, match="not writable"):
         deepspeed_zero3_offload_nvme(nvme_path=str(tmp_path))
 
@@ -179,9 +191,16 @@ def test_nvme_preset_without_async_io_refuses_before_training(tmp_path, monkeypa
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     monkeypatch.setenv("LIGHTNING_ACCEL_NVME_PATH", str(tmp_path))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="deepspeed_zero3_offload_nvme", max_steps=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="deepspeed_zero3_offload_nvme",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(RuntimeError, match="async_io.*libaio.*deepspeed_zero3_offload"):
         trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2))
 
@@ -220,8 +239,13 @@ def test_auto_picks_the_lowest_stage_that_fits_mocked_capacities():
     #   zero1 4 + 1.5 = 5.5 GB, zero2 2 + 1.75 = 3.75 GB, zero2_offload 2 GB, zero3 2 GB, zero3_offload 0 GB
     psi, nd = 1_000_000_000, 8
     assert estimate_zero_memory(psi, nd, 1).device_total == pytest.approx(5.5 * GB)
-    cases = [(80 * GB, "zero1"), (5.5 / 0.8 * GB, "zero1"), (5.4 / 0.8 * GB, "zero2"),
-             (3.7 / 0.8 * GB, "zero2_offload"), (1.9 / 0.8 * GB, "zero3_offload")]
+    cases = [
+        (80 * GB, "zero1"),
+        (5.5 / 0.8 * GB, "zero1"),
+        (5.4 / 0.8 * GB, "zero2"),
+        (3.7 / 0.8 * GB, "zero2_offload"),
+        (1.9 / 0.8 * GB, "zero3_offload"),
+    ]
     for capacity, expected in cases:
         chosen, report = choose_zero_preset(psi, nd, capacity, margin=0.2)
         assert chosen == expected, (capacity, chosen)
@@ -253,8 +277,9 @@ def test_auto_strategy_decides_from_the_model_and_precision(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 1000))
     model[1].weight = model[0].weight  # tied: counted once
     psi = 1000 * 1000 + 2 * 1000
-    trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False,
-                         strategy=DeepSpeedAutoStrategy(device_memory_bytes=1e9))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, logger=False, strategy=DeepSpeedAutoStrategy(device_memory_bytes=1e9)
+    )
     strategy = trainer.strategy
     assert strategy._on_cpu
     # fp32 (32-true): 4-byte params and grads, K = 12 -> zero1 needs 4 psi + 4 psi + 12 psi / 2 = 14 psi
@@ -269,7 +294,12 @@ def test_auto_strategy_decides_from_the_model_and_precision(monkeypatch):
     with pytest.raises(ValueError, match="no ZeRO preset fits"):
         strategy.decide(model)
     # mixed precision: 2-byte params and grads, K = 12 -> zero1 needs 2 psi + 2 psi + 12 psi / 2 = 10 psi
-    half = pl.Trainer(accelerator="cpu", devices=2, logger=False, precision="bf16-mixed",
-                      strategy=DeepSpeedAutoStrategy(device_memory_bytes=10 * psi / 0.8))
+    half = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        precision="bf16-mixed",
+        strategy=DeepSpeedAutoStrategy(device_memory_bytes=10 * psi / 0.8),
+    )
     decision = half.strategy.decide(model)
     assert decision["preset"] == "zero1" and decision["candidates"][0]["device_total"] == pytest.approx(10 * psi)

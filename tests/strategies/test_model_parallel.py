@@ -20,18 +20,38 @@ def tiny_llama(heads: int = 4, kv: int = 2, tie: bool = False) -> nn.Module:
     pytest.importorskip("transformers", reason="needs transformers: pip install transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=heads, num_key_value_heads=kv,
-                                        tie_word_embeddings=tie))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def tiny_litgpt(heads: int = 4, groups: int = 2) -> nn.Module:
     pytest.importorskip("litgpt", reason="needs litgpt (model code): pip install --no-deps litgpt")
     from litgpt import GPT, Config
 
-    return GPT(Config(n_layer=2, n_head=heads, n_query_groups=groups, n_embd=48, block_size=16, vocab_size=64,
-                      padded_vocab_size=64, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=96,
-                      norm_class_name="RMSNorm"))
+    return GPT(
+        Config(
+            n_layer=2,
+            n_head=heads,
+            n_query_groups=groups,
+            n_embd=48,
+            block_size=16,
+            vocab_size=64,
+            padded_vocab_size=64,
+            bias=False,
+            mlp_class_name="LLaMAMLP",
+            intermediate_size=96,
+            norm_class_name="RMSNorm",
+        )
+    )
 
 
 def test_hf_plan_is_the_libraries_own_with_every_layer():
@@ -77,11 +97,17 @@ def test_litgpt_plan_from_structure():
 
 
 def test_heads_that_do_not_divide_the_tp_size_name_module_and_sizes():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the 2 key/value heads of "
-                                         r"'model.model.layers.0.self_attn' \(LlamaForCausalLM\).*\[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=4 does not divide the 2 key/value heads of "
+        r"'model.model.layers.0.self_attn' \(LlamaForCausalLM\).*\[1, 2\]",
+    ):
         derive_plan(Holder(tiny_llama(heads=4, kv=2)), tp_size=4)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the 4 attention heads of "
-                                         r"'model.transformer.h.0.attn' \(CausalSelfAttention\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 does not divide the 4 attention heads of "
+        r"'model.transformer.h.0.attn' \(CausalSelfAttention\)",
+    ):
         derive_plan(Holder(tiny_litgpt()), tp_size=3)
 
 
@@ -119,8 +145,11 @@ def test_generic_attention_and_mlp_get_per_rank_head_counts():
     plan = derive_plan(holder, tp_size=2)
     assert plan.tp_dict()["model.0.mlp.0"] == "colwise" and plan.tp_dict()["model.0.mlp.2"] == "rowwise"
     assert plan.heads_by_module == {"model.0.attn": {"num_heads": 4}, "model.1.attn": {"num_heads": 4}}
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the 4 attention heads of "
-                                         r"'model.0.attn' \(Attention\); use a tensor-parallel size among \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 does not divide the 4 attention heads of "
+        r"'model.0.attn' \(Attention\); use a tensor-parallel size among \[1, 2, 4\]",
+    ):
         derive_plan(holder, tp_size=3)
     holder.p = nn.Parameter(torch.zeros(1))  # a parameter FSDP2 could not reduce
     with pytest.raises(ValueError, match=r"registers parameters directly on itself \(p\)"):
@@ -137,13 +166,16 @@ def test_regroup_fused_qkv_gives_each_rank_its_heads_and_inverts():
         regroup_fused_qkv(torch.zeros(7), n_head=4, n_query_groups=2, head_size=1, tp_size=2)
 
 
-@pytest.mark.parametrize(("mode", "dp", "tp", "world", "per_node", "expected"), [
-    ("fsdp2", "auto", "auto", 8, 8, (8, 1)),
-    ("tp", "auto", "auto", 4, 4, (1, 4)),
-    ("fsdp2_tp", "auto", "auto", 16, 8, (2, 8)),
-    ("fsdp2_tp", "auto", 4, 16, 8, (4, 4)),
-    ("fsdp2_tp", 2, "auto", 8, 8, (2, 4)),
-])
+@pytest.mark.parametrize(
+    ("mode", "dp", "tp", "world", "per_node", "expected"),
+    [
+        ("fsdp2", "auto", "auto", 8, 8, (8, 1)),
+        ("tp", "auto", "auto", 4, 4, (1, 4)),
+        ("fsdp2_tp", "auto", "auto", 16, 8, (2, 8)),
+        ("fsdp2_tp", "auto", 4, 16, 8, (4, 4)),
+        ("fsdp2_tp", 2, "auto", 8, 8, (2, 4)),
+    ],
+)
 def test_sizes(mode, dp, tp, world, per_node, expected):
     strategy = AutoParallelStrategy(mode=mode, data_parallel_size=dp, tensor_parallel_size=tp)
     assert strategy.resolve_sizes(world, per_node) == expected
@@ -167,8 +199,14 @@ def test_strings_build_the_strategy():
 
     import lightning_accel  # noqa: F401
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="fsdp2_tp", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="fsdp2_tp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     assert isinstance(trainer.strategy, AutoParallelStrategy) and trainer.strategy.mode == "fsdp2_tp"
 
 

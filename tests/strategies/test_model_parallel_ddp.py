@@ -192,7 +192,9 @@ def test_tp_and_fsdp2_train_without_configure_model_like_one_process(ddp_script,
 
 
 # 4 processes: TP 2 inside each of 2 FSDP2 replicas (the 2-D mesh the automatic plan composes)
-SCRIPT_2D = SCRIPT.split("out = {}")[0].replace("devices=2, strategy=strategy", "devices=4, strategy=strategy") + r"""
+SCRIPT_2D = (
+    SCRIPT.split("out = {}")[0].replace("devices=2, strategy=strategy", "devices=4, strategy=strategy")
+    + r"""
 from lightning_accel.strategies.model_parallel import AutoParallelStrategy
 
 t = trainer(AutoParallelStrategy(mode="fsdp2_tp", tensor_parallel_size=2), STEPS)
@@ -203,6 +205,7 @@ out = {"losses": task.losses, "ref": reference("hf", 2 * BATCH, STEPS)[0], "plan
 with open(f"mp2d_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
+)
 
 
 @pytest.mark.distributed

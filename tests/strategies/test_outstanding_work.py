@@ -61,8 +61,17 @@ def _free_port() -> int:
 def _run_both_ranks(tmp_path, mode: str) -> list[tuple[int, str, str]]:
     port = str(_free_port())
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", CALLBACK_HOLDS_THE_GROUP, port, str(r), mode], cwd=tmp_path,
-                              env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", CALLBACK_HOLDS_THE_GROUP, port, str(r), mode],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in (0, 1)
+    ]
     outs = [proc.communicate(timeout=180) for proc in ranks]
     return [(proc.returncode, out, err) for proc, (out, err) in zip(ranks, outs)]
 
@@ -82,8 +91,9 @@ def test_without_the_drain_the_same_script_aborts_on_the_gloo_thread(tmp_path):
     # reference went and frees the group on its own thread; the C++ runtime aborts the process. If torch ever frees
     # groups safely on their own threads, this test fails and the drain's docstring must say so.
     results = _run_both_ranks(tmp_path, "no-drain")
-    assert any(code != 0 and "terminate called" in err for code, _, err in results), \
-        [(code, err[-1500:]) for code, _, err in results]
+    assert any(code != 0 and "terminate called" in err for code, _, err in results), [
+        (code, err[-1500:]) for code, _, err in results
+    ]
 
 
 class _Base:
@@ -103,8 +113,9 @@ class _Strategy(FinishesOutstandingWork, _Base):
 
 def test_a_normal_end_completes_the_outstanding_work_before_the_teardown():
     strategy = _Strategy()
-    with mock.patch.object(outstanding_work, "finish_outstanding_work",
-                           side_effect=lambda: strategy.calls.append("finish")) as finish:
+    with mock.patch.object(
+        outstanding_work, "finish_outstanding_work", side_effect=lambda: strategy.calls.append("finish")
+    ) as finish:
         strategy.teardown()
     assert finish.call_count == 1
     assert strategy.calls == ["finish", "base.teardown"]
@@ -133,7 +144,8 @@ def test_every_multi_process_strategy_of_the_collection_finishes_its_outstanding
         # the mixin's teardown runs first, before the Lightning strategy unwraps the model and drops its groups
         assert cls.teardown.__qualname__.split(".")[0] in (cls.__name__, "FinishesOutstandingWork")
         assert cls.__mro__.index(FinishesOutstandingWork) < min(
-            i for i, base in enumerate(cls.__mro__) if base.__module__.startswith("lightning."))
+            i for i, base in enumerate(cls.__mro__) if base.__module__.startswith("lightning.")
+        )
 
 
 def test_without_a_process_group_it_does_nothing():
@@ -146,8 +158,14 @@ def test_no_hook_on_how_the_process_ends_anywhere_in_the_package():
     offenders = []
     for path in package.rglob("*.py"):
         text = path.read_text()
-        for needle in ("sys.exit =", "sys.excepthook =", "threading.excepthook =", "os._exit(", "_run_exitfuncs",
-                       "atexit.register("):
+        for needle in (
+            "sys.exit =",
+            "sys.excepthook =",
+            "threading.excepthook =",
+            "os._exit(",
+            "_run_exitfuncs",
+            "atexit.register(",
+        ):
             if needle in text:
                 offenders.append(f"{path.relative_to(REPO)}: {needle}")
     assert not offenders, offenders

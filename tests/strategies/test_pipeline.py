@@ -75,9 +75,17 @@ def _models() -> dict[str, nn.Module]:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-        models["llama"] = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                                       num_hidden_layers=2, num_attention_heads=2,
-                                                       num_key_value_heads=1, max_position_embeddings=32))
+        models["llama"] = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=32,
+            )
+        )
         models["gpt2"] = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2))
     except ImportError:
         pass
@@ -85,8 +93,9 @@ def _models() -> dict[str, nn.Module]:
         from litgpt import GPT as LitGPT
         from litgpt import Config
 
-        models["litgpt"] = LitGPT(Config(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32,
-                                         padded_vocab_size=32))
+        models["litgpt"] = LitGPT(
+            Config(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=32, padded_vocab_size=32)
+        )
     except ImportError:
         pass
     return models
@@ -108,6 +117,7 @@ def test_recognised_structures_reproduce_the_forward_stage_by_stage(kind):
         got = last(first(ids))
     want = want if isinstance(want, torch.Tensor) else want.logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
     # each stage holds only its part (by identity: the stages share the network's tensors): the first the
     # embedding and block 0, the last block 1, the norm and the head; together every parameter of the network
     def ids(module):
@@ -152,8 +162,7 @@ def test_a_user_layout_describes_an_unrecognised_model():
     layout = _UserLayout(net, PipelineLayout(embed=net.inp, blocks=net.body, head=net.out))
     assert layout.first == ["inp"] and layout.blocks == "body" and layout.last == ["out"]
     x = torch.randn(2, 4)
-    stages = [_Stage(layout, range(0, 2), first=True, last=False), _Stage(layout, range(2, 3), first=False,
-                                                                          last=True)]
+    stages = [_Stage(layout, range(0, 2), first=True, last=False), _Stage(layout, range(2, 3), first=False, last=True)]
     torch.testing.assert_close(stages[1](stages[0](x)), net(x))
     with pytest.raises(ValueError, match="must each be a submodule of the network"):
         _UserLayout(net, PipelineLayout(embed=nn.Linear(1, 1), blocks=net.body, head=net.out))
@@ -184,8 +193,11 @@ def test_argument_errors():
         PipelineStrategy(compression="topk", density=0)
     with pytest.raises(ValueError, match=r"levels=200\) must be an integer in 1..127"):
         PipelineStrategy(compression="qsgd", levels=200)
-    with pytest.raises(ValueError, match=r"compression='bf16' compresses the all-reduce over data-parallel .*1 "
-                                         r"replica per stage.*strategy='pp_ddp'"):
+    with pytest.raises(
+        ValueError,
+        match=r"compression='bf16' compresses the all-reduce over data-parallel .*1 "
+        r"replica per stage.*strategy='pp_ddp'",
+    ):
         PipelineStrategy(compression="bf16").resolve_sizes(2)
     assert PipelineStrategy(compression="bf16", data_parallel_size="auto").resolve_sizes(4) == (2, 2)
     assert PipelineStrategy().resolve_sizes(4) == (4, 1)
@@ -198,7 +210,6 @@ def test_strings_are_registered():
 
     assert "pp" in StrategyRegistry and "pp_ddp" in StrategyRegistry
     assert StrategyRegistry.get("pp_ddp")._dp_arg == "auto"
-
 
 
 def test_pp_fsdp2_is_refused_with_the_reason_and_what_to_use():
@@ -224,8 +235,15 @@ def test_the_bubble_finding_compares_with_the_formula_and_names_the_fix():
 def test_the_scaling_model_projects_pp_x_tp_x_dp_with_the_bubble_and_point_to_point_bytes():
     from lightning_accel.core.scaling import ScalingWorkload, get_interconnect, project_scaling
 
-    w = ScalingWorkload(compute_s=8.0, params=10**9, grad_bytes=2, n_layers=32, hidden_size=4096,
-                        tokens_per_step=32768, activation_bytes=2)
+    w = ScalingWorkload(
+        compute_s=8.0,
+        params=10**9,
+        grad_bytes=2,
+        n_layers=32,
+        hidden_size=4096,
+        tokens_per_step=32768,
+        activation_bytes=2,
+    )
     link = get_interconnect("infiniband_ndr")
     (pp,) = project_scaling(w, link, n=[64], strategies=["pp"], tp_size=8, pp_size=4, microbatches=16)
     assert (pp.pp_size, pp.tp_size) == (4, 8)
@@ -257,15 +275,27 @@ class _Tiny(pl.LightningModule):  # a module the split would accept: the refusal
 
 
 def _fit(**kwargs):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=PipelineStrategy(), max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=PipelineStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
     trainer.fit(_Tiny())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"gradient_clip_val": 1.0}, r"gradient_clip_val=1.0 clips by the norm.*gradient_clip_algorithm='value'"),
-    ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}, r"clips by the norm"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gradient_clip_val": 1.0}, r"gradient_clip_val=1.0 clips by the norm.*gradient_clip_algorithm='value'"),
+        ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}, r"clips by the norm"),
+    ],
+)
 def test_clipping_by_the_norm_is_refused_before_the_process_group(kwargs, match):
     import torch.distributed as dist
 
@@ -338,8 +368,11 @@ def test_a_module_the_split_cannot_place_is_refused_naming_what_to_change():
             super().__init__()
             self.model, self.critic = _gpt(), nn.Linear(4, 4)
 
-    with pytest.raises(ValueError, match=r"TwoNets has 2 child modules with parameters \(model, critic\).*"
-                                         r"PipelineStrategy\(network='attr'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"TwoNets has 2 child modules with parameters \(model, critic\).*"
+        r"PipelineStrategy\(network='attr'\)",
+    ):
         _strategy()._split(TwoNets())
     with pytest.raises(ValueError, match=r"network='net' is not a module attribute of TwoNets"):
         _strategy(network="net")._split(TwoNets())
@@ -362,8 +395,11 @@ def test_a_module_the_split_cannot_place_is_refused_naming_what_to_change():
             self.model = _gpt()
             self.model.temperature = nn.Parameter(torch.ones(()))  # not in the embedding, a block or the head
 
-    with pytest.raises(ValueError, match=r"parameters outside the embedding, the blocks and the head.*"
-                                         r"model\.temperature.*pipeline_layout"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameters outside the embedding, the blocks and the head.*"
+        r"model\.temperature.*pipeline_layout",
+    ):
         _strategy()._split(Stray())
 
 
@@ -468,13 +504,19 @@ def test_an_error_of_this_ranks_stage_keeps_its_type_and_message_first():
         strategy._run(torch.zeros(1), torch.zeros(1), train=True)
     assert str(caught.value).startswith("mat1 and mat2 shapes")
     assert "stopped answering" not in str(caught.value)
-    assert any("raised on pipeline rank 0 (stage 1 of ?) inside the 1f1b schedule" in n
-               for n in caught.value.__notes__)
+    assert any("raised on pipeline rank 0 (stage 1 of ?) inside the 1f1b schedule" in n for n in caught.value.__notes__)
 
 
-@pytest.mark.parametrize("message", ["[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms",
-                                     "[gloo/transport/tcp/pair.cc:553] Connection closed by peer"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms",
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+    ],
+)
 def test_a_peer_that_stopped_answering_is_named_as_such(message):
     strategy = _failing_strategy(RuntimeError(message))
-    with pytest.raises(RuntimeError, match=r"pipeline rank 0 \(stage 1 of \?\).*stopped answering.*" + re.escape(message[:20])):
+    with pytest.raises(
+        RuntimeError, match=r"pipeline rank 0 \(stage 1 of \?\).*stopped answering.*" + re.escape(message[:20])
+    ):
         strategy._run(torch.zeros(1), torch.zeros(1), train=True)

@@ -120,7 +120,9 @@ def trainer(strategy, steps, devices=2, accumulate=1, callbacks=(), **kw):
                       **kw)
 """
 
-SCRIPT = COMMON + r"""
+SCRIPT = (
+    COMMON
+    + r"""
 KINDS = sys.argv[1].split(",")
 STEPS = 10
 out = {}
@@ -247,9 +249,13 @@ out["doctor"] = [[f.rule, f.evidence, f.fix] for f in doctor.report.findings]
 with open(f"pp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
+)
 
-KINDS = ["demo"] + [k for k, mod in (("llama", "transformers"), ("gpt2", "transformers"), ("litgpt", "litgpt"))
-                    if importlib.util.find_spec(mod)]
+KINDS = ["demo"] + [
+    k
+    for k, mod in (("llama", "transformers"), ("gpt2", "transformers"), ("litgpt", "litgpt"))
+    if importlib.util.find_spec(mod)
+]
 
 
 @pytest.mark.distributed
@@ -286,11 +292,12 @@ def test_pp_trains_the_same_weights_as_one_process(ddp_script, tmp_path):
         bubble = [f for f in rank["doctor"] if f[0] == "pipeline_bubble"]
         assert bubble and "rank 0:" in bubble[0][1] and "rank 1:" in bubble[0][1] and "= 50% for P=2" in bubble[0][1]
         assert "microbatches=2" in bubble[0][2] and "interleaved_1f1b" in bubble[0][2]
-    assert ranks[0]["flops"]["mine"] + ranks[1]["flops"]["mine"] == pytest.approx(ranks[0]["flops"]["total"],
-                                                                                 rel=1e-6)
+    assert ranks[0]["flops"]["mine"] + ranks[1]["flops"]["mine"] == pytest.approx(ranks[0]["flops"]["total"], rel=1e-6)
 
 
-STALL = COMMON + r"""
+STALL = (
+    COMMON
+    + r"""
 import time
 
 import torch.distributed as dist
@@ -329,6 +336,7 @@ with open(f"stall_rank{t.global_rank}.json", "w") as fh:
     json.dump({"error": error, "step": t.global_step, "timeout": timeout, "first_fit": float(first_fit)}, fh)
 os._exit(0)
 """
+)
 
 
 @pytest.mark.distributed
@@ -343,7 +351,9 @@ def test_a_peer_that_stops_answering_times_out_naming_rank_and_stage(ddp_script,
     assert "Timed out" in rank0["error"], rank0
 
 
-PP_DDP = COMMON + r"""
+PP_DDP = (
+    COMMON
+    + r"""
 STEPS = 10
 monitor = Losses()
 t = trainer("pp_ddp", STEPS, devices=4, callbacks=[monitor])
@@ -367,6 +377,7 @@ for name, kwargs in (("topk", {"compression": "topk", "density": 1.0}), ("bf16",
 with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
+)
 
 
 @pytest.mark.distributed
@@ -388,7 +399,9 @@ def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_p
         assert 0 < bf16["dw"] <= 1e-2  # bf16's 8-bit mantissa: close to, not equal to, the fp32 weights
 
 
-BUBBLE = COMMON + r"""
+BUBBLE = (
+    COMMON
+    + r"""
 from lightning_accel.demo.model import GPT, GPTConfig
 
 LONG = torch.randint(0, VOCAB, (16 * 12, 65), generator=torch.Generator().manual_seed(2))
@@ -421,6 +434,7 @@ for m in (1, 2):
 with open(f"bubble_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
+)
 
 
 @pytest.mark.distributed

@@ -97,9 +97,22 @@ __all__ = [
 
 #: Built-in interventions by name, in the order the table lists them.
 INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
-    cls.name: cls for cls in (DataLoaderSettings, PinMemory, Prefetch, MicroBatch, FusedOptimizer, ForeachOptimizer,
-                              MixedPrecisionDtype, Tf32Matmul, Compile, FusedAttention,
-                              ActivationCheckpointingWithLargerBatch, Compression, AsyncCheckpoint)
+    cls.name: cls
+    for cls in (
+        DataLoaderSettings,
+        PinMemory,
+        Prefetch,
+        MicroBatch,
+        FusedOptimizer,
+        ForeachOptimizer,
+        MixedPrecisionDtype,
+        Tf32Matmul,
+        Compile,
+        FusedAttention,
+        ActivationCheckpointingWithLargerBatch,
+        Compression,
+        AsyncCheckpoint,
+    )
 }
 
 

@@ -76,12 +76,20 @@ class ActivationCheckpointingWithLargerBatch(Intervention):
 
     def describe(self, run: Run) -> str:
         block = self.params.get("block", "blocks").rsplit(".", 1)[-1]
-        return f"ActivationCheckpointing({block}) + " + (self._micro.describe(run) if hasattr(self, "_micro")
-                                                         else "larger micro-batch")
+        return f"ActivationCheckpointing({block}) + " + (
+            self._micro.describe(run) if hasattr(self, "_micro") else "larger micro-batch"
+        )
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
         yaml, python = self._micro.config(run)
         block = self.params["block"]
-        return ([*yaml, ("trainer.callbacks", [{"class_path": "lightning_accel.ActivationCheckpointing",
-                                                "init_args": {"modules": [block]}}])],
-                [*python, f"callbacks.append(la.ActivationCheckpointing(modules=[{block.rsplit('.', 1)[-1]}]))"])
+        return (
+            [
+                *yaml,
+                (
+                    "trainer.callbacks",
+                    [{"class_path": "lightning_accel.ActivationCheckpointing", "init_args": {"modules": [block]}}],
+                ),
+            ],
+            [*python, f"callbacks.append(la.ActivationCheckpointing(modules=[{block.rsplit('.', 1)[-1]}]))"],
+        )

@@ -84,7 +84,8 @@ class FusedAttention(Intervention):
         if result.library or result.mha or sum(result.fused_calls.values()):
             return None
         return "no attention call matched the fused pattern (nothing changed)" + (
-            f"; {next(iter(result.not_fired.values()))}" if result.not_fired else "")
+            f"; {next(iter(result.not_fired.values()))}" if result.not_fired else ""
+        )
 
     def describe(self, run: Run) -> str:
         result = getattr(self, "_result", None)

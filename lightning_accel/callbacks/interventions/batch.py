@@ -60,8 +60,10 @@ class MicroBatch(Intervention):
     def unavailable(self, run: Run) -> str | None:
         accumulate = run.config.accumulate
         if accumulate <= 1:
-            return ("accumulate_grad_batches is 1: a larger micro-batch would change the global batch (and the "
-                    "training); use BatchSizeTuner(target_global_batch_size=...) to trade it for accumulation")
+            return (
+                "accumulate_grad_batches is 1: a larger micro-batch would change the global batch (and the "
+                "training); use BatchSizeTuner(target_global_batch_size=...) to trade it for accumulation"
+            )
         if not run.module.automatic_optimization:
             return "manual optimization: the LightningModule does its own accumulation"
         reason = run.source.can_set("batch_size")
@@ -71,8 +73,10 @@ class MicroBatch(Intervention):
             return "the loader's batch size is unknown"
         if not self.params and self._target(run) is None:
             factor = _smallest_factor(accumulate)
-            return (f"batch_size={int(run.source.current()['batch_size']) * factor} × accumulate_grad_batches="
-                    f"{accumulate // factor} was measured no faster before")
+            return (
+                f"batch_size={int(run.source.current()['batch_size']) * factor} × accumulate_grad_batches="
+                f"{accumulate // factor} was measured no faster before"
+            )
         return None
 
     def change(self, run: Run, undo: Undo) -> None:
@@ -83,14 +87,18 @@ class MicroBatch(Intervention):
                 raise ValueError("micro_batch: the next larger micro-batch was measured no faster before")
             self.params = {"batch_size": target[0], "accumulate_grad_batches": target[1]}
             self._jumped = target[2]
-        self._target_tried = ((int(current["batch_size"]), run.config.accumulate),
-                              (self.params["batch_size"], self.params["accumulate_grad_batches"]))
+        self._target_tried = (
+            (int(current["batch_size"]), run.config.accumulate),
+            (self.params["batch_size"], self.params["accumulate_grad_batches"]),
+        )
         self._refused = run.extras.setdefault("micro_batch_refused", set())
         global_before = int(current["batch_size"]) * run.config.accumulate
         global_after = self.params["batch_size"] * self.params["accumulate_grad_batches"]
         if global_before != global_after:
-            raise ValueError(f"micro_batch {self.params} changes the global batch per device from {global_before} "
-                             f"to {global_after}; the plan was made for another batch size or accumulation")
+            raise ValueError(
+                f"micro_batch {self.params} changes the global batch per device from {global_before} "
+                f"to {global_after}; the plan was made for another batch size or accumulation"
+            )
         batch_size, accumulate = current["batch_size"], run.config.accumulate
         undo.push(lambda: run.source.set({"batch_size": batch_size}))
         run.source.set({"batch_size": self.params["batch_size"]})
@@ -112,13 +120,16 @@ class MicroBatch(Intervention):
         p = self.params
         if not p:
             return "larger micro-batch, same global batch"
-        return (f"batch_size={p['batch_size']} × accumulate_grad_batches={p['accumulate_grad_batches']} "
-                "(same global batch)")
+        return (
+            f"batch_size={p['batch_size']} × accumulate_grad_batches={p['accumulate_grad_batches']} (same global batch)"
+        )
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
         yaml, python = run.source.config_entries()
         yaml = [e for e in yaml if e[0].endswith(".batch_size")]
         python = [line for line in python if "batch_size" in line]
         acc = run.config.accumulate  # the final value (a repeated micro-batch change supersedes this one's)
-        return ([*yaml, ("trainer.accumulate_grad_batches", acc)],
-                [*python, f"trainer_kwargs['accumulate_grad_batches'] = {acc}"])
+        return (
+            [*yaml, ("trainer.accumulate_grad_batches", acc)],
+            [*python, f"trainer_kwargs['accumulate_grad_batches'] = {acc}"],
+        )

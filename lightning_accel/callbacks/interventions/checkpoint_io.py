@@ -66,5 +66,7 @@ class AsyncCheckpoint(Intervention):
         return "OrderedAsyncCheckpointIO (checkpoints written in a background thread)"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
-        return ([("trainer.plugins", [{"class_path": "lightning_accel.OrderedAsyncCheckpointIO"}])],
-                ["trainer_kwargs.setdefault('plugins', []).append(la.OrderedAsyncCheckpointIO())"])
+        return (
+            [("trainer.plugins", [{"class_path": "lightning_accel.OrderedAsyncCheckpointIO"}])],
+            ["trainer_kwargs.setdefault('plugins', []).append(la.OrderedAsyncCheckpointIO())"],
+        )

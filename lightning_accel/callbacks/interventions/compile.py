@@ -44,9 +44,11 @@ class Compile(Intervention):
             # even the playbook's best case (30 % faster steps) cannot repay a typical first compile in this fit
             saved = MAX_COMPILE_GAIN * window.step_seconds * run.steps_left
             if saved < TYPICAL_COMPILE_SECONDS[run.device.type == "cuda"]:
-                return (f"cannot pay back: the {run.steps_left} steps left take ~{window.step_seconds * run.steps_left:.0f} s, "
-                        f"so even {MAX_COMPILE_GAIN:.0%} faster steps save ~{saved:.0f} s, less than a typical "
-                        f"first compile (~{TYPICAL_COMPILE_SECONDS[run.device.type == 'cuda']:.0f} s)")
+                return (
+                    f"cannot pay back: the {run.steps_left} steps left take ~{window.step_seconds * run.steps_left:.0f} s, "
+                    f"so even {MAX_COMPILE_GAIN:.0%} faster steps save ~{saved:.0f} s, less than a typical "
+                    f"first compile (~{TYPICAL_COMPILE_SECONDS[run.device.type == 'cuda']:.0f} s)"
+                )
         return None
 
     def setup_seconds(self, run: Run) -> float:

@@ -15,8 +15,14 @@ if TYPE_CHECKING:
     from lightning_accel.callbacks.interventions.base import Run
     from lightning_accel.core.autopilot_search import Undo
 
-__all__ = ["COMPRESSION_STRATEGIES", "MIN_PROJECTED_GAIN", "Compression", "SwitchableCompression",
-           "choose_compression", "measure_link"]
+__all__ = [
+    "COMPRESSION_STRATEGIES",
+    "MIN_PROJECTED_GAIN",
+    "Compression",
+    "SwitchableCompression",
+    "choose_compression",
+    "measure_link",
+]
 
 
 class SwitchableCompression:
@@ -43,8 +49,9 @@ class SwitchableCompression:
         if mode not in self._states:
             from lightning_accel.strategies import compression_hooks as ch
 
-            self._states[mode] = (ch.TopKState(density=0.01, start_iter=0) if mode == "topk"
-                                  else ch.QSGDState(levels=7, start_iter=0))
+            self._states[mode] = (
+                ch.TopKState(density=0.01, start_iter=0) if mode == "topk" else ch.QSGDState(levels=7, start_iter=0)
+            )
         return self._states[mode]
 
     def residuals(self) -> dict[str, dict[int, torch.Tensor]]:
@@ -62,8 +69,13 @@ class SwitchableCompression:
 
         from lightning_accel.strategies import compression_hooks as ch
 
-        hooks = {"allreduce": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook,
-                 "fp16": default_hooks.fp16_compress_hook, "topk": ch.topk_hook, "qsgd": ch.qsgd_hook}
+        hooks = {
+            "allreduce": default_hooks.allreduce_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "topk": ch.topk_hook,
+            "qsgd": ch.qsgd_hook,
+        }
 
         def switchable(state, bucket):
             own = self.state(self.mode)
@@ -73,8 +85,12 @@ class SwitchableCompression:
 
 
 #: The strategy string that gives each compression mode by hand (and in a replayed plan).
-COMPRESSION_STRATEGIES: dict[str, str] = {"bf16": "ddp_bf16_compress", "fp16": "ddp_fp16_compress",
-                                          "topk": "ddp_topk", "qsgd": "ddp_qsgd"}
+COMPRESSION_STRATEGIES: dict[str, str] = {
+    "bf16": "ddp_bf16_compress",
+    "fp16": "ddp_fp16_compress",
+    "topk": "ddp_topk",
+    "qsgd": "ddp_qsgd",
+}
 
 #: A Top-K / QSGD hook is chosen over bf16 only when the projection puts its step at least this much faster.
 MIN_PROJECTED_GAIN = 0.05
@@ -98,13 +114,17 @@ def choose_compression(*, n: int, link: Any, params: int, step_s: float) -> tupl
 
     link = get_interconnect(link)
     workload = ScalingWorkload(compute_s=max(step_s, 1e-9), params=max(1, int(params)))
-    points = {p.strategy: p for p in project_scaling(workload, link, n=[n],
-                                                     strategies=("ddp_bf16_compress", "ddp_topk", "ddp_qsgd"))}
+    points = {
+        p.strategy: p
+        for p in project_scaling(workload, link, n=[n], strategies=("ddp_bf16_compress", "ddp_topk", "ddp_qsgd"))
+    }
     bf16 = points["ddp_bf16_compress"]
     best = min(("ddp_topk", "ddp_qsgd"), key=lambda s: (points[s].step_s, points[s].comm_s))
     ms = {s: f"{p.step_s * 1e3:.3g}" for s, p in points.items()}
-    why = (f"projected step (ms) on {link.name} ({link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} µs), "
-           f"{n} ranks: bf16 {ms['ddp_bf16_compress']}, topk {ms['ddp_topk']}, qsgd {ms['ddp_qsgd']}")
+    why = (
+        f"projected step (ms) on {link.name} ({link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} µs), "
+        f"{n} ranks: bf16 {ms['ddp_bf16_compress']}, topk {ms['ddp_topk']}, qsgd {ms['ddp_qsgd']}"
+    )
     if points[best].step_s < (1 - MIN_PROJECTED_GAIN) * bf16.step_s:
         return best.removeprefix("ddp_"), why
     return "bf16", why
@@ -170,8 +190,10 @@ class Compression(Intervention):
     def __init__(self, **params: Any) -> None:
         mode = params.get("compression")
         if mode is not None and mode not in COMPRESSION_STRATEGIES:
-            raise ValueError(f"Compression(compression={mode!r}): use one of {', '.join(COMPRESSION_STRATEGIES)} "
-                             "(or leave it out: chosen from the scaling projection)")
+            raise ValueError(
+                f"Compression(compression={mode!r}): use one of {', '.join(COMPRESSION_STRATEGIES)} "
+                "(or leave it out: chosen from the scaling projection)"
+            )
         link = params.get("interconnect")
         if link is not None:
             from lightning_accel.core.scaling import get_interconnect
@@ -210,8 +232,9 @@ class Compression(Intervention):
             try:
                 run.trainer.strategy.model.register_comm_hook(None, switch.hook())
             except RuntimeError as err:
-                raise ValueError(f"the DDP model has a comm hook already ({err}); use "
-                                 "strategy='ddp_bf16_compress' to compress") from err
+                raise ValueError(
+                    f"the DDP model has a comm hook already ({err}); use strategy='ddp_bf16_compress' to compress"
+                ) from err
             run.extras["comm_switch"] = switch
         mode = self.params.get("compression") or self._choose(run)
         self.params = {"compression": mode}

@@ -11,8 +11,14 @@ if TYPE_CHECKING:
     from lightning_accel.callbacks.interventions.base import Run
     from lightning_accel.core.autopilot_search import Undo
 
-__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch", "feasible_worker_counts", "main_process_load_seconds",
-           "worker_search_seconds"]
+__all__ = [
+    "DataLoaderSettings",
+    "PinMemory",
+    "Prefetch",
+    "feasible_worker_counts",
+    "main_process_load_seconds",
+    "worker_search_seconds",
+]
 
 
 #: A loader worker is taken to load a batch at most this many times faster than the main process did when it
@@ -35,8 +41,9 @@ def main_process_load_seconds(window: Any, accumulate: int) -> float:
     return window.stage_seconds.get("data", 0.0) / (window.steps * max(1, accumulate))
 
 
-def feasible_worker_counts(counts: list[int], window: Any, accumulate: int, consumption: float,
-                           current_workers: int) -> list[int]:
+def feasible_worker_counts(
+    counts: list[int], window: Any, accumulate: int, consumption: float, current_workers: int
+) -> list[int]:
     """The worker counts worth measuring: from a loader without workers, whose data wait per batch is the load time
     of one batch, a count that could not feed ``consumption`` batches/s even at :data:`WORKER_SPEEDUP_BOUND` times
     that speed is left out (at least the largest count stays). On the 300-step data-bound fit of
@@ -131,8 +138,11 @@ class DataLoaderSettings(Intervention):
         grid = [LoaderSetting(w, pf, True, pin) for w, pf in pairs]
 
         def measure(setting: LoaderSetting) -> float:
-            values = {"num_workers": setting.num_workers, "prefetch_factor": setting.prefetch_factor,
-                      "persistent_workers": True}
+            values = {
+                "num_workers": setting.num_workers,
+                "prefetch_factor": setting.prefetch_factor,
+                "persistent_workers": True,
+            }
             loader = run.source.build(values)
             run.runner.state.track_loader(loader)
             try:
@@ -142,8 +152,11 @@ class DataLoaderSettings(Intervention):
 
         index, _ = choose_loader_setting(grid, measure, consumption, margin=FEED_MARGIN)
         chosen = grid[index]
-        return {"num_workers": chosen.num_workers, "prefetch_factor": chosen.prefetch_factor,
-                "persistent_workers": True}
+        return {
+            "num_workers": chosen.num_workers,
+            "prefetch_factor": chosen.prefetch_factor,
+            "persistent_workers": True,
+        }
 
     def change(self, run: Run, undo: Undo) -> None:
         if not self.params:
@@ -216,5 +229,7 @@ class Prefetch(Intervention):
         return "DevicePrefetcher (batches fetched ahead in a thread)"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
-        return ([("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}])],
-                ["callbacks.append(la.DevicePrefetcher())"])
+        return (
+            [("trainer.callbacks", [{"class_path": "lightning_accel.DevicePrefetcher"}])],
+            ["callbacks.append(la.DevicePrefetcher())"],
+        )

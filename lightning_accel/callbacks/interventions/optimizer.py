@@ -44,8 +44,11 @@ class OptimizerImplementation(Intervention):
     def change(self, run: Run, undo: Undo) -> None:
         for opt in run.trainer.optimizers:
             saved = [_flags(d) for d in (opt.defaults, *opt.param_groups)]
-            undo.push(lambda opt=opt, saved=saved: [_set_flags(d, f) for d, f in
-                                                    zip((opt.defaults, *opt.param_groups), saved)])
+            undo.push(
+                lambda opt=opt, saved=saved: [
+                    _set_flags(d, f) for d, f in zip((opt.defaults, *opt.param_groups), saved)
+                ]
+            )
             for group in opt.param_groups:
                 if self.flag == "fused":
                     group["fused"] = True

@@ -63,9 +63,11 @@ class MixedPrecisionDtype(Intervention):
 
     def unavailable(self, run: Run) -> str | None:
         if self._plugin(run) is None and not self._default(run):
-            return (f"the run's precision plugin is {type(run.trainer.precision_plugin).__name__} (the user's "
-                    "choice); use Lightning's default or plugins=[la.AutoMixedPrecision()] to let the Autopilot "
-                    "choose the dtype")
+            return (
+                f"the run's precision plugin is {type(run.trainer.precision_plugin).__name__} (the user's "
+                "choice); use Lightning's default or plugins=[la.AutoMixedPrecision()] to let the Autopilot "
+                "choose the dtype"
+            )
         if self._target(run) is None:
             return "no other autocast dtype on this device"
         return None
@@ -93,25 +95,38 @@ class MixedPrecisionDtype(Intervention):
             plugin.convert_module(run.module)
             return
         saved = (plugin.choice, plugin.precision, plugin.scaler)
-        undo.push(lambda: (setattr(plugin, "choice", saved[0]), setattr(plugin, "precision", saved[1]),
-                           setattr(plugin, "scaler", saved[2])))
+        undo.push(
+            lambda: (
+                setattr(plugin, "choice", saved[0]),
+                setattr(plugin, "precision", saved[1]),
+                setattr(plugin, "scaler", saved[2]),
+            )
+        )
         choice = choose_autocast_dtype(run.device, target)
         plugin.choice = DtypeChoice(choice.dtype, f"{target}: measured faster end to end by the Autopilot")
         plugin.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(choice.dtype, "32-true")
-        plugin.scaler = torch.amp.GradScaler(run.device.type, **plugin.scaler_kwargs) if choice.needs_scaler \
-            else None
+        plugin.scaler = torch.amp.GradScaler(run.device.type, **plugin.scaler_kwargs) if choice.needs_scaler else None
 
     def describe(self, run: Run) -> str:
         if "dtype" not in self.params:
-            return ("AutoMixedPrecision (bf16, fp16 + scaler without bf16)" if self._plugin(run) is None
-                    else "another AutoMixedPrecision dtype")
+            return (
+                "AutoMixedPrecision (bf16, fp16 + scaler without bf16)"
+                if self._plugin(run) is None
+                else "another AutoMixedPrecision dtype"
+            )
         return f"AutoMixedPrecision(dtype={self.params['dtype']!r})"
 
     def config(self, run: Run) -> tuple[list[tuple[str, Any]], list[str]]:
         dtype = self.params["dtype"]
-        return ([("trainer.plugins", [{"class_path": "lightning_accel.AutoMixedPrecision",
-                                       "init_args": {"dtype": dtype}}])],
-                [f"plugins = [la.AutoMixedPrecision(dtype={dtype!r})]"])
+        return (
+            [
+                (
+                    "trainer.plugins",
+                    [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": dtype}}],
+                )
+            ],
+            [f"plugins = [la.AutoMixedPrecision(dtype={dtype!r})]"],
+        )
 
 
 class Tf32Matmul(Intervention):
