@@ -137,7 +137,7 @@ def trial_async_checkpoint(
     try:
         sync_a, save_s = _period(run, file, k, weights_only)
         # the period's own k steps time the step again: fresher and longer than the few steps of an estimate
-        # (one CI run's estimate of 3 steps came out at 8x the step, and a 0.15 s save every 10 steps was
+        # (a 3-step estimate on a loaded machine can come out at 8x the step, and a 0.15 s save every 10 steps was
         # costed out of its trial)
         if sync_a > save_s:
             step_s = (sync_a - save_s) / k
@@ -147,7 +147,7 @@ def trial_async_checkpoint(
             record.reason = f"not trialled: one save measured {save_s:.2f} s; {why}"
             return record
         undo = candidate.apply(run)
-        # untimed: the writer thread starts and makes its first save (in one CI run the first background period
+        # untimed: the writer thread starts and makes its first save (on a loaded machine the first background period
         # took 4x the next one, 1.0 s against 0.15 s, and the pair came out 0.27x for a real 1.8x gain)
         _period(run, file, k, weights_only)
         async_b, _ = _period(run, file, k, weights_only)

@@ -35,7 +35,7 @@ class ActivationCheckpointing(Callback):
 
     The wrapped modules keep only their inputs during forward and run their forward again in backward: activation
     memory falls by what they would have stored, compute rises by at most one extra forward of them (the
-    playbook's "roughly +20 % compute for a large cut in activation memory"; backward is about twice the
+    method's "roughly +20 % compute for a large cut in activation memory"; backward is about twice the
     forward, so checkpointing everything costs at most a third more FLOPs). Wrapping uses torch's
     ``CheckpointWrapper`` (``CheckpointImpl.NO_REENTRANT``), the same one FSDP and torchtitan use: gradients are
     identical to the plain model, RNG state (dropout) is replayed, it composes with autocast

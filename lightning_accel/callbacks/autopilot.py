@@ -1,4 +1,4 @@
-"""Autopilot: the playbook's loop run automatically on the user's own run — measure, apply the fix for the slowest
+"""Autopilot: the method's loop run automatically on the user's own run — measure, apply the fix for the slowest
 stage, measure again, keep only proven gains (with a numerics check), hand back the configuration."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ UNKNOWN_LENGTH_BUDGET_SECONDS = 60.0
 
 
 class Autopilot(Callback):
-    """Runs the playbook's loop before training: measure a baseline, diagnose the slowest stage with the doctor's
+    """Runs the method's loop before training: measure a baseline, diagnose the slowest stage with the doctor's
     rules, trial the fix for it, keep it only if it is measurably faster and computes the same numbers, diagnose
     again, until no finding or candidate is left or the time budget is spent; then train with the result.
 

@@ -70,7 +70,7 @@ class BatchSizeTuner(Callback):
       accumulation equals the target exactly (the micro-batch is the largest divisor that fits).
     * ``lr_scaling``: when the effective batch (micro × devices × accumulation) changes, multiplies every learning
       rate of every optimizer (and the schedulers' base rates) by the ratio (``"linear"``, Goyal et al. 2017,
-      arXiv:1706.02677) or its square root (``"sqrt"``, the rule the playbook gives for accumulation; Krizhevsky
+      arXiv:1706.02677) or its square root (``"sqrt"``, the rule the method page gives for accumulation; Krizhevsky
       2014, arXiv:1404.5997), and prints old → new.
 
     The search leaves no trace: parameters, buffers, gradients, optimizer and scheduler state, the AMP scaler, every
@@ -97,7 +97,7 @@ class BatchSizeTuner(Callback):
         mode: ``"max_fit"`` or ``"throughput"``.
         batch_arg_name: attribute holding the batch size, looked up like Lightning does: the module, its
             ``hparams``, the datamodule (and its ``hparams``).
-        memory_fraction: fraction of capacity used as the budget (0.8: the playbook's "~80 % of the device").
+        memory_fraction: fraction of capacity used as the budget (0.8: the method's "~80 % of the device").
         memory_budget: explicit budget in bytes per device (overrides ``memory_fraction``).
         init_batch_size: first size probed (halved on failure).
         max_batch_size: never probe above this (also capped at the per-rank dataset length).

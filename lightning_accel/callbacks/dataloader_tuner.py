@@ -47,7 +47,7 @@ class LoaderSetting:
 
 
 def default_worker_counts(cores: int) -> list[int]:
-    """0, 1, 2, 4, ... up to ``cores``, plus ``cores`` itself (the playbook: start near ¼–½ of the cores, tune up)."""
+    """0, 1, 2, 4, ... up to ``cores``, plus ``cores`` itself (the method page: start near ¼–½ of the cores, tune up)."""
     counts, w = [0], 1
     while w <= cores:
         counts.append(w)
@@ -109,7 +109,7 @@ class DataLoaderTuner(Callback):
 
     Args:
         num_workers: worker counts to try (default: 0, 1, 2, 4, … up to this rank's cores).
-        prefetch_factors: ``prefetch_factor`` values tried for each worker count > 0 (the playbook's 2–8 range).
+        prefetch_factors: ``prefetch_factor`` values tried for each worker count > 0 (the method's 2–8 range).
         margin: required headroom of supply over consumption (0.2 = 20 %).
         batches_per_trial: batches timed per setting (after warm-up).
         trial_warmup_batches: batches skipped per setting before timing (plus the prefetch queue).

@@ -4,7 +4,7 @@ guard, the compile pay-back rule, which fix to try for which finding, and the re
 Nothing here touches Lightning or runs a step: :class:`~lightning_accel.Autopilot` measures (with the doctor's
 stage timer and rules) and calls these functions to decide, so every decision is unit-tested with exact numbers.
 
-Sources of the guards (``PLAYBOOK.md``, "Closing the loop automatically"):
+Sources of the guards (``docs/method.md``, "Closing the loop automatically"):
 
 * measure on the run's own model and data, in windows long enough to mean something (Zeus: 10 warm-up + 40
   measured steps per setting; DeepSpeed Autotuning's 3-5 profiled steps are too short once compilation is
@@ -98,7 +98,7 @@ class Tolerance:
 
 
 #: Defaults per kind. ``data``: the batches themselves must be identical (checked on their bytes), so the numbers
-#: are too. ``low_precision``: the playbook's "validation accuracy moving by more than ~0.5 % after AMP means
+#: are too. ``low_precision``: the method's "validation accuracy moving by more than ~0.5 % after AMP means
 #: suspect precision", as a 1 % loss and 0.97 gradient-cosine bound on fixed batches.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "data": Tolerance(0.0, 1.0, 1.0),
@@ -321,12 +321,12 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
     "math_sdpa": ("fused_attention",),
     "hf_eager_attention": ("fused_attention",),
     "memory": ("activation_checkpointing",),
-    # not a rule of the doctor: the Autopilot's own, when accumulate_grad_batches > 1 (the playbook's batch lever:
+    # not a rule of the doctor: the Autopilot's own, when accumulate_grad_batches > 1 (the method's batch lever:
     # the same global batch in fewer, larger calls, tried before the smells' fixes)
     "accumulation": ("micro_batch",),
 }
 
-#: Fixes for the stage holding the run back when no rule names one (e.g. a compute-bound step: the playbook's
+#: Fixes for the stage holding the run back when no rule names one (e.g. a compute-bound step: the method's
 #: compute fixes), in order of how often they pay off.
 STAGE_FIXES: dict[str, tuple[str, ...]] = {
     "data": ("dataloader", "prefetch", "micro_batch"),
@@ -373,7 +373,7 @@ def propose(
 
 
 #: What each fix can remove, as a fraction of a stage's time: the prior that orders the candidates (expected gain
-#: = stage share x this) and decides whether a trial can pay back. Sources: the playbook's figures (mixed
+#: = stage share x this) and decides whether a trial can pay back. Sources: the method's figures (mixed
 #: precision 1.5-2x on tensor cores; torch.compile 10-30 %; FlashAttention several x on the attention itself,
 #: taken as a quarter of the compute; fused optimizer kernels remove most of a for-loop step; workers hide nearly
 #: all of an in-process data wait) and this project's CPU measurements (BENCHMARKS.md: bf16 autocast rarely pays on

@@ -5,7 +5,7 @@ undo), probes numerics, agrees across ranks, proposes what to try for the curren
 training state. :class:`lightning_accel.Autopilot` is the Lightning backend; the tests drive the loop with a
 scripted backend and a fake clock, so every decision below is checked with exact numbers and no timing.
 
-The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PLAYBOOK.md``, "Closing the loop"):
+The protocol, and why (numbers from a 2-core CPU, benchmarks/bench_autopilot.py and BENCHMARKS.md "Autopilot"; ``docs/method.md``, "Closing the loop"):
 
 1. **Does a search pay?** With a fit length and the default fractional budget, three steps (one warm-up, two timed)
    estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
@@ -29,7 +29,7 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    was measured since (a candidate rejected by its numerics probe measured nothing).
 3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the
    baseline's two windows, counted up to twice the threshold: one burst of interference in the baseline measured
-   24.6 % on this VM and would otherwise hide every later gain) is confirmed by a second pair in reverse order
+   24.6 % on a shared 2-core CPU and would otherwise hide every later gain) is confirmed by a second pair in reverse order
    (A B B A: a linear drift of the machine's speed cancels); the
    change is kept when both ratios exceed 1 and their mean clears the gate. A first ratio of at least
    ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest burst seen here: 25 %).
@@ -37,11 +37,11 @@ The protocol, and why (numbers from this CPU VM, BENCHMARKS.md "Autopilot"; ``PL
    ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that leave the question
    open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the gate) get a
    third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate shrunk
-   as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On this VM the larger
+   as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On a shared 2-core CPU the larger
    micro-batch's real 15-30 % gain measured 1.16 then 0.98 and 1.20 then 0.92: the unluckiest of two windows
    decided; a majority of three does not hang on one.
 4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not
-   thrown away: it is reverted and held. On the naive GPT-2 script of issue 19 the worker, SDPA, fused-optimizer
+   thrown away: it is reverted and held. On the naive GPT-2 script of benchmarks/autopilot_scripts.py the worker, SDPA, fused-optimizer
    and micro-batch gains were 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no candidate is left
    (or the patience runs out), the held changes are applied together as a *bundle*, checked by the numerics guard
    (the loosest member's tolerance; bit-identical batches when a member changes data loading) and confirmed with
@@ -86,7 +86,7 @@ __all__ = [
 
 
 #: A first paired ratio this far above 1 (and at least 4 gates) is kept without a confirmation pair: no burst of
-#: interference measured on this VM (at most 25 % between two windows) makes a window 1.5x faster, and a short
+#: interference measured on a shared 2-core CPU (at most 25 % between two windows) makes a window 1.5x faster, and a short
 #: fit cannot afford two more windows for a fix that halves its data wait.
 DECISIVE_GAIN = 0.5
 #: A measuring window's timed steps last at least this long (a backend lengthens shorter ones up to 4x their steps,
@@ -98,7 +98,7 @@ SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
 BUNDLE_WINDOWS = 4.4
 #: A baseline whose two windows differ by more than this many thresholds gets a third window, and the two closest
-#: of the three count: one burst of interference on this VM made a Llama baseline's A/A noise 85.7 %, the gate sat at
+#: of the three count: one burst of interference on a shared CPU made a Llama baseline's A/A noise 85.7 %, the gate sat at
 #: its 10 % cap, and a micro-batch jump measured 1.34x then 0.50x was refused (the fit trained at 0.49x the
 #: hand-tuned configuration)
 BASELINE_RETRY_NOISE = 3.0
@@ -594,7 +594,7 @@ class AutopilotSearch:
         result.baseline_samples_per_sec = statistics.median(rates)
         result.noise = relative_noise(rates)
         # the baseline's A/A spread raises the gate, by at most the threshold again: one burst of interference in
-        # the two baseline windows (24.6 % measured on this VM) must not make every later gain unresolvable, and a
+        # the two baseline windows (24.6 % measured on a shared 2-core CPU) must not make every later gain unresolvable, and a
         # keep needs both paired ratios above 1 anyway
         self._gate = noise_gate(self.threshold, result.noise)
         if self.budget_seconds is None and self.steps_left is not None:

@@ -5,7 +5,7 @@ The dtype rule (:func:`choose_autocast_dtype`):
 
 * **CUDA**: bf16 when the GPU has it in hardware (``torch.cuda.is_bf16_supported(including_emulation=False)``,
   Ampere and newer; ROCm), else fp16, which needs loss scaling (a ``GradScaler``). bf16 keeps fp32's exponent
-  range, so it needs no scaler (playbook: "A GradScaler is pointless with bf16").
+  range, so it needs no scaler (docs/method.md: "A GradScaler is pointless with bf16").
 * **CPU**: only what is measured to be faster. :func:`autocast_speedup` times a matmul-heavy probe (a chain of
   256×256 fp32 matmuls under ``torch.autocast``, casts included, so the probe pays what a training step pays)
   against the same chain in fp32, alternating A B A B and taking medians. The fastest of bf16/fp16 is used when it
@@ -62,7 +62,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (:data:`NATIVE_BF16_FLAGS` among the flags of
     ``/proc/cpuinfo``, or of ``cpuinfo`` when given); ``False`` where there is no such file (not Linux). Without
     them oneDNN emulates bf16 and autocast is many times slower than fp32; with them bf16 autocast took 1.2-1.6x
-    off the naive GPT-2 and Llama steps on the 2-core AVX512-BF16 VM (BENCHMARKS.md, issue 19)."""
+    off the naive GPT-2 and Llama steps on the 2-core AVX512-BF16 CPU (benchmarks/bench_autopilot_real.py)."""
     if cpuinfo is None:
         return _this_cpu_has_native_bf16()
     for line in cpuinfo.splitlines():

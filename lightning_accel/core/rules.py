@@ -8,20 +8,20 @@ Stages (the vocabulary of :data:`STAGES`, in the order a step runs them): ``data
 ``transfer`` (host→device copy), ``forward``, ``backward``, ``optimizer``, ``communication`` (gradient all-reduce
 not hidden behind backward) and ``other`` (the rest of the wall time: framework overhead, logging, callbacks).
 
-Default thresholds come from the project's playbook (``PLAYBOOK.md``) and the sources it summarises:
+Default thresholds come from the project's method page (``docs/method.md``) and the sources it summarises:
 
 * data wait > 10 % of the step: the input pipeline starves the device (PyTorch performance tuning guide; Lightning
   issues #1216, #6981);
-* GPU utilisation < 90 % means "suspect the input pipeline first" (NVIDIA's and the playbook's rule of thumb;
+* GPU utilisation < 90 % means "suspect the input pipeline first" (NVIDIA's rule of thumb;
   some use 85 %);
 * optimizer step > 25 % of the step: the update is memory-bound and unfused (``torch.optim`` docs: foreach/fused
   implementations);
 * communication > 15 % of the step: all-reduce cost is ~10–15 % of the step on 8 GPUs and grows with scale
-  (playbook, "Communication");
+  (docs/method.md, "Communication");
 * memory peak ≥ 90 % of the device with a per-device batch ≤ 8: no room to grow the batch (auto batch size keeps
   the peak under ~80 %);
 * MFU ÷ compute share < 0.30: the compute stages take the time but deliver little of the peak, the signature of a
-  launch-bound step (well-tuned stacks reach 40–60 % MFU overall, playbook "Compute").
+  launch-bound step (well-tuned stacks reach 40–60 % MFU overall, docs/method.md "Compute").
 
 Every finding carries its ``saving``, the share of the step its fix would save, and :func:`diagnose` returns them
 largest saving first, so the first finding is the fix to make first:
@@ -154,7 +154,7 @@ def _rule_data_wait(shares: Mapping[str, float], ctx: RunContext, th: Thresholds
         + (f"; DataLoader({', '.join(settings)})" if settings else "")
         + "."
     )
-    # Start around 4 workers per GPU, or 1/4-1/2 of the cores (playbook, "Data"), never more than the cores.
+    # Start around 4 workers per GPU, or 1/4-1/2 of the cores (docs/method.md, "Data"), never more than the cores.
     cores = ctx.cpu_count or 4
     steps = []
     if ctx.num_workers is not None and ctx.num_workers == 0:

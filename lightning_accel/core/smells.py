@@ -118,7 +118,7 @@ def loader_settings(loader: Any, *, time_batch: bool = False, budget_s: float = 
             load = _time_one_batch(loader, dataset, budget_s)
             if load is not None and load >= _LOAD_MATTERS_S:
                 # once more, the faster counts: a first call's warm-up or one scheduler hiccup made a batch of
-                # four zero tensors take 2.5 ms in a CI run (its real cost: ~0.05 ms)
+                # four zero tensors can take 2.5 ms on a loaded machine (their real cost: ~0.05 ms)
                 again = _time_one_batch(loader, dataset, budget_s)
                 load = min(load, again) if again is not None else load
             out["load_seconds"] = load

@@ -1,7 +1,7 @@
 """Memory-mapped shards: ``pack_memmap`` writes them; ``MemmapDataset``, ``TokenMemmapDataset`` and
 ``MemmapDataModule`` read them.
 
-The playbook's fix for per-sample file overhead: pre-process once into a few large numpy ``.npy`` shards and let
+The method's fix for per-sample file overhead: pre-process once into a few large numpy ``.npy`` shards and let
 every DataLoader worker map them, so reading a sample is a page-cache lookup instead of an ``open`` + parse, and
 nothing is loaded into RAM up front (the OS pages in what is read and can drop it again). A shard folder holds
 ``{prefix}-{i:06d}.npy`` (optionally ``{prefix}-{i:06d}.labels.npy``) and ``index.json``::
@@ -417,18 +417,18 @@ class TokenMemmapDataset(Dataset):
 
 
 def default_num_workers(local_ranks: int = 1, accelerators_per_rank: int = 1) -> int:
-    """DataLoader workers per rank: the playbook's "about 4 per GPU", capped at half of this rank's CPU cores."""
+    """DataLoader workers per rank: the method's "about 4 per GPU", capped at half of this rank's CPU cores."""
     return max(1, min(4 * accelerators_per_rank, usable_cores_per_rank(2 * max(1, local_ranks))))
 
 
 class MemmapDataModule(pl.LightningDataModule):
-    """Train/val DataLoaders over memmap shard folders with the playbook's DataLoader settings.
+    """Train/val DataLoaders over memmap shard folders with the method's DataLoader settings.
 
     The folder's kind decides the dataset: ``"samples"`` → :class:`MemmapDataset`, ``"tokens"`` →
     :class:`TokenMemmapDataset` (``seq_len`` required). Under DDP Lightning adds a ``DistributedSampler`` and calls
     ``set_epoch`` each epoch.
 
-    Defaults (PLAYBOOK "Data"): ``num_workers`` about 4 per GPU, at most half the cores of this rank;
+    Defaults (docs/method.md, "Data"): ``num_workers`` about 4 per GPU, at most half the cores of this rank;
     ``pin_memory`` when the Trainer runs on CUDA; ``persistent_workers`` when there are workers (no re-fork per
     epoch); ``prefetch_factor=4``; training shuffles and drops the ragged last batch.
 

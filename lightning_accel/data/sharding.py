@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = ["LAST_BATCH_POLICIES", "epoch_plan", "num_batches"]
 
-#: ``drop``: every rank gets ``len // world_size`` samples, the partial last batch is dropped (the playbook's
+#: ``drop``: every rank gets ``len // world_size`` samples, the partial last batch is dropped (the method's
 #: ``drop_last=True``); ``pad``: the shuffled order wraps around to fill the last batch on every rank (a few samples
 #: are seen twice per epoch); ``partial`` (validation): every sample exactly once, equal batch counts by splitting.
 LAST_BATCH_POLICIES = ("drop", "pad", "partial")

@@ -52,7 +52,7 @@ class AutoMixedPrecision(MixedPrecision):
     unchanged). Entries matching nothing trigger a warning naming them.
 
     **GradScaler** (fp16 only; bf16 and fp32 need none): ``init_scale=2**16``, ``growth_factor=2.0``,
-    ``backoff_factor=0.5``, ``growth_interval=2000`` are PyTorch's defaults and the playbook's recommendation. The
+    ``backoff_factor=0.5``, ``growth_interval=2000`` are PyTorch's defaults and the method's recommendation. The
     scaler's state is saved in and restored from checkpoints (under the key ``"AutoMixedPrecision"``). Gradients
     are unscaled before ``on_before_optimizer_step`` and clipping, also with gradient accumulation.
 

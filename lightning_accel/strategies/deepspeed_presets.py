@@ -483,7 +483,7 @@ def choose_zero_preset(
     A preset fits when its per-device bytes are at most ``(1 - margin) × capacity_bytes`` and its host bytes per
     rank at most ``(1 - margin) × host_capacity_bytes`` (when given). The margin leaves room for what
     :func:`~lightning_accel.core.memory.estimate_zero_memory` does not model (buckets, prefetch buffers,
-    fragmentation); 0.2 follows the playbook's "stay under ~80 % of the device". On CPU the "device" is host memory:
+    fragmentation); 0.2 follows the method's "stay under ~80 % of the device". On CPU the "device" is host memory:
     offload presets are not candidates (they move nothing there) and device and host bytes add up.
 
     Returns:

@@ -13,10 +13,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_COMPILE_GAIN", "TYPICAL_COMPILE_SECONDS", "Compile"]
 
-#: the playbook's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
+#: the method's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
 MAX_COMPILE_GAIN = 0.30
 #: seconds a first inductor compile of a small model typically takes (CPU: C++ codegen on few cores — the naive
-#: 2-layer HF GPT-2 of issue 19 took 61.7 s on the 2-core VM; CUDA: triton); used to skip a trial that could not pay
+#: 2-layer HF GPT-2 of benchmarks/autopilot_scripts.py took 61.7 s on a 2-core CPU; CUDA: triton); used to skip a trial that could not pay
 #: back even at MAX_COMPILE_GAIN and to cost a trial against the search's budget — a real trial measures its own
 TYPICAL_COMPILE_SECONDS = {False: 60.0, True: 20.0}
 
@@ -41,7 +41,7 @@ class Compile(Intervention):
             return "the model is already compiled"
         window = run.current or run.baseline
         if run.steps_left is not None and window is not None and "backend" not in self.params:
-            # even the playbook's best case (30 % faster steps) cannot repay a typical first compile in this fit
+            # even the method's best case (30 % faster steps) cannot repay a typical first compile in this fit
             saved = MAX_COMPILE_GAIN * window.step_seconds * run.steps_left
             if saved < TYPICAL_COMPILE_SECONDS[run.device.type == "cuda"]:
                 return (

@@ -20,7 +20,7 @@ class MixedPrecisionDtype(Intervention):
     """Mixed precision chosen by the whole step, not a matmul probe.
 
     * With Lightning's default ``32-true`` (the plain ``Precision`` plugin): installs ``AutoMixedPrecision`` itself
-      with bf16 where the device has it, else fp16 with its ``GradScaler`` (the playbook's defaults); autocast
+      with bf16 where the device has it, else fp16 with its ``GradScaler`` (the method's defaults); autocast
       keeps its fp32 op list (softmax, norms, losses) in fp32, and the ``low_precision`` numerics guard checks the
       loss and gradient direction on the probe batches. The plan, YAML and Python snippet carry the plugin.
     * With ``AutoMixedPrecision`` already in ``plugins=``: another dtype (fp32 -> bf16/fp16, or back to fp32 when
