@@ -14,8 +14,8 @@ One feature per module:
   pattern ``softmax(q @ k^T * scale + mask) @ v`` (as Hugging Face eager, nanoGPT and timm write it) inside
   modules the user names into one ``F.scaled_dot_product_attention`` call (:mod:`.rewrite` over the lazy
   placeholders of :mod:`._lazy`); a rewrite that never fires says which op broke the pattern. It returns a
-  :class:`FusedAttentionChanges` (``FusedAttention`` is its former name, kept as an alias for existing imports;
-  the Autopilot's intervention of that name is :class:`lightning_accel.callbacks.interventions.FusedAttention`).
+  :class:`FusedAttentionChanges` (the Autopilot's intervention is
+  :class:`lightning_accel.callbacks.interventions.FusedAttention`).
 
 Why it matters: ``need_weights=True`` (``nn.MultiheadAttention``'s default!) and hand-written attention both
 materialise the ``L x S`` score matrix in memory and run softmax as separate kernels; FlashAttention-style kernels
@@ -33,14 +33,9 @@ from lightning_accel.attention.fused import FusedAttentionChanges, use_fused_att
 from lightning_accel.attention.recorder import SDPABackendRecorder  # noqa: E402
 from lightning_accel.attention.rewrite import ATTENTION_FIX  # noqa: E402
 
-#: The former name of :class:`FusedAttentionChanges` (kept so ``from lightning_accel.attention import
-#: FusedAttention`` keeps working).
-FusedAttention = FusedAttentionChanges
-
 __all__ = [
     "ATTENTION_FIX",
     "BACKENDS",
-    "FusedAttention",
     "FusedAttentionChanges",
     "SDPABackendRecorder",
     "available_sdpa_backends",

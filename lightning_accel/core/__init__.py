@@ -27,7 +27,7 @@ from lightning_accel.core.search import (
     find_throughput_batch_size,
 )
 from lightning_accel.core.smells import SMELLS, find_smells
-from lightning_accel.core.stages import StageMachine, StageWindow, Window
+from lightning_accel.core.stages import StageMachine, StageWindow
 from lightning_accel.core.throughput import Rates, WindowedThroughput
 from lightning_accel.core.timing import StageTimer
 from lightning_accel.core.variability import variability_finding
@@ -57,7 +57,6 @@ __all__ = [
     "StageTimer",
     "StageWindow",
     "Thresholds",
-    "Window",
     "WindowedThroughput",
     "ZeroMemoryEstimate",
     "apply_activation_checkpointing",

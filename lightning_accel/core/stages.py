@@ -49,8 +49,7 @@ _KNOWN = frozenset(MEASURED_STAGES) - {"communication"}
 
 @dataclass(frozen=True)
 class StageWindow:
-    """One closed window of one process (``Window`` is its former name, kept as an alias; the Autopilot's
-    measuring window is another class).
+    """One closed window of one process (the Autopilot's measuring window is another class).
 
     Attributes:
         wall: host seconds of the window's batches (pauses excluded).
@@ -316,7 +315,3 @@ class StageMachine:
             else:
                 self.timer.start(stage)
         return now
-
-
-#: The former name of :class:`StageWindow`.
-Window = StageWindow
