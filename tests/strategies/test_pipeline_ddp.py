@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from datetime import timedelta
 
 import pytest
@@ -366,14 +367,20 @@ out = {"dw": max_dw(task, ref), "sizes": [s.pp_size, s.dp_size], "coords": [s.pp
 # the replica average through the DDP compression hooks (same processes, one more fit each): Top-K at density 1
 # sends every entry (fp32 values + int32 indices: twice the bytes) and must give the plain run's weights; bf16 sends
 # half the bytes and stays close
-for name, kwargs in (("topk", {"compression": "topk", "density": 1.0}), ("bf16", {"compression": "bf16"})):
+RUNS = (("topk", {"compression": "topk", "density": 1.0}), ("bf16", {"compression": "bf16"}),
+        ("topk_sparse", {"compression": "topk", "density": 0.25}))
+for name, kwargs in RUNS:
     t = trainer(PipelineStrategy(data_parallel_size="auto", **kwargs), STEPS, devices=4)
     task = Task("demo")
     t.fit(task)
     c = t.strategy.comm_stats
+    state = t.strategy._dp_hook[0]
+    residual = getattr(state, "error_dict", {}).get(0)
     out[name] = {"dw": max_dw(task, ref), "steps": c.steps, "compressed": c.compressed_steps,
                  "before": c.bytes_before, "sent": c.bytes_sent,
-                 "n": sum(p.numel() for p in task.parameters())}
+                 "n": sum(p.numel() for p in task.parameters()),
+                 "residual": None if residual is None else float(residual.abs().sum()),
+                 "residual_numel": None if residual is None else residual.numel()}
 with open(f"ppddp_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
@@ -397,6 +404,12 @@ def test_pp_ddp_two_stages_by_two_replicas_matches_one_process(ddp_script, tmp_p
         assert topk["before"] == 10 * 4 * topk["n"] and topk["sent"] == 2 * 4 * topk["n"] + 8 * 8 * topk["n"]
         assert bf16["sent"] * 2 == bf16["before"] == 10 * 4 * bf16["n"] and bf16["compressed"] == 10
         assert 0 < bf16["dw"] <= 1e-2  # bf16's 8-bit mantissa: close to, not equal to, the fp32 weights
+        # a quarter of the entries per step, the rest kept as this rank's residual and sent in later steps: the
+        # bytes are exact, a residual is held for the stage's whole flat bucket, and the weights stay close
+        sparse, n = r["topk_sparse"], r["topk_sparse"]["n"]
+        assert sparse["compressed"] == 8 and sparse["sent"] == 2 * 4 * n + 8 * 8 * math.ceil(0.25 * n)
+        assert sparse["residual_numel"] == n and sparse["residual"] > 0
+        assert 0 < sparse["dw"] <= 5e-2, sparse["dw"]
 
 
 BUBBLE = (
