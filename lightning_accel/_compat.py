@@ -488,7 +488,7 @@ def disable_torch_function_subclass() -> Any:
 
 def make_wrapper_subclass(cls: type, shape: torch.Size, **kwargs: Any) -> torch.Tensor:
     """A tensor of subclass ``cls`` with metadata only (no storage): the wrapper-subclass constructor."""
-    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)  # type: ignore[attr-defined]
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
 
 
 def op_packet_name(func: Any) -> str:
@@ -520,7 +520,7 @@ def call_impl(module: nn.Module) -> Callable[..., Any]:
 
 def set_compiled_call(module: nn.Module, call: Callable[..., Any] | None) -> None:
     """Make ``module(...)`` run ``call`` (what ``nn.Module.compile`` installs); ``None`` returns it to eager."""
-    module._compiled_call_impl = call  # type: ignore[assignment]
+    module._compiled_call_impl = call
 
 
 def checkpoint_wrapper_non_reentrant(module: nn.Module) -> nn.Module:

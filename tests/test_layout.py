@@ -167,7 +167,12 @@ def test_comments_say_why_not_when():
     # repository, no narration of which run, machine or ticket a line came from
     import re
 
-    pattern = re.compile(r"playbook|\.\./shared|\bCI run\b|\bthis VM\b|\bissue \d+|\bsession \d+", re.IGNORECASE)
+    # (a measured figure names the benchmark script that measures it, not a BENCHMARKS.md section that may move)
+    pattern = re.compile(
+        r"playbook|\.\./shared|\bCI run\b|\b(this|the) (shared )?(2-core )?VM\b|\bissue \d+|\bsession \d+"
+        r"|naive GPT-2|BENCHMARKS\.md",
+        re.IGNORECASE,
+    )
     hits = [
         f"{p.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
         for p in sorted(PACKAGE.rglob("*.py"))

@@ -34,7 +34,7 @@ _METADATA = {
     torch.Tensor.layout.__get__,
     torch.Tensor.size,
     torch.Tensor.dim,
-    torch.Tensor.numel,  # type: ignore
+    torch.Tensor.numel,
     torch.Tensor.is_floating_point,
     torch.Tensor.__len__,
 }

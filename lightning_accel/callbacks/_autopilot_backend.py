@@ -81,12 +81,12 @@ class LightningSearchBackend:
 
     def measure(self, warmup_steps: int, steps: int) -> Window:
         """One window, aggregated over ranks. Under gradient accumulation (k micro-batches per optimizer step) the
-        window is ``ceil(warmup / k)`` warm-up and ``ceil(steps / sqrt(k))`` timed optimizer steps (at least 1
-        and 2): worker start-up and the allocator warm up per micro-batch, and k micro-batches per timed step
-        already average k calls (on the naive GPT-2 script, micro-batch 4 x 8, the full protocol took 5 s a
-        window: two trials in a 5 % budget of a 10-minute fit). Every window after the baseline's first is at
-        least ``MIN_WINDOW_SECONDS`` and at most as long in seconds as that one (the step count follows from the
-        last window's aggregated step time, the same on every rank)."""
+        window is ``ceil(warmup / k)`` warm-up and ``ceil(steps / sqrt(k))`` timed optimizer steps (at least 1 and 2):
+        worker start-up and the allocator warm up per micro-batch, and k micro-batches per timed step already average k
+        calls (on the GPT-2 script of benchmarks/bench_autopilot_real.py, micro-batch 4 x 8, the full protocol would
+        take 5 s a window: two trials in a 5 % budget of a 10-minute fit). Every window after the baseline's first is at
+        least ``MIN_WINDOW_SECONDS`` and at most as long in seconds as that one (the step count follows from the last
+        window's aggregated step time, the same on every rank)."""
         run = self.run
         short = steps <= 2  # the pay-back estimate: three steps, however short
         warmup_steps, steps = self.window_steps(warmup_steps, steps)
@@ -96,8 +96,8 @@ class LightningSearchBackend:
             steps = min(4 * steps, max(steps, math.ceil(MIN_WINDOW_SECONDS / self._step_seconds)))
             if self._target_seconds:
                 # no longer than the baseline's windows: a window averages the machine's noise by its length in
-                # seconds, not in steps; after the naive GPT-2's 4 x 8 -> 32 x 1 jump the same step count took
-                # 3.2 s instead of 1.4 s, and the next trial (SDPA) no longer fitted the budget
+                # seconds, not in steps; after the 4 x 8 -> 32 x 1 jump of bench_autopilot_real.py's GPT-2 the
+                # same step count takes 3.2 s instead of 1.4 s, and the next trial (SDPA) would not fit the budget
                 steps = min(steps, max(2, math.ceil(self._target_seconds / self._step_seconds)))
         local = run.runner.measure(warmup_steps, steps)
         stages = [local.stage_seconds.get(s, 0.0) for s in MEASURED_STAGES]

@@ -268,8 +268,8 @@ class Autopilot(Callback):
             plan = (
                 AutopilotPlan(**self._restored_plan)
                 if self._restored_plan is not None and self.plan_path is None
-                else AutopilotPlan.load(self.plan_path)
-            )  # type: ignore[arg-type]
+                else AutopilotPlan.load(self.plan_path)  # type: ignore[arg-type]
+            )
             self._replay(run, plan)
         else:
             try:

@@ -146,7 +146,7 @@ class BottleneckDoctor(Callback):
     Args:
         window: batches per measuring window (logging and warning interval). Closing a window costs ~0.25 ms on a
             CPU (the rules, one logging call for all keys, a CPU sample; plus one gather under DDP); 50 batches
-            amortise that to ~10 µs per step (BENCHMARKS.md, "BottleneckDoctor overhead").
+            amortise that to ~10 µs per step (measured by benchmarks/bench_doctor_overhead.py).
         warmup_batches: batches at the start of ``fit`` that are not measured (more if another callback asks with a
             ``warmup_batches`` attribute, as ``MFUMonitor`` does). On CUDA the SDPA kernel is observed on the
             second batch when at least two are warm-up.

@@ -109,7 +109,7 @@ class DevicePrefetcher(Callback):
                 return dataloader
             wrapped = PrefetchingLoader(
                 dataloader,
-                depth=self.depth,  # type: ignore[arg-type]
+                depth=self.depth,
                 device=device if device.type == "cuda" else None,
                 pin_memory=self.pin_memory,
             )

@@ -376,11 +376,12 @@ def propose(
 #: = stage share x this) and decides whether a trial can pay back. Sources: the method's figures (mixed
 #: precision 1.5-2x on tensor cores; torch.compile 10-30 %; FlashAttention several x on the attention itself,
 #: taken as a quarter of the compute; fused optimizer kernels remove most of a for-loop step; workers hide nearly
-#: all of an in-process data wait) and this project's CPU measurements (BENCHMARKS.md: bf16 autocast rarely pays on
-#: CPU; the micro-batch amortises per-call costs). ``cuda`` / ``cpu`` override per device type.
+#: all of an in-process data wait) and CPU measurements (benchmarks/bench_autopilot.py and bench_autopilot_real.py:
+#: bf16 autocast rarely pays on CPU; the micro-batch amortises per-call costs). ``cuda`` / ``cpu`` override per
+#: device type.
 EXPECTED_REMOVAL: dict[str, dict[str, Any]] = {
-    # on a CPU a loader worker takes a core from the step's own threads (2-core VM: never kept on the naive GPT-2
-    # and Llama scripts at micro-batch <= 8, 2.25x on a sleeping dataset)
+    # on a CPU a loader worker takes a core from the step's own threads (on 2 cores: not kept on the GPT-2 and
+    # Llama scripts of bench_autopilot_real.py at micro-batch <= 8, 2.25x on a sleeping dataset)
     "dataloader": {"data": 0.9, "cpu": {"data": 0.5}},
     # on a CPU there is no host-to-device copy to overlap, only loading in a thread that shares the cores
     "prefetch": {"data": 0.5, "transfer": 0.5, "cpu": {"data": 0.15, "transfer": 0.0}},
@@ -391,7 +392,7 @@ EXPECTED_REMOVAL: dict[str, dict[str, Any]] = {
     "optimizer_fused": {"optimizer": 0.6},
     "optimizer_foreach": {"optimizer": 0.5},
     # on a CPU without bf16 in hardware autocast emulates it (rarely pays); with it (``cpu+bf16``: AVX512-BF16 /
-    # AMX / Arm BF16) bf16 took 1.2-1.6x off the naive GPT-2 and Llama steps at micro-batch 32 on the 2-core VM
+    # AMX / Arm BF16) bf16 takes 1.2-1.6x off the GPT-2 and Llama steps of bench_autopilot_real.py at micro-batch 32
     "precision": {
         "forward": 0.4,
         "backward": 0.4,
@@ -434,10 +435,10 @@ def expected_gain(name: str, shares: Mapping[str, float], device_type: str | Non
 
 
 #: How far a prior can be counted on when deciding whether a short fit repays a search, per fix and device (1.0 where
-#: not listed). bf16 on a CPU with it in hardware is a bet on large matmuls: on the 2-core VM it measured 1.2-1.6x on
-#: the naive GPT-2 and Llama at micro-batch 32, 0.87-1.01x at micro-batch 4 and 0.905x on the balanced 300-step demo
-#: fit of ``bench_autopilot_real.py --short`` (searched for it, that fit took 0.89x vanilla's wall time): about half
-#: the time. The ranking (:func:`rank_by_expected_gain`) keeps the prior itself: a long fit still tries bf16 early.
+#: not listed). bf16 on a CPU with it in hardware is a bet on large matmuls: in ``bench_autopilot_real.py`` on a 2-core
+#: CPU it measures 1.2-1.6x on the GPT-2 and Llama scripts at micro-batch 32, 0.87-1.01x at micro-batch 4 and 0.905x on
+#: the balanced 300-step fit of ``--short`` (searching for it costs that fit 0.89x vanilla's wall time): it pays about
+#: half the time. The ranking (:func:`rank_by_expected_gain`) keeps the prior itself: a long fit still tries bf16 early.
 PRIOR_CONFIDENCE: dict[str, dict[str, float]] = {"precision": {"cpu+bf16": 0.5}}
 
 
@@ -448,9 +449,9 @@ def prior_confidence(name: str, device_type: str | None = None) -> float:
 
 
 #: Fixes that change the shape of the work go before the others, whatever their priors: every other fix is
-#: measured at the micro-batch it runs at, and once (a refused fix is not asked again). On the naive GPT-2 (4 x 8)
-#: bf16 tried first measured 0.87-1.01x in 5 of 5 searches and was not asked again; after the jump to 32 x 1 it
-#: measured 1.2-1.6x.
+#: measured at the micro-batch it runs at, and once (a refused fix is not asked again). On the GPT-2 script of
+#: bench_autopilot_real.py (4 x 8) bf16 tried first measures 0.87-1.01x and would not be asked again; after the
+#: jump to 32 x 1 it measures 1.2-1.6x.
 SHAPE_FIRST: tuple[str, ...] = ("micro_batch",)
 
 

@@ -5,7 +5,8 @@ undo), probes numerics, agrees across ranks, proposes what to try for the curren
 training state. :class:`lightning_accel.Autopilot` is the Lightning backend; the tests drive the loop with a
 scripted backend and a fake clock, so every decision below is checked with exact numbers and no timing.
 
-The protocol, and why (numbers from a 2-core CPU, benchmarks/bench_autopilot.py and BENCHMARKS.md "Autopilot"; ``docs/method.md``, "Closing the loop"):
+The protocol, and why (numbers from a 2-core CPU, measured by benchmarks/bench_autopilot.py and
+benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
 
 1. **Does a search pay?** With a fit length and the default fractional budget, three steps (one warm-up, two timed)
    estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
@@ -21,35 +22,35 @@ The protocol, and why (numbers from a 2-core CPU, benchmarks/bench_autopilot.py 
    ``max(budget x fit, baseline + first trial)`` when that first trial pays back, the trial costed again once the
    baseline's windows and numerics probe are measured. After the baseline the fit's length, and so the budget,
    follows the baseline's step time rather than the estimate's three steps.
-2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current
-   configuration measured right before it (A), never with a baseline measured minutes earlier: in one search on
-   the shared 2-core VM the unchanged configuration measured 1453 samples/s in the baseline and 1058-1222 a few
-   trials later (a neighbour's tests had started), while one candidate's two paired ratios agreed within 3 %
-   (1.162, 1.135). A window of the current configuration is reused by the next trial only when no other window
-   was measured since (a candidate rejected by its numerics probe measured nothing).
-3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the
-   baseline's two windows, counted up to twice the threshold: one burst of interference in the baseline measured
-   24.6 % on a shared 2-core CPU and would otherwise hide every later gain) is confirmed by a second pair in reverse order
-   (A B B A: a linear drift of the machine's speed cancels); the
-   change is kept when both ratios exceed 1 and their mean clears the gate. A first ratio of at least
-   ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest burst seen here: 25 %).
-   A fix whose expected gain (the offer's) clears the gate gets its second pair for any first ratio above
-   ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that leave the question
-   open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the gate) get a
-   third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate shrunk
-   as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On a shared 2-core CPU the larger
-   micro-batch's real 15-30 % gain measured 1.16 then 0.98 and 1.20 then 0.92: the unluckiest of two windows
-   decided; a majority of three does not hang on one.
-4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not
-   thrown away: it is reverted and held. On the naive GPT-2 script of benchmarks/autopilot_scripts.py the worker, SDPA, fused-optimizer
-   and micro-batch gains were 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no candidate is left
-   (or the patience runs out), the held changes are applied together as a *bundle*, checked by the numerics guard
-   (the loosest member's tolerance; bit-identical batches when a member changes data loading) and confirmed with
-   A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone
-   cannot, and the bundle's two pairs are measured with the whole sum in them. A bundle that fails numerics is split: its members are re-applied one at
-   a time with the guard after each, and a member that breaks the numbers is dropped (the culprit is named).
-   Held changes that set the same knob (a candidate's optional ``knobs``: the fused and the foreach optimizer
-   step) are alternatives, not gains to add up: the bundle keeps the one measured faster and names the other.
+2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current configuration
+   measured right before it (A), never with a baseline measured minutes earlier: on a shared 2-core CPU the unchanged
+   configuration can measure 1453 samples/s in the baseline and 1058-1222 a few trials later, once other work starts,
+   while one candidate's two paired ratios agree within 3 % (1.162, 1.135). A window of the current configuration is
+   reused by the next trial only when no other window was measured since (a candidate rejected by its numerics probe
+   measured nothing).
+3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the baseline's
+   two windows, counted up to twice the threshold: one burst of interference in the baseline measured 24.6 % on a shared
+   2-core CPU and would otherwise hide every later gain) is confirmed by a second pair in reverse order (A B B A: a
+   linear drift of the machine's speed cancels); the change is kept when both ratios exceed 1 and their mean clears the
+   gate. A first ratio of at least ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest
+   burst on a shared 2-core CPU: 25 %). A fix whose expected gain (the offer's) clears the gate gets its second pair for
+   any first ratio above ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that
+   leave the question open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the
+   gate) get a third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate
+   shrunk as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On a shared 2-core CPU the
+   larger micro-batch's real 15-30 % gain can measure 1.16 then 0.98, or 1.20 then 0.92: with two pairs the unluckiest
+   window decides; a majority of three does not hang on one.
+4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not thrown
+   away: it is reverted and held. On the GPT-2 script of benchmarks/bench_autopilot_real.py the worker, SDPA,
+   fused-optimizer and micro-batch gains are 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no
+   candidate is left (or the patience runs out), the held changes are applied together as a *bundle*, checked by the
+   numerics guard (the loosest member's tolerance; bit-identical batches when a member changes data loading) and
+   confirmed with A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone
+   cannot, and the bundle's two pairs are measured with the whole sum in them. A bundle that fails numerics is split:
+   its members are re-applied one at a time with the guard after each, and a member that breaks the numbers is dropped
+   (the culprit is named). Held changes that set the same knob (a candidate's optional ``knobs``: the fused and the
+   foreach optimizer step) are alternatives, not gains to add up: the bundle keeps the one measured faster and names the
+   other.
 5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
    trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
 
@@ -90,8 +91,8 @@ __all__ = [
 #: fit cannot afford two more windows for a fix that halves its data wait.
 DECISIVE_GAIN = 0.5
 #: A measuring window's timed steps last at least this long (a backend lengthens shorter ones up to 4x their steps,
-#: by the last window's step time): on the shared 2-core VM, windows of 30-70 ms (a tiny model's 10-25 steps)
-#: disagreed by 10-15 % between adjacent pairs; a quarter second averages the scheduler's hiccups out.
+#: by the last window's step time): on a shared 2-core CPU, windows of 30-70 ms (a tiny model's 10-25 steps)
+#: disagree by 10-15 % between adjacent pairs; a quarter second averages the scheduler's hiccups out.
 MIN_WINDOW_SECONDS = 0.25
 #: Untimed warm-up steps of a short fit's windows (a new loader's workers start in the first; 5 by default)
 SHORT_WARMUP_STEPS = 2
@@ -342,9 +343,9 @@ def decide_paired(ratios: Sequence[float], gate: float, floor: float = 0.0) -> t
 
 def needs_third_pair(ratios: Sequence[float], gate: float) -> bool:
     """Two pairs that leave the question open: their mean is at least half the gate above 1 but they were not
-    kept (one pair below 1, or the mean short of the gate). On the 2-core VM a real 15-30 % gain of the larger
-    micro-batch measured 1.16 then 0.98 and 1.20 then 0.92 (4 of 4 second pairs low, BENCHMARKS.md "Autopilot v2");
-    one more pair decides by majority instead of by the unluckiest window."""
+    kept (one pair below 1, or the mean short of the gate). On a 2-core CPU a real 15-30 % gain of the larger
+    micro-batch can measure 1.16 then 0.98, or 1.20 then 0.92 (benchmarks/bench_autopilot_real.py); one more pair
+    decides by majority instead of by the unluckiest window."""
     return len(ratios) == 2 and statistics.fmean(ratios) >= 1.0 + gate / 2 and not decide_paired(ratios, gate)[0]
 
 
@@ -454,8 +455,8 @@ class AutopilotSearch:
         """Seconds a trial is expected to take: a window of the current configuration unless a fresh one is at
         hand, the candidate's window (and its extra warm-up), plus the confirmation pair when it is likely: a fix
         expected to clear the gate, but not decisively, gets one for any positive first ratio (windows of the configuration now
-        current: after the 4 x 8 -> 32 x 1 jump on the naive GPT-2 a window took 3.5 s instead of 2.3 s, and a
-        trial costed at the old length overran a 29 s budget by 5 s)."""
+        current: after the 4 x 8 -> 32 x 1 jump on the GPT-2 script of benchmarks/bench_autopilot_real.py a window
+        takes 3.5 s instead of 2.3 s, so a trial costed at the old length would overrun a 29 s budget by 5 s)."""
         step = self._current.step_seconds if self._current is not None else 0.0
         fresh = 0 if self._fresh is not None else 1
         confirm = 2 if gain is not None and self._expects_confirmation(gain) else 0
@@ -598,8 +599,9 @@ class AutopilotSearch:
         # keep needs both paired ratios above 1 anyway
         self._gate = noise_gate(self.threshold, result.noise)
         if self.budget_seconds is None and self.steps_left is not None:
-            # the fit's length from the baseline's windows, not from the three steps of the estimate: on the
-            # naive GPT-2 the estimate put a 10-minute fit at 452-736 s, and its 5 % budget at 3.8-6.1 % of it
+            # the fit's length from the baseline's windows, not from the three steps of the estimate: on the GPT-2
+            # script of bench_autopilot_real.py the estimate puts a 10-minute fit at 452-736 s, and its 5 % budget
+            # at 3.8-6.1 % of it
             fit = self.steps_left * statistics.median([first.step_seconds, second.step_seconds])
             self._budget = max(self.budget * fit, self._floor)
             result.budget_seconds = self._budget

@@ -22,13 +22,13 @@ Offload (ZeRO-Offload, Ren et al. 2021, §4.1; ZeRO-Infinity, Rajbhandari et al.
   full gradients, as in stage 1 without offload.
 - ``offload_params`` ("cpu" or "nvme", stage 3 only): the parameter shard ``P·Ψ/N_d`` lives there too.
 
-Frozen parameters (``num_frozen_params``) need only ``P`` bytes each (no gradients, no optimizer state), sharded
-at stage 3 and offloaded with ``offload_params``. Optionally an activation term ``activation_bytes_per_sample ×
-micro_batch_size`` is added to the device. Not modelled: communication buckets, ZeRO-3 prefetch/live-parameter
-buffers, allocator fragmentation and temporary buffers; leave headroom for them (``deepspeed_auto`` keeps a
-margin of the capacity free). Measured on CPU (BENCHMARKS.md, fp32 MLP): ZeRO-1 matches the formula (13.8 vs 14
-B/param); ZeRO-2 adds ~3 B/param while its reduce bucket holds a small model's whole gradient and ZeRO-3 ~6
-B/param for gathered parameters — terms bounded by the bucket sizes, not by the model.
+Frozen parameters (``num_frozen_params``) need only ``P`` bytes each (no gradients, no optimizer state), sharded at
+stage 3 and offloaded with ``offload_params``. Optionally an activation term ``activation_bytes_per_sample ×
+micro_batch_size`` is added to the device. Not modelled: communication buckets, ZeRO-3 prefetch/live-parameter buffers,
+allocator fragmentation and temporary buffers; leave headroom for them (``deepspeed_auto`` keeps a margin of the
+capacity free). Measured on CPU by benchmarks/bench_strategies.py (fp32 MLP): ZeRO-1 matches the formula (13.8 vs 14
+B/param); ZeRO-2 adds ~3 B/param while its reduce bucket holds a small model's whole gradient and ZeRO-3 ~6 B/param for
+gathered parameters — terms bounded by the bucket sizes, not by the model.
 
 Bytes are plain bytes; the CLI prints GB = 10⁹ bytes, as the paper does.
 """

@@ -61,8 +61,8 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (:data:`NATIVE_BF16_FLAGS` among the flags of
     ``/proc/cpuinfo``, or of ``cpuinfo`` when given); ``False`` where there is no such file (not Linux). Without
-    them oneDNN emulates bf16 and autocast is many times slower than fp32; with them bf16 autocast took 1.2-1.6x
-    off the naive GPT-2 and Llama steps on the 2-core AVX512-BF16 CPU (benchmarks/bench_autopilot_real.py)."""
+    them oneDNN emulates bf16 and autocast is many times slower than fp32; with them bf16 autocast takes 1.2-1.6x
+    off the GPT-2 and Llama steps of benchmarks/bench_autopilot_real.py on a 2-core AVX512-BF16 CPU."""
     if cpuinfo is None:
         return _this_cpu_has_native_bf16()
     for line in cpuinfo.splitlines():

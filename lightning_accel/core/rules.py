@@ -29,7 +29,8 @@ largest saving first, so the first finding is the fix to make first:
 * a stage the fix hides or removes (data wait, transfer, communication, the stage a GPU idles for): the whole share;
 * fp32 on tensor cores: a third of forward + backward (1.5x, the low end of the 1.5-2x mixed precision gives);
 * an unfused optimizer: half of the update (the Autopilot's prior for a foreach step, ``EXPECTED_REMOVAL``;
-  fused measured 1.8-4x faster on this project's CPU benchmarks);
+  in the optimizer scenario of benchmarks/bench_autopilot.py ``Adam(fused=True)`` trains at 1.8x the samples/s of
+  a for-loop step on CPU);
 * launch-bound compute: the compute time above what it takes at ``mfu_per_compute``'s efficiency;
 * memory near capacity and the math SDPA kernel: ``None`` (the gain is a larger batch's, or the attention's share
   of the compute, neither of which the breakdown measures);

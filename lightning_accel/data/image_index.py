@@ -348,7 +348,7 @@ def resolve_image_source(source: ImageSource) -> ImageIndex:
     if isinstance(source, Sequence) and source:
         if all(isinstance(s, (str, os.PathLike)) for s in source):
             return index_webdataset(list(source))
-        return index_file_list(source)  # type: ignore[arg-type]
+        return index_file_list(source)
     raise ValueError(
         f"image source must be a folder, .tar shard(s), a file list or (path, label) pairs; got {source!r}"
     )

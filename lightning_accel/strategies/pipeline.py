@@ -297,7 +297,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             p = world // dp if world % dp == 0 else 0  # type: ignore[operator]
         if dp == "auto":
             dp = world // p if p and world % p == 0 else 0
-        if not (p and dp) or p * dp != world:  # type: ignore[operator]
+        if not (p and dp) or p * dp != world:
             raise ValueError(
                 f"pipeline: pipeline_size={self._pp_arg} × data_parallel_size={self._dp_arg} does not "
                 f"fit {world} processes; give sizes whose product is {world}"
@@ -309,7 +309,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "per stage (nothing to reduce); use strategy='pp_ddp' / data_parallel_size='auto' with "
                 "more processes, or compression=None"
             )
-        return int(p), int(dp)  # type: ignore[arg-type]
+        return int(p), int(dp)
 
     @property
     @override

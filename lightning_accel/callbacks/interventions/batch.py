@@ -26,10 +26,10 @@ class MicroBatch(Intervention):
     accumulation > 1. The learning rate needs no change.
 
     With an accumulation above 2 the first trial jumps to the whole factor — one micro-batch per optimizer step,
-    what a hand-tuner sets (4 × 8 → 32 × 1 in one trial). On the naive GPT-2 script of benchmarks/autopilot_scripts.py that one knob
-    alone reached the hand-tuned configuration's rate (micro 32 × 1: 328-359 samples/s, all knobs by hand:
-    328-358, vanilla 226-295 in the same rounds), while a doubling (8 × 4) measured inside the noise and, refused,
-    never led to the jump. A jump that is not kept (slower, or out of memory on a GPU: the trial fails and is
+    what a hand-tuner sets (4 × 8 → 32 × 1 in one trial). On the GPT-2 script of benchmarks/bench_autopilot_real.py
+    that one knob alone reaches the hand-tuned configuration's rate (micro 32 × 1: 328-359 samples/s, all knobs by
+    hand: 328-358, vanilla 226-295 in the same rounds), while a doubling (8 × 4) measures inside the noise and,
+    refused, never leads to the jump. A jump that is not kept (slower, or out of memory on a GPU: the trial fails and is
     undone) falls back to one doubling (the smallest factor of the accumulation); after a kept doubling the jump
     is offered again. A target measured no faster than a configuration is not trialled again *from that
     configuration*; from a larger micro-batch kept since, it is a new question (on the demo GPT the jump 8 × 4 →

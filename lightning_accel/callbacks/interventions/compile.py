@@ -15,9 +15,10 @@ __all__ = ["MAX_COMPILE_GAIN", "TYPICAL_COMPILE_SECONDS", "Compile"]
 
 #: the method's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
 MAX_COMPILE_GAIN = 0.30
-#: seconds a first inductor compile of a small model typically takes (CPU: C++ codegen on few cores — the naive
-#: 2-layer HF GPT-2 of benchmarks/autopilot_scripts.py took 61.7 s on a 2-core CPU; CUDA: triton); used to skip a trial that could not pay
-#: back even at MAX_COMPILE_GAIN and to cost a trial against the search's budget — a real trial measures its own
+#: seconds a first inductor compile of a small model typically takes (CPU: C++ codegen on few cores — the 2-layer HF
+#: GPT-2 script of benchmarks/bench_autopilot_real.py takes 61.7 s on a 2-core CPU; CUDA: triton); used to skip a
+#: trial that could not pay back even at MAX_COMPILE_GAIN and to cost a trial against the search's budget — a real
+#: trial measures its own
 TYPICAL_COMPILE_SECONDS = {False: 60.0, True: 20.0}
 
 

@@ -22,8 +22,8 @@ __all__ = [
 
 
 #: A loader worker is taken to load a batch at most this many times faster than the main process did when it
-#: loaded alone (``num_workers=0``, its data wait): on the 2-core VM a worker of the sleeping dataset of
-#: ``bench_autopilot.py`` took 29 ms a batch against 24 ms in the main process (it shares the cores with the step).
+#: loaded alone (``num_workers=0``, its data wait): on a 2-core CPU a worker of the sleeping dataset of
+#: ``bench_autopilot.py`` takes 29 ms a batch against 24 ms in the main process (it shares the cores with the step).
 WORKER_SPEEDUP_BOUND = 2.0
 #: prior seconds to start one loader worker (a fork of the training process and its first batch); each setting the
 #: worker search measures starts a fresh loader
@@ -61,8 +61,8 @@ def worker_search_seconds(grid: list[tuple[int, int]], per_batch: float, consump
     """Seconds the worker search (``choose_loader_setting`` over ``grid``, (workers, prefetch) cheapest first) is
     expected to take when the main process loads a batch in ``per_batch`` seconds: each setting starts its workers
     and iterates :data:`SEARCH_BATCHES` + its queue with up to ``cores`` of them loading at once; the first setting
-    expected to feed ``consumption`` batches/s is measured twice and ends the walk. On the naive real scripts of
-    ``bench_autopilot_real.py`` the walk took 4-11 s inside a trial costed at its windows alone (~3-4 s)."""
+    expected to feed ``consumption`` batches/s is measured twice and ends the walk. On the real-model scripts of
+    ``bench_autopilot_real.py`` the walk takes 4-11 s, against ~3-4 s for the trial's windows alone."""
     from lightning_accel.callbacks.dataloader_tuner import loader_feeds
 
     total = 0.0
