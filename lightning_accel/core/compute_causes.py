@@ -20,8 +20,9 @@ rule                        fires when                                       sav
 ``large_vocab_loss``        cross-entropy / log-softmax over >= 8,192        half of the passes over the logits
                             classes (the logits of a large-vocabulary head)  (a fused or chunked loss reads
                                                                              them once, not 3-4 times)
-``unfused_elementwise``     >= 3 elementwise or normalisation operations in  ``1 - 1/n`` for a chain of n: one
-                            a row (views between them do not break it)       fused pass instead of n
+``unfused_elementwise``     >= 4 elementwise or normalisation operations in  ``1 - 1/n`` for a chain of n: one
+                            a row (views and arithmetic on scalars between   fused pass instead of n
+                            them neither count nor break it)
 ``fp32_matmul``             matmuls / convolutions in fp32 (or tf32) on a    a third (1.5x, as the stage rule
                             GPU with tensor cores (compute capability >= 7)  ``fp32_compute``)
 ==========================  ===============================================  ==================================
@@ -113,7 +114,7 @@ VOCAB_MIN = 8192
 _LOOP_MIN_CALLS = 32
 _LOOP_MIN_REPEAT = 8
 _LOOP_SMALL_NUMEL = 65_536
-_CHAIN_MIN = 3
+_CHAIN_MIN = 4
 # What each fix takes off the time it claims (the module docstring's table).
 _ATTENTION_GAIN = 2.0
 _LOSS_REMOVABLE = 0.5
@@ -346,8 +347,8 @@ def _chains(calls: Sequence[_Call], taken: set[tuple[int, int]]) -> list[_Claim]
         if c.step != step:
             close(chain)
             chain, step = [], c.step
-        if c.name in _FREE_OPS:
-            continue
+        if c.name in _FREE_OPS or (c.name in ELEMENTWISE_OPS and max(map(_numel, c.shapes), default=0) <= 1):
+            continue  # no pass over data: views, allocations, arithmetic on scalars (the loss's bookkeeping)
         if c.name in ELEMENTWISE_OPS and c.key not in taken:
             chain.append(c)
         else:
