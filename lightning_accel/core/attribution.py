@@ -22,8 +22,10 @@ How time reaches a module:
   time and is not charged.
 
 The tree is reported from its first branching level (a LightningModule that holds one ``model`` starts at
-``model``'s children) and one level below; every module's *own* time (its operations, not its sub-modules') is in
-``leaves``.
+``model``'s children) and one level below; the work of a module above that level that is its own (a residual add
+in ``model.forward``) is the row ``model (own)``, so the first-level rows, these and the rows outside every module
+add up to the attributed forward + backward. Every module's own time (its operations, not its sub-modules') is
+in ``leaves``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 __all__ = [
     "ACCUMULATE",
     "ENGINE",
+    "OWN",
     "PHASES",
     "PSEUDO_MODULES",
     "PYTHON_OP",
@@ -61,6 +64,8 @@ ACCUMULATE = "<accumulate grad>"
 PSEUDO_MODULES: tuple[str, ...] = (STEP, ENGINE, ACCUMULATE)
 #: a module's own forward interval outside its operations: the Python between them (CPU only)
 PYTHON_OP = "(python)"
+#: the suffix of a row above the first branching level that holds only that module's own work
+OWN = "(own)"
 
 _TOP_OPS = 5  # operations listed per module row
 _LEAVES = 12  # modules listed by own time
@@ -311,14 +316,15 @@ def attribute(table: OpTable, *, rank_tables: Sequence[Mapping[str, Mapping[str,
         for p in paths:
             records_of.setdefault(p, []).append(r)
 
-    def ranks_of(path: str) -> tuple[float, ...]:
+    def ranks_of(path: str, exact: bool = False) -> tuple[float, ...]:
         if len(rank_tables) < 2:
             return ()
         out = []
         for rt in rank_tables:
             s = 0.0
             for module, phases in rt.items():
-                if module == path or (path not in PSEUDO_MODULES and module.startswith(path + ".")):
+                below = not exact and path not in PSEUDO_MODULES and module.startswith(path + ".")
+                if module == path or below:
                     s += sum(phases.values())
             out.append(s)
         return tuple(out)
@@ -334,6 +340,12 @@ def attribute(table: OpTable, *, rank_tables: Sequence[Mapping[str, Mapping[str,
         for c in sorted(children, key=lambda c: -seconds[c]):
             cf, cb = total[c]
             rows.append(ModuleTime(c, top + 1, cf, cb, _ops(records_of[c], steps), ranks_of(c)))
+    # above the first branching level: each ancestor's own operations (a residual add in ``model.forward``)
+    for p in sorted(a for a in real if _depth(a) < top):
+        if p in own and sum(own[p].values()) > 0:
+            f, b = own[p].get("forward", 0.0), own[p].get("backward", 0.0)
+            mine = [r for r in table.records if r.module == p]
+            rows.append(ModuleTime(f"{p} {OWN}", _depth(p), f, b, _ops(mine, steps), ranks_of(p, exact=True)))
     for p in PSEUDO_MODULES:
         if p in total and seconds[p] > 0:
             f, b = total[p]

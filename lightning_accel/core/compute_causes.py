@@ -218,7 +218,7 @@ def _python_loops(calls: Sequence[_Call], python: dict[str, float], steps: int) 
                 seconds,
                 seconds * (1.0 - distinct / n),
                 f"{n:.0f} operations a step, {distinct} distinct, the largest input {largest:.0f} elements",
-                {c.key for c in group},
+                keys={c.key for c in group},
             )
         )
     return out
