@@ -222,6 +222,11 @@ def _range(event: Any) -> tuple[str, str, int] | None:
     return None
 
 
+def _stage_step(event: Any) -> int:
+    """The recorded step of a stage range (``la.stage::forward#2`` → 2)."""
+    return int(event.name.rpartition("#")[2])
+
+
 def _user(event: Any) -> bool:
     return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("ProfilerStep#")
 
@@ -295,7 +300,7 @@ def table_from_events(events: Sequence[Any], *, steps: int, device_type: str = "
         stage = forward_of(e)
         if stage is None:
             continue
-        step = _range(stage)[2]  # type: ignore[index]
+        step = _stage_step(stage)
         op, module = nearest(e)
         if kind is not None and kind[0] == "module":
             module_own[id(e)] = [e, kind[1], step, seconds(e) if not device else 0.0]
@@ -312,10 +317,8 @@ def table_from_events(events: Sequence[Any], *, steps: int, device_type: str = "
             continue
         order = orders.get(step, 0)
         orders[step] = order + 1
-        path = _range(module)[1] if module is not None else STEP  # type: ignore[index]
-        rec = OpRecord(
-            step, "forward", path, e.name, seconds(e), _shapes(e), _compute_dtype(e), order
-        )
+        path = module.name[len(_MODULE) :] if module is not None else STEP
+        rec = OpRecord(step, "forward", path, e.name, seconds(e), _shapes(e), _compute_dtype(e), order)
         top_ops[id(e)] = (rec, host(e))
         records.append(rec)
         if e.sequence_nr is not None and e.sequence_nr >= 0:
@@ -332,11 +335,11 @@ def table_from_events(events: Sequence[Any], *, steps: int, device_type: str = "
         if top is not None and e.sequence_nr is not None and e.sequence_nr >= 0:
             seq_to_op.setdefault((e.thread, e.sequence_nr), top_ops[id(top)][0])
     if not device:
-        for rng, path, step, own in module_own.values():
+        for _rng, path, step, own in module_own.values():
             if own > 0:
                 records.append(OpRecord(step, "forward", path, PYTHON_OP, own))
         for rng in forward_ranges:
-            step = _range(rng)[2]  # type: ignore[index]
+            step = _stage_step(rng)
             rest = host(rng) - children_of_stage.get(id(rng), 0.0)
             if rest > 0:
                 records.append(OpRecord(step, "forward", STEP, PYTHON_OP, rest))
@@ -524,7 +527,11 @@ class DoctorAttribution:
         row = [float("nan")] * (2 * (len(PSEUDO_MODULES) + len(self._paths)))
         if table is not None and table.records:
             own = table.by_module()
-            row = [v for p in (*PSEUDO_MODULES, *self._paths) for v in (own.get(p, {}).get("forward", 0.0), own.get(p, {}).get("backward", 0.0))]
+            row = [
+                v
+                for p in (*PSEUDO_MODULES, *self._paths)
+                for v in (own.get(p, {}).get("forward", 0.0), own.get(p, {}).get("backward", 0.0))
+            ]
         try:
             rows = gather(row)
         finally:

@@ -34,8 +34,8 @@ from lightning_accel.callbacks._doctor_utilisation import UtilisationSamplers
 from lightning_accel.callbacks._doctor_warnings import LiveWarnings, warn_smell
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.callbacks._window_log import log_window
-from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.attribution import attribute
+from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.comm import CommRecorder
 from lightning_accel.core.compute_causes import find_compute_causes
 from lightning_accel.core.fit_windows import FitWindows, window_metrics
@@ -720,7 +720,9 @@ class BottleneckDoctor(Callback):
             for finding in find_compute_causes(
                 attr.table, context=self._context, compute_share=compute if self._last_shares else 1.0
             ):
-                rank_zero_warn(f"BottleneckDoctor: compute: {finding.evidence} Fix: {finding.fix}", category=UserWarning)
+                rank_zero_warn(
+                    f"BottleneckDoctor: compute: {finding.evidence} Fix: {finding.fix}", category=UserWarning
+                )
         except Exception as err:  # noqa: BLE001 - advice only
             self._notes.append(f"compute findings not read: {err!r}")
 

@@ -252,9 +252,7 @@ def _eager_attention(calls: Sequence[_Call], taken: set[tuple[int, int]]) -> lis
             ]
             if not made:
                 continue
-            core = [made[-1]] + [
-                c for c in group if any(len(s) >= 2 and tuple(s[-2:]) == (lq, lk) for s in c.shapes)
-            ]
+            core = [made[-1]] + [c for c in group if any(len(s) >= 2 and tuple(s[-2:]) == (lq, lk) for s in c.shapes)]
             keys = {c.key for c in core} - taken
             seconds = sum(c.seconds for c in core if c.key in keys)
             claim = claims.setdefault(module, _Claim(module))

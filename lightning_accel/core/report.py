@@ -301,14 +301,10 @@ class DoctorReport:
             show_header=True,
             header_style="bold",
         )
-        for name, justify in (
-            ("module", "left"),
-            ("share", "right"),
-            ("fwd ms", "right"),
-            ("bwd ms", "right"),
-            ("costliest operation (input shapes)", "left"),
-        ):
-            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column("module")
+        for name in ("share", "fwd ms", "bwd ms"):
+            table.add_column(name, justify="right")
+        table.add_column("costliest operation (input shapes)")
         for row in rows:
             ops = row.get("ops") or []
             top = f"{ops[0]['name']} ({ops[0].get('shapes', '')})" if ops else ""
@@ -323,9 +319,7 @@ class DoctorReport:
         parts: list[Any] = [table]
         overhead = self.attribution.get("overhead") or {}
         if overhead.get("extra_s") is not None:
-            parts.append(
-                Text(f"the profiled window cost {overhead['extra_s']:.3f} s of the fit", style="dim")
-            )
+            parts.append(Text(f"the profiled window cost {overhead['extra_s']:.3f} s of the fit", style="dim"))
         return parts
 
     def _fit_parts(self) -> list[Any]:

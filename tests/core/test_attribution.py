@@ -66,7 +66,9 @@ def test_the_tree_starts_at_its_first_branch_and_rows_add_up():
         ENGINE,
         ACCUMULATE,
     ]
-    assert rows["model.enc"].forward_s == pytest.approx(3 * MS) and rows["model.enc"].backward_s == pytest.approx(4 * MS)
+    assert rows["model.enc"].forward_s == pytest.approx(3 * MS) and rows["model.enc"].backward_s == pytest.approx(
+        4 * MS
+    )
     assert rows["model.enc.a"].depth == 3 and rows["model.head"].depth == 2 and rows[STEP].depth == 0
     additive = [m for m in attr.modules if m.depth != 3]
     assert sum(m.seconds for m in additive) == pytest.approx(attr.seconds)
@@ -260,9 +262,7 @@ def test_a_python_loop_of_small_operations():
     assert f.saving == pytest.approx(claimed / (claimed + 1.0) * (1 - 3 / 192))
     # big operations repeated are layers, not a loop of small ones
     layers = [
-        r
-        for i in range(40)
-        for r in fwd_bwd(f"model.{i}", "aten::linear", 1, 1, i, shapes=[(512, 512), (512, 512)])
+        r for i in range(40) for r in fwd_bwd(f"model.{i}", "aten::linear", 1, 1, i, shapes=[(512, 512), (512, 512)])
     ]
     assert find_compute_causes(OpTable(layers, steps=1)) == []
 
