@@ -27,12 +27,21 @@ from torch import nn
 from lightning_accel.core.attribution import ACCUMULATE, ENGINE, PSEUDO_MODULES, PYTHON_OP, STEP, OpRecord, OpTable
 from lightning_accel.core.compute_causes import MATMUL_OPS
 
-__all__ = ["AttributionWindow", "DoctorAttribution", "compiled_module", "table_from_events"]
+__all__ = ["AttributionWindow", "DoctorAttribution", "compiled_module", "profiling", "table_from_events"]
 
 _MODULE = "la.module::"
 _STAGE = "la.stage::"
 _EVALUATE = "autograd::engine::evaluate_function: "
 _FLOATS = ("float", "double", "c10::Half", "c10::BFloat16", "c10::Float8_e4m3fn", "c10::Float8_e5m2")
+
+
+_OPEN: list[AttributionWindow] = []  # windows open in this process (one profiler at a time)
+
+
+def profiling() -> bool:
+    """Whether a ``torch.profiler`` records in this process, or an attribution window holds one (in its warm-up
+    step the profiler does not record yet): another profiler must wait."""
+    return bool(_OPEN) or bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 def compiled_module(module: nn.Module) -> bool:
@@ -112,6 +121,7 @@ class AttributionWindow:
             record_shapes=True,
         )
         self._profiler.start()
+        _OPEN.append(self)
 
     def stage(self, name: str | None) -> None:
         """Close the open stage range and open ``name`` (``forward``/``backward``), or none."""
@@ -167,6 +177,8 @@ class AttributionWindow:
             handle.remove()
         self._handles = []
         profiler, self._profiler = self._profiler, None
+        if self in _OPEN:
+            _OPEN.remove(self)
         return profiler
 
 
@@ -476,7 +488,7 @@ class DoctorAttribution:
         if self.state != "pending":
             return
         self.state = "active"
-        if torch.autograd.profiler._is_profiler_enabled:  # one profiler at a time: another one is recording
+        if profiling():  # one profiler at a time: another one is recording
             self.notes.append("no compute attribution: another torch.profiler was recording at the window's start")
             return
         try:

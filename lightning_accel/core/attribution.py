@@ -209,7 +209,10 @@ class Attribution:
             "measured_ms": {k: 1e3 * v for k, v in self.measured_seconds.items()},
             "modules": [self._row(m) for m in self.modules],
             "leaves": [self._row(m) for m in self.leaves],
-            "ranks": [{k: 1e3 * v if k.endswith("_s") else v for k, v in r.items()} for r in self.ranks],
+            "ranks": [
+                {"rank": int(r["rank"]), "forward_ms": 1e3 * r["forward_s"], "backward_ms": 1e3 * r["backward_s"]}
+                for r in self.ranks
+            ],
             "window": dict(self.window),
             "overhead": dict(self.overhead),
             "notes": list(self.notes),
