@@ -77,7 +77,7 @@ def main() -> None:
     window, analysis, extra, slow = [], [], [], []
     last = None
     for r in range(args.rounds):
-        for arm in ("AB" if r % 2 == 0 else "BA"):
+        for arm in "AB" if r % 2 == 0 else "BA":
             report = run(arm == "B", args.steps, args.recorded)
             steps[arm].append(report.step_seconds)
             if arm == "B":
@@ -94,8 +94,10 @@ def main() -> None:
     print()
     print(f"| measure ({args.rounds} rounds, {args.steps} steps, window {batches} batches) | median (min–max) |")
     print("|---|---|")
-    print(f"| step outside the window, ms: A / B | {spread([1e3 * s for s in steps['A']], '{:.2f}')} / "
-          f"{spread([1e3 * s for s in steps['B']], '{:.2f}')} |")
+    print(
+        f"| step outside the window, ms: A / B | {spread([1e3 * s for s in steps['A']], '{:.2f}')} / "
+        f"{spread([1e3 * s for s in steps['B']], '{:.2f}')} |"
+    )
     print(f"| step outside the window, B ÷ A (paired by round) | {spread(ratios)} |")
     print(f"| window wall time, s | {spread(window)} |")
     print(f"| a window batch ÷ a measured step | {spread(slow, '{:.2f}')} |")

@@ -17,6 +17,7 @@ Ranges, as ``record_function`` annotations the profiler keeps with the operation
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -536,6 +537,8 @@ class DoctorAttribution:
                 self.notes.append(f"compute attribution not read ({err!r})")
         self.held_batches = batches_seen - self.first_batch
         self.window_s = start - self._held_at
+        # the profiler's events are garbage now: collect them while the breakdown is held, not in a measured step
+        gc.collect()
         row = [float("nan")] * (2 * (len(PSEUDO_MODULES) + len(self._paths)))
         if table is not None and table.records:
             own = table.by_module()

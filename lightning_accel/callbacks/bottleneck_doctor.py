@@ -713,6 +713,8 @@ class BottleneckDoctor(Callback):
             return gather_floats(trainer, self._device, row, what="BottleneckDoctor attribution").tolist()
 
         attr.finish(gather, self._machine, self._batches_seen)
+        # the window's batches trained the model: the fit's training time (reading the events is not)
+        self._windows.train_wall += attr.window_s
         if attr.table is None or not self.warn or not trainer.is_global_zero:
             return
         try:

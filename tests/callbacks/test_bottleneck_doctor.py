@@ -341,7 +341,11 @@ def test_mfu_monitor_throughput_and_mfu_reach_the_report():
     from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 
     monitor = MFUMonitor(window=4, print_summary=False, prog_bar=False)
-    doctor = BottleneckDoctor(window=4, warmup_batches=2, report_path=False, print_report=False)
+    # no attribution window: its batches are in the monitor's windows and in none of the doctor's, which in a
+    # 14-step fit would be most of the difference
+    doctor = BottleneckDoctor(
+        window=4, warmup_batches=2, report_path=False, print_report=False, attribute_compute=False
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=14,

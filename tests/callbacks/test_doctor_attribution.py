@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -165,7 +166,7 @@ def test_eager_attention_at_a_long_sequence_is_named_with_the_attention_module_a
     assert f.module in ("model.blocks.0.attn", "model.blocks.1.attn")
     assert "model.blocks.*.attn (2 modules" in f.evidence and "[2, 2, 256, 256]" in f.evidence
     assert "scaled_dot_product_attention" in f.fix and "use_fused_attention" in f.fix
-    assert 0.03 < f.saving < 0.5
+    assert f.value > 0.3 and 0 < f.saving < f.value  # half the score passes, of the compute share of the fit
     assert any("computes attention by hand" in m for m in messages)  # warned live, once the window closed
 
 
@@ -278,8 +279,11 @@ def test_a_balanced_model_gets_no_compute_finding_and_its_shares_add_up():
     # against the host clock around the same steps: within 5 % (the stated tolerance)
     for phase in ("forward", "backward"):
         assert attr[f"{phase}_ms"] == pytest.approx(attr["measured_ms"][phase], rel=0.05)
-    # most of the time is in the modules, not in the step's own Python or the engine
+    # most of the time is in the modules, not in the step's own Python or the engine; each module's backward is
+    # its own (linked to its forward operations), not the step's
     assert sum(r["share"] for r in top) > 0.6
+    assert all(r["backward_ms"] > 0 for r in top)
+    assert {r["module"] for r in top if r["backward_ms"] > 0.2 * r["forward_ms"]} >= {"model.attn", "model.mlp"}
     mlp = next(r for r in attr["modules"] if r["module"] == "model.mlp")
     assert mlp["ops"][0]["name"] == "aten::linear"
     assert {o["shapes"] for o in mlp["ops"] if o["name"] == "aten::linear"} == {
@@ -314,7 +318,22 @@ def test_outside_the_window_nothing_is_added_to_a_step():
     assert doctor.report.batches == 9 - 1 - 3  # the warm-up and the window are in no stage window
 
 
+class SlowData(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.randn(256, 256), torch.randint(0, 256, (256,))
+
+
 def test_automatic_mode_waits_for_a_compute_bound_window_and_false_never_profiles():
+    # data-bound (20 ms a batch against a ~2 ms step): no window
+    slow = mlp_task()
+    slow.train_dataloader = lambda: DataLoader(SlowData(), batch_size=None)
+    auto = BottleneckDoctor(window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False)
+    doctor, _ = fit(slow, doctor=auto, max_steps=10)
+    assert doctor.report.bottleneck == "data" and doctor.report.attribution == {}
     auto = BottleneckDoctor(window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False)
     doctor, _ = fit(mlp_task(), doctor=auto, max_steps=10)
     assert doctor.report.attribution["window"]["first_batch"] == 4  # after the first window of 3 batches
