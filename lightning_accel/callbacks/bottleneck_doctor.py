@@ -119,6 +119,10 @@ class BottleneckDoctor(Callback):
       communication wait is attributed to it (:mod:`lightning_accel.core.ranks`);
     * **variability** (``report.variability``, one entry per rank): p5/p50/p95 of the batch times, spikes and the
       ``step_variability`` finding with the likely cause (:mod:`lightning_accel.core.variability`);
+    * **inside the compute** (``report.attribution``): when forward + backward hold the step, a short profiled
+      window charges their time to the model's modules, with the costliest operations and their shapes, and the
+      compute findings name the module and the fix (``kind="compute"``; ``attribute_compute`` below;
+      :mod:`lightning_accel.core.attribution`, :mod:`lightning_accel.core.compute_causes`);
     * **code smells** (``report.smells``): found at ``on_train_start`` before the first step by
       :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0) when the first window says
       what fixing it would save: below 3 % of the step (:func:`~lightning_accel.core.smells.gate_smells`) it is
