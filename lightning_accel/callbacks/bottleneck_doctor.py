@@ -183,7 +183,7 @@ class BottleneckDoctor(Callback):
             the compute" in the doctor's docs page). ``None``: when a measured window finds forward + backward at
             or above ``thresholds.compute_share`` (once per fit, if the fit has the batches left); ``True``: right
             after the warm-up; ``False``: only on :meth:`request_attribution`. The window's batches are left out
-            of the stage breakdown; outside it nothing is added to a step.
+            of the stage breakdown; outside it no module hook or profiler is present.
         attribution_steps: steps the window records (after one unrecorded warm-up step of the profiler).
     """
 

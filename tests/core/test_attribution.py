@@ -98,9 +98,13 @@ def test_the_report_form_is_json_with_the_keys_a_page_reads():
     }
     assert data["window"] == {"first_batch": 4, "batches": 3} and data["steps"] == 2 and data["device"] == "cpu"
     # the HTML page renders it as its attribution section
-    report = DoctorReport(bottleneck="backward", shares={"forward": 0.4, "backward": 0.6}, attribution=data)
+    finding = Finding("unfused_elementwise", "forward", "e", "fix", 0.3, kind="compute", saving=0.1, module="model.enc")
+    report = DoctorReport(
+        bottleneck="backward", shares={"forward": 0.4, "backward": 0.6}, attribution=data, findings=[finding]
+    )
     page = render_html(report)
     assert "Compute attribution" in page and "model.enc.a" in page and "aten::linear" in page
+    assert "<td>forward: model.enc</td>" in page  # a compute finding names its module in the findings table
 
 
 def test_ranks_carry_each_modules_seconds():
