@@ -539,15 +539,22 @@ class DoctorAttribution:
         self.window_s = start - self._held_at
         # the profiler's events are garbage now: collect them while the breakdown is held, not in a measured step
         gc.collect()
-        row = [float("nan")] * (2 * (len(PSEUDO_MODULES) + len(self._paths)))
-        if table is not None and table.records:
-            own = table.by_module()
-            row = [
-                v
-                for p in (*PSEUDO_MODULES, *self._paths)
-                for v in (own.get(p, {}).get("forward", 0.0), own.get(p, {}).get("backward", 0.0))
-            ]
+        names: tuple[str, ...] = (*PSEUDO_MODULES, *self._paths)
+        own = table.by_module() if table is not None and table.records else None
         try:
+            # ranks that hold different modules (pipeline stages) send their totals only
+            if len({r[0] for r in gather([float(len(names))])}) > 1:
+                names = ("(rank total)",)
+                own = (
+                    {names[0]: {p: sum(v.get(p, 0.0) for v in own.values()) for p in ("forward", "backward")}}
+                    if own is not None
+                    else None
+                )
+            row = [float("nan")] * (2 * len(names))
+            if own is not None:
+                row = [
+                    v for p in names for v in (own.get(p, {}).get("forward", 0.0), own.get(p, {}).get("backward", 0.0))
+                ]
             rows = gather(row)
         finally:
             if machine is not None:
@@ -556,7 +563,7 @@ class DoctorAttribution:
         self.rank_tables = [
             {
                 p: {"forward": r[2 * i], "backward": r[2 * i + 1]}
-                for i, p in enumerate((*PSEUDO_MODULES, *self._paths))
+                for i, p in enumerate(names)
                 if r[2 * i] > 0 or r[2 * i + 1] > 0
             }
             for r in rows

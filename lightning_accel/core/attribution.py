@@ -323,14 +323,16 @@ def attribute(table: OpTable, *, rank_tables: Sequence[Mapping[str, Mapping[str,
         if len(rank_tables) < 2:
             return ()
         out = []
+        found = False
         for rt in rank_tables:
             s = 0.0
             for module, phases in rt.items():
                 below = not exact and path not in PSEUDO_MODULES and module.startswith(path + ".")
                 if module == path or below:
                     s += sum(phases.values())
+                    found = True
             out.append(s)
-        return tuple(out)
+        return tuple(out) if found else ()  # ranks that sent totals only (pipeline stages): no row of theirs
 
     real = [p for p in total if p not in PSEUDO_MODULES and p]
     seconds = {p: sum(v) for p, v in total.items()}

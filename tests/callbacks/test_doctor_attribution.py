@@ -468,3 +468,36 @@ def test_two_ranks_record_the_same_window_and_rank_zero_holds_every_ranks_times(
     enc = next(r for r in attr["modules"] if r["module"] == "enc")
     assert len(enc["rank_ms"]) == 2 and all(ms > 0 for ms in enc["rank_ms"])
     assert enc["rank_ms"][0] == pytest.approx(enc["forward_ms"] + enc["backward_ms"])
+
+
+def test_ranks_that_hold_different_modules_send_their_totals_only():
+    from types import SimpleNamespace
+
+    from lightning_accel.callbacks._doctor_attribution import DoctorAttribution
+    from lightning_accel.core.attribution import OpRecord, OpTable
+
+    # a pipeline stage: this rank holds one block of a model another rank holds more of
+    attr = DoctorAttribution(True, 2)
+    attr.start_fit(nn.Sequential(nn.Linear(2, 2)))
+    table = OpTable(
+        [OpRecord(0, "forward", "0", "aten::linear", 0.002), OpRecord(0, "backward", "0", "aten::linear", 0.003)],
+        steps=1,
+    )
+    attr.window, attr.state = SimpleNamespace(close=lambda: table), "active"
+    sent = []
+
+    def gather(row):
+        sent.append(row)
+        if len(sent) == 1:
+            return [row, [row[0] + 2]]  # the other rank names more modules
+        return [row, [0.004, 0.006]]
+
+    attr.finish(gather, None, batches_seen=3)
+    assert sent[1] == pytest.approx([0.002, 0.003]) and attr.state == "done"
+    assert attr.rank_tables == [
+        {"(rank total)": {"forward": pytest.approx(0.002), "backward": pytest.approx(0.003)}},
+        {"(rank total)": {"forward": 0.004, "backward": 0.006}},
+    ]
+    result = attribute(attr.table, rank_tables=attr.rank_tables).to_dict()
+    assert [r["forward_ms"] for r in result["ranks"]] == pytest.approx([2.0, 4.0])
+    assert all("rank_ms" not in r for r in result["modules"])  # no module row pretends to be both ranks'
