@@ -170,9 +170,23 @@ def test_eager_attention_at_a_long_sequence_is_named_with_the_attention_module_a
     assert any("computes attention by hand" in m for m in messages)  # warned live, once the window closed
 
 
+class MathSDPA(FusedAttention):
+    """SDPA on its math kernel: the softmax over the scores runs inside the one SDPA operation."""
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return super().forward(x)
+
+
 def test_the_same_model_with_sdpa_gets_no_attention_finding():
-    doctor, _ = fit(Task(Stack(FusedAttention), tokens(2, 256, 32, 64)))
+    doctor, _ = fit(Task(Stack(MathSDPA), tokens(2, 256, 32, 64)))
     assert "eager_attention" not in [f.rule for f in compute_findings(doctor.report)]
+    # the operations inside SDPA (its softmax over [2, 2, 256, 256]) are SDPA's, not calls of the module's own
+    attn = next(r for r in doctor.report.attribution["leaves"] if r["module"].endswith(".attn"))
+    assert "aten::scaled_dot_product_attention" in [o["name"] for o in attn["ops"]]
+    assert not [o for o in attn["ops"] if "softmax" in o["name"]]
 
 
 def test_a_large_vocabulary_head_and_its_cross_entropy_are_named_with_a_chunked_loss():

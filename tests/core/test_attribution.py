@@ -264,10 +264,8 @@ def test_a_python_loop_of_small_operations():
     claimed = 64 * 3 * 0.02 + 2.0
     assert f.value == pytest.approx(claimed / (claimed + 1.0))
     assert f.saving == pytest.approx(claimed / (claimed + 1.0) * (1 - 3 / 192))
-    # big operations repeated are layers, not a loop of small ones
-    layers = [
-        r for i in range(40) for r in fwd_bwd(f"model.{i}", "aten::linear", 1, 1, i, shapes=[(512, 512), (512, 512)])
-    ]
+    # big operations repeated (one weight-shared layer applied 40 times) are not a loop of small ones
+    layers = [r for i in range(40) for r in fwd_bwd("model", "aten::linear", 1, 1, i, shapes=[(512, 512), (512, 512)])]
     assert find_compute_causes(OpTable(layers, steps=1)) == []
 
 
