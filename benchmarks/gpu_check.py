@@ -16,7 +16,11 @@ Checks:
    trained with, its speed-up over the baseline and its search seconds;
 6. NVTX: a short fit with ``BottleneckDoctor(nvtx=True)`` and ``NsysCapture(start_step=5, stop_step=10)``, under
    ``nsys profile --capture-range=cudaProfilerApi -t cuda,nvtx`` when nsys is on the PATH: which of the doctor's
-   stages appear as ranges of the ``lightning_accel`` domain in ``nsys stats --report nvtx_sum``.
+   stages appear as ranges of the ``lightning_accel`` domain in ``nsys stats --report nvtx_sum``;
+7. the doctor's compute attribution on CUDA: a 4-layer model with hand-written attention (sequence 1024) in fp32
+   and in bf16-mixed, ``BottleneckDoctor(attribute_compute=True)``: the modules by device time, the compute
+   findings (expected: ``eager_attention`` naming ``blocks.*.attn`` in both; ``fp32_matmul`` in fp32 only, on a GPU
+   of compute capability >= 7), and the attributed device time against the host clock around the same steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -340,6 +345,92 @@ def check_nvtx(args: argparse.Namespace) -> list[Row]:
         ]
 
 
+def check_attribution(args: argparse.Namespace) -> list[Row]:
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_accel as la
+
+    gpu = not args.smoke
+    d, heads, seq, batch = (512, 8, 1024, 8) if gpu else (32, 2, 128, 2)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+            att = ((q @ k.transpose(-1, -2)) / (c // heads) ** 0.5).softmax(-1)
+            return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.attn = nn.LayerNorm(d), Attention()
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln(x))
+            return x + self.mlp(x)
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*[Block() for _ in range(4)])
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            (x,) = batch
+            return F.mse_loss(self.blocks(x), x)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    rows: list[Row] = []
+    for precision in ("32-true", "bf16-mixed"):
+        doctor = la.BottleneckDoctor(
+            window=5, warmup_batches=2, report_path=False, print_report=False, warn=False, attribute_compute=True
+        )
+        trainer = pl.Trainer(
+            accelerator="gpu" if gpu else "cpu",
+            devices=1,
+            precision=precision,
+            max_steps=16,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[doctor],
+        )
+        trainer.fit(Task(), DataLoader(TensorDataset(torch.randn(16 * batch, seq, d)), batch_size=batch))
+        report = doctor.report
+        attr = report.attribution
+        if not attr:
+            rows.append((f"attribution {precision}", "no window", "; ".join(report.notes)))
+            continue
+        top = ", ".join(f"{r['module']} {100 * r['share']:.0f} %" for r in attr["modules"][:4])
+        found = [
+            f"{f.rule} ({f.module}, saves {100 * (f.saving or 0):.1f} %)"
+            for f in report.findings
+            if f.kind == "compute"
+        ]
+        measured = sum(attr["measured_ms"].values())
+        rows.append((f"attribution {precision}", "; ".join(found) or "no compute finding", f"{attr['device']}: {top}"))
+        rows.append(
+            (
+                f"attribution {precision} vs host clock",
+                f"{(attr['forward_ms'] + attr['backward_ms']) / measured:.3f}x" if measured else "—",
+                f"attributed {attr['forward_ms'] + attr['backward_ms']:.2f} ms/step ({attr['device']} time), host "
+                f"{measured:.2f} ms/step; window cost {attr['overhead'].get('extra_s') or 0:.2f} s",
+            )
+        )
+    return rows
+
+
 CHECKS = [
     ("gpu tests", check_gpu_tests),
     ("gpt mfu", check_gpt_mfu),
@@ -347,6 +438,7 @@ CHECKS = [
     ("stage timer", check_stage_timer),
     ("autopilot", check_autopilot),
     ("nvtx", check_nvtx),
+    ("attribution", check_attribution),
 ]
 
 

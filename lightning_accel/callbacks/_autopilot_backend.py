@@ -16,6 +16,7 @@ from lightning_accel.core.autopilot import (
     NumericsCheck,
     compare_probes,
     expected_gain,
+    fix_gains,
     propose,
     rank_by_expected_gain,
 )
@@ -50,6 +51,7 @@ class LightningSearchBackend:
         self._strategy_reference: Any = None
         self._step_seconds: float | None = None  # of the last window, aggregated over ranks
         self._target_seconds: float | None = None  # the timed length of the baseline's first window
+        self._compute: list[Any] | None = None  # the compute findings of the one attribution window
 
     # ------------------------------------------------------------------ clock, ranks, state
     def clock(self) -> float:
@@ -206,18 +208,43 @@ class LightningSearchBackend:
         rules += ["accumulation"] * (run.config.accumulate > 1)
         if self._probe_steps is not None:  # before the baseline (the pay-back estimate) the shares alone decide:
             rules += autopilot._smells(run, ctx)  # the smells' previews cost 0.1-0.3 s of a fit that may be short
+            compute = self._compute_findings(shares, ctx)
+            rules = [f.rule for f in compute] + rules
+        else:
+            compute = []
         device = prior_device(run.device.type)  # "cpu+bf16": a CPU with bf16 in hardware
         builtin = {n: c for n, c in self.candidates.items() if n in self._builtin}
+        measured = fix_gains(compute)
         names = propose(rules, bottleneck, builtin, tried, shares, autopilot.threshold)
-        names = rank_by_expected_gain(names, shares, device)
+        names = rank_by_expected_gain(names, shares, device, measured)
         names += [n for n in self.candidates if n not in self._builtin and n not in tried and n not in names]
         rows = []
         for name in names:
             candidate = self.candidates[name]
             why = "frozen by Autopilot(freeze=...)" if autopilot._frozen(candidate) else candidate.unavailable(run)
-            gain = expected_gain(name, shares, device) if name in self._builtin else None
+            gain = (measured.get(name) or expected_gain(name, shares, device)) if name in self._builtin else None
             rows.append((name, why, gain, prior_confidence(name, device)))
         if run.trainer.world_size > 1:
             # rank 0's list for every rank: a smell previewed on one rank's clock must not make the ranks diverge
             rows = run.trainer.strategy.broadcast(rows, src=0)
         return [Offer(self.candidates[name], why, gain, confidence) for name, why, gain, confidence in rows]
+
+    def _compute_findings(self, shares: Mapping[str, float], ctx: Any) -> list[Any]:
+        """The compute findings of one attribution window (the doctor's, over the trial runner's steps), taken the
+        first time forward + backward reach the doctor's compute threshold after the baseline; they order the
+        compute fixes by what they would save. Every rank runs the window (its steps all-reduce under DDP)."""
+        if self._compute is not None:
+            return self._compute
+        from lightning_accel.core.compute_causes import find_compute_causes
+        from lightning_accel.core.rules import Thresholds
+
+        compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+        if compute < Thresholds().compute_share:
+            return []
+        self._compute = []
+        try:
+            table = self.run.runner.attribute()
+            self._compute = find_compute_causes(table, context=ctx, compute_share=min(1.0, compute))
+        except Exception as err:  # noqa: BLE001 - the priors order the fixes without it
+            self.autopilot.notes.append(f"compute attribution skipped: {short_error(err)}")
+        return self._compute

@@ -90,6 +90,21 @@ def concat_batches(batches: list[Any]) -> Any:
     return first
 
 
+class _StageMarks:
+    """A stage timer's interface that marks forward and backward in an attribution window (and times nothing)."""
+
+    def __init__(self, window: Any) -> None:
+        self.window = window
+
+    def start(self, stage: str, *, host: bool = False) -> None:
+        if stage in ("forward", "backward"):
+            self.window.stage(stage)
+
+    def stop(self, stage: str) -> None:
+        if stage in ("forward", "backward"):
+            self.window.stage(None)
+
+
 class TrialRunner:
     """Runs measuring windows and numerics probes for the Autopilot (see the module docstring)."""
 
@@ -211,6 +226,29 @@ class TrialRunner:
             self._close(batches)
             self.state.restore()
         return Window(samples=samples, seconds=seconds, steps=kept, stage_seconds=totals, warmup_seconds=warmup)
+
+    def attribute(self, steps: int = 2) -> Any:
+        """Profile one warm-up and ``steps`` optimizer steps with the current configuration, with the doctor's
+        module and stage ranges, and read them into an :class:`~lightning_accel.core.attribution.OpTable`; the
+        training state is restored afterwards."""
+        from lightning_accel.callbacks._doctor_attribution import AttributionWindow
+
+        window = AttributionWindow(self.module, steps=steps, device_type=self.device.type)
+        batches = None
+        try:
+            with self._runner.quiet():
+                self.module.train()
+                batches = self._batches()
+                window.open()
+                marks = _StageMarks(window)
+                for _ in range(1 + steps):
+                    self._optimizer_step(batches, marks)
+                    window.step_end()
+                return window.close()
+        finally:
+            window.abort()
+            self._close(batches)
+            self.state.restore()
 
     # ------------------------------------------------------------------ numerics
     def probe_batches(self, steps: int) -> list[list[Any]]:

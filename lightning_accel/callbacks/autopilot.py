@@ -62,7 +62,10 @@ class Autopilot(Callback):
        search), ``pin_memory`` (CUDA), ``DevicePrefetcher``, a larger micro-batch with the global batch fixed,
        fused / foreach optimizer steps, mixed precision (``AutoMixedPrecision`` installed from Lightning's
        default ``32-true``, or another dtype of the user's plugin), TF32 (CUDA), ``TorchCompile`` (kept only if it
-       pays back its compile time), fused attention, activation checkpointing with a larger micro-batch.
+       pays back its compile time), fused attention, activation checkpointing with a larger micro-batch. When
+       forward + backward reach the doctor's compute threshold after the baseline, one profiled window (the
+       doctor's compute attribution, :mod:`lightning_accel.core.compute_causes`) adds its findings' fixes, and
+       what they would save replaces those fixes' priors (:func:`~lightning_accel.core.autopilot.fix_gains`).
     4. **Trial**: each candidate is applied (its undo kept), checked by the **numerics guard** — on fixed probe
        batches at the same weights, its loss, gradient direction and optimizer update against the current
        configuration's, within the tolerance of its kind (bit-identical batches for data-loading changes;

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
+from lightning_accel.callbacks._doctor_attribution import DoctorAttribution
 from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
 from lightning_accel.callbacks._doctor_facts import read_dataloader_settings, static_context
 from lightning_accel.callbacks._doctor_report import report_dir, write_report_files
@@ -32,8 +34,10 @@ from lightning_accel.callbacks._doctor_utilisation import UtilisationSamplers
 from lightning_accel.callbacks._doctor_warnings import LiveWarnings, warn_smell
 from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
 from lightning_accel.callbacks._window_log import log_window
+from lightning_accel.core.attribution import attribute
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.comm import CommRecorder
+from lightning_accel.core.compute_causes import find_compute_causes
 from lightning_accel.core.fit_windows import FitWindows, window_metrics
 from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport
@@ -115,6 +119,10 @@ class BottleneckDoctor(Callback):
       communication wait is attributed to it (:mod:`lightning_accel.core.ranks`);
     * **variability** (``report.variability``, one entry per rank): p5/p50/p95 of the batch times, spikes and the
       ``step_variability`` finding with the likely cause (:mod:`lightning_accel.core.variability`);
+    * **inside the compute** (``report.attribution``): when forward + backward hold the step, a short profiled
+      window charges their time to the model's modules, with the costliest operations and their shapes, and the
+      compute findings name the module and the fix (``kind="compute"``; ``attribute_compute`` below;
+      :mod:`lightning_accel.core.attribution`, :mod:`lightning_accel.core.compute_causes`);
     * **code smells** (``report.smells``): found at ``on_train_start`` before the first step by
       :func:`~lightning_accel.core.smells.find_smells` and warned once each (rank 0) when the first window says
       what fixing it would save: below 3 % of the step (:func:`~lightning_accel.core.smells.gate_smells`) it is
@@ -170,6 +178,13 @@ class BottleneckDoctor(Callback):
         window_log: the live log ``lightning-accel watch`` follows (rank 0, one JSON line per window: stage
             shares, step time, throughput, MFU, the window's findings); ``None`` → beside the report as
             ``<report stem>.windows.jsonl`` (none when ``report_path=False``); ``False`` → none.
+        attribute_compute: profile a short window and attribute forward and backward time to the modules of the
+            model, with compute findings that name the module and the fix (``report.attribution``; see "Inside
+            the compute" in the doctor's docs page). ``None``: when a measured window finds forward + backward at
+            or above ``thresholds.compute_share`` (once per fit, if the fit has the batches left); ``True``: right
+            after the warm-up; ``False``: only on :meth:`request_attribution`. The window's batches are left out
+            of the stage breakdown; outside it no module hook or profiler is present.
+        attribution_steps: steps the window records (after one unrecorded warm-up step of the profiler).
     """
 
     def __init__(
@@ -188,9 +203,19 @@ class BottleneckDoctor(Callback):
         smells: bool = True,
         nvtx: bool = False,
         window_log: str | Path | bool | None = None,
+        attribute_compute: bool | None = None,
+        attribution_steps: int = 3,
     ) -> None:
         check_int("BottleneckDoctor", "window", window, unit="batches", example=20)
         check_int("BottleneckDoctor", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
+        check_int("BottleneckDoctor", "attribution_steps", attribution_steps, unit="steps", example=3)
+        if attribute_compute not in (None, True, False):
+            raise ValueError(
+                f"BottleneckDoctor(attribute_compute={attribute_compute!r}): use None (when compute-bound), True "
+                "(right after the warm-up) or False (only on request_attribution())"
+            )
+        self.attribute_compute = attribute_compute
+        self.attribution_steps = attribution_steps
         if thresholds is None:
             self.thresholds = Thresholds()
         elif isinstance(thresholds, Thresholds):
@@ -281,6 +306,8 @@ class BottleneckDoctor(Callback):
         self._comm_failure_noted = False
         self._in_validation = False
         self._validation_hooks_only = False
+        self._attribution = DoctorAttribution(self.attribute_compute, self.attribution_steps, self._clock)
+        self._last_shares: dict[str, float] = {}
 
     def _break(self, what: str) -> None:
         self._broken = True
@@ -331,6 +358,11 @@ class BottleneckDoctor(Callback):
             self._install_timers(trainer)
         except Exception as err:  # noqa: BLE001 - measuring must never stop training
             self._break(f"installing the timers: {err!r}")
+        try:
+            self._attribution.start_fit(pl_module)
+        except Exception as err:  # noqa: BLE001 - diagnostics never stop training
+            self._attribution.state = "off"
+            self._notes.append(f"no compute attribution: {err!r}")
         if self.utilisation:
             self._samplers.create(self._device, self._notes)
 
@@ -435,6 +467,7 @@ class BottleneckDoctor(Callback):
             finish_outstanding_work()
         if stage == "fit":
             self._close_window_log("finished")  # still open only when the report could not be built
+        self._attribution.abort(self._machine)
         self._uninstall()
 
     def _uninstall(self) -> None:
@@ -488,6 +521,7 @@ class BottleneckDoctor(Callback):
     ) -> None:
         if self._machine is not None:
             self._machine.stage_start("forward")
+        self._attribution.batch_start(pl_module, self._device.type)
         if self._batches_seen == self._probe_batch:
             self._probe = SDPABackendRecorder().__enter__()
 
@@ -496,12 +530,14 @@ class BottleneckDoctor(Callback):
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._machine is not None:
             self._machine.stage_start("optimizer")
+        self._attribution.mark(None)
 
     @override
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._machine is not None:
             self._machine.stage_start("backward")
+        self._attribution.mark("backward")
 
     @override
     @_guarded
@@ -512,6 +548,7 @@ class BottleneckDoctor(Callback):
                 machine.stage_start("forward")
             else:
                 machine.stage_end()
+        self._attribution.mark("forward" if self._manual else None)
         if self._comm is not None:
             self._comm.end_backward()
         if not self._smells.grads_checked:
@@ -537,14 +574,20 @@ class BottleneckDoctor(Callback):
         # Window accounting runs even after a measuring problem: every rank must join the same gathers.
         self._batches_seen += 1
         measured = self._measuring
-        self._end_batch(batch, measured)
-        if not measured:
+        held = self._attribution.held  # a batch of the attribution window: in no stage window
+        self._end_batch(batch, measured and not held)
+        if held:
+            if self._attribution.batch_end(self._batches_seen):
+                self._finish_attribution(trainer)
+        elif not measured:
             if self._batches_seen >= self._skip:
                 self._start_measuring()
         else:
             self._window_count += 1
             if self._window_count >= self.window:
                 self._close_window(trainer, pl_module, log=self.log_metrics)
+        if self._measuring and not self._attribution.held:
+            self._attribution.schedule(self._machine, self._batches_seen, _remaining_batches(trainer))
         self._open_data_wait()
 
     @_guarded
@@ -628,6 +671,8 @@ class BottleneckDoctor(Callback):
         if added is None:
             return
         window, util = added
+        self._last_shares = dict(window.shares)
+        self._attribution.compute_bound(window.shares, self.thresholds.compute_share)
         if log:
             log_window(trainer, pl_module, window_metrics(window.shares, window.step_seconds, util))
         if self._smells.pending:
@@ -655,6 +700,65 @@ class BottleneckDoctor(Callback):
                         for f in diagnosis.findings
                     ],
                 )
+
+    # ------------------------------------------------------------------ compute attribution
+    def request_attribution(self, reason: str = "requested") -> bool:
+        """Profile the attribution window from the next training batch (once per fit; call it on every rank, at
+        the same batch). Returns ``False`` when one ran or is under way, or the model is compiled."""
+        return self._attribution.request(reason)
+
+    def _finish_attribution(self, trainer: pl.Trainer) -> None:
+        """The window's last batch ended (every rank): read it, gather the ranks' module times, warn its findings."""
+        attr = self._attribution
+
+        def gather(row: list[float]) -> list[list[float]]:
+            if trainer.world_size <= 1:
+                return [row]
+            return gather_floats(trainer, self._device, row, what="BottleneckDoctor attribution").tolist()
+
+        attr.finish(gather, self._machine, self._batches_seen)
+        # the window's batches trained the model: the fit's training time (reading the events is not)
+        self._windows.train_wall += attr.window_s
+        if attr.table is None or not self.warn or not trainer.is_global_zero:
+            return
+        try:
+            compute = self._last_shares.get("forward", 0.0) + self._last_shares.get("backward", 0.0)
+            for finding in find_compute_causes(
+                attr.table, context=self._context, compute_share=compute if self._last_shares else 1.0
+            ):
+                rank_zero_warn(
+                    f"BottleneckDoctor: compute: {finding.evidence} Fix: {finding.fix}", category=UserWarning
+                )
+        except Exception as err:  # noqa: BLE001 - advice only
+            self._notes.append(f"compute findings not read: {err!r}")
+
+    def _attribution_report(self, report: DoctorReport, trainer: pl.Trainer) -> None:
+        """Put the window's attribution and its findings into ``report``."""
+        attr = self._attribution
+        report.notes.extend(attr.notes)
+        if attr.table is None:
+            return
+        result = attribute(attr.table, rank_tables=attr.rank_tables)
+        step = report.step_seconds
+        result.window = {
+            "reason": attr.reason,
+            "first_batch": attr.first_batch,
+            "batches": attr.held_batches,
+            "recorded_steps": attr.table.steps,
+            "ranks": max(1, len(attr.rank_tables)),
+        }
+        result.overhead = {
+            "window_s": attr.window_s,
+            "analysis_s": attr.analysis_s,
+            "extra_s": None if step is None else max(0.0, attr.window_s - attr.held_batches * step) + attr.analysis_s,
+        }
+        report.attribution = result.to_dict()
+        compute = report.shares.get("forward", 0.0) + report.shares.get("backward", 0.0) if report.shares else 1.0
+        findings = find_compute_causes(attr.table, context=report.context, compute_share=compute)
+        if any(f.rule == "fp32_matmul" for f in findings):  # the module-level finding replaces the stage-level one
+            report.findings = [f for f in report.findings if f.rule != "fp32_compute"]
+        for finding in findings:
+            place_finding(report, finding)
 
     # ------------------------------------------------------------------ the live window log
     def _open_window_log(self, trainer: pl.Trainer) -> None:
@@ -755,6 +859,7 @@ class BottleneckDoctor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close_window_log(f"failed: {type(exception).__name__}: {exception}")
+        self._attribution.abort(self._machine)
         if self._machine is not None:
             self._machine.cancel()
         if self._comm is not None:
@@ -764,6 +869,8 @@ class BottleneckDoctor(Callback):
     # ------------------------------------------------------------------ end
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._attribution.held:  # the fit ended inside the window: read what it recorded (every rank is here)
+            self._finish_attribution(trainer)
         if self._measuring and self._window_count > 0:
             self._close_window(trainer, pl_module, log=False, final=True)
         elif self._machine is not None:
@@ -792,7 +899,7 @@ class BottleneckDoctor(Callback):
 
     def _build_report(self, trainer: pl.Trainer) -> DoctorReport:
         measured = max(0, self._batches_seen - self._skip)
-        return build_report(
+        report = build_report(
             self._windows.breakdown,
             context=self._live_context(),
             thresholds=self.thresholds,
@@ -811,3 +918,23 @@ class BottleneckDoctor(Callback):
                 "warmup_batches"
             ),
         )
+        try:
+            self._attribution_report(report, trainer)
+        except Exception as err:  # noqa: BLE001 - a finished fit keeps its report
+            report.notes.append(f"compute attribution not reported: {err!r}")
+        return report
+
+
+def _remaining_batches(trainer: pl.Trainer) -> int | None:
+    """Training batches the fit has left (``max_steps``, else the epochs'), ``None`` when unknown."""
+    try:
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return (trainer.max_steps - trainer.global_step) * accumulate
+        per_epoch = trainer.num_training_batches
+        if trainer.max_epochs is None or trainer.max_epochs < 0 or not math.isfinite(per_epoch):
+            return None
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return int((trainer.max_epochs - trainer.current_epoch) * per_epoch - done)
+    except Exception:  # noqa: BLE001 - an unusual loop: the length is unknown
+        return None

@@ -131,6 +131,10 @@ class ProfileWindow(Callback):
     ) -> None:
         if self._profiler is not None:
             return
+        from lightning_accel.callbacks._doctor_attribution import profiling
+
+        if profiling():  # another profiler (the doctor's attribution window) records: open after it
+            return
         if (
             self.at_step is not None
             and not self._at_step_done

@@ -55,6 +55,7 @@ __all__ = [
     "cosine",
     "decide",
     "expected_gain",
+    "fix_gains",
     "prior_confidence",
     "prior_device",
     "propose",
@@ -321,6 +322,12 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
     "math_sdpa": ("fused_attention",),
     "hf_eager_attention": ("fused_attention",),
     "memory": ("activation_checkpointing",),
+    # the compute findings of the doctor's attribution (core.compute_causes), first fix first
+    "eager_attention": ("fused_attention", "compile"),
+    "large_vocab_loss": ("compile",),
+    "unfused_elementwise": ("compile",),
+    "fp32_matmul": ("precision", "tf32"),
+    "python_loop": ("compile",),
     # not a rule of the doctor: the Autopilot's own, when accumulate_grad_batches > 1 (the method's batch lever:
     # the same global batch in fewer, larger calls, tried before the smells' fixes)
     "accumulation": ("micro_batch",),
@@ -455,15 +462,37 @@ def prior_confidence(name: str, device_type: str | None = None) -> float:
 SHAPE_FIRST: tuple[str, ...] = ("micro_batch",)
 
 
+def fix_gains(findings: Iterable[Any]) -> dict[str, float]:
+    """What the compute attribution says each fix would save (a share of the step): every compute finding's
+    ``saving`` credited to the first fix :data:`RULE_FIXES` names for its rule, summed per fix (``compile`` fuses
+    the chains and the loop alike), at most 0.95."""
+    gains: dict[str, float] = {}
+    for f in findings:
+        fixes = RULE_FIXES.get(f.rule, ())
+        if getattr(f, "kind", None) != "compute" or f.saving is None or not fixes:
+            continue
+        gains[fixes[0]] = min(0.95, gains.get(fixes[0], 0.0) + float(f.saving))
+    return gains
+
+
 def rank_by_expected_gain(
-    names: Sequence[str], shares: Mapping[str, float], device_type: str | None = None
+    names: Sequence[str],
+    shares: Mapping[str, float],
+    device_type: str | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> list[str]:
     """``names`` by decreasing expected gain, :data:`SHAPE_FIRST` ahead; fixes without a prior keep their place
-    after those with one; ties keep the given order (the doctor's findings first)."""
+    after those with one; ties keep the given order (the doctor's findings first). ``measured``: gains the compute
+    attribution found (:func:`fix_gains`), which replace those fixes' priors."""
+    measured = measured or {}
+
+    def gain(n: str) -> float | None:
+        return measured[n] if n in measured else expected_gain(n, shares, device_type)
+
     order = {n: i for i, n in enumerate(names)}
-    known = [n for n in names if expected_gain(n, shares, device_type) is not None]
+    known = [n for n in names if gain(n) is not None]
     unknown = [n for n in names if n not in known]
-    known.sort(key=lambda n: (n not in SHAPE_FIRST, -round(expected_gain(n, shares, device_type) or 0.0, 4), order[n]))
+    known.sort(key=lambda n: (n not in SHAPE_FIRST, -round(gain(n) or 0.0, 4), order[n]))
     return known + unknown
 
 

@@ -190,8 +190,8 @@ class Finding:
         fix: what to change, naming the lightning-accel component where one applies.
         value: the number the rule compared (a share or fraction), for rate-limiting and comparisons.
         gain: the measured speed-up of the fix (old time ÷ new time) where it was previewed, else ``None``.
-        kind: ``"step"`` (from the stage shares), ``"fit"`` (fit phases) or ``"smell"`` (static, before the
-            first step).
+        kind: ``"step"`` (from the stage shares), ``"fit"`` (fit phases), ``"smell"`` (static, before the
+            first step) or ``"compute"`` (from the compute attribution: a module and its fix).
         saving: the share of the time that fixing it would save (the time its cause takes now, or for a fix that
             speeds a stage up rather than removing it, the rule's estimate of what it takes off; each rule says
             which); findings are shown largest saving first (:func:`by_saving`). Of the step time for a step
@@ -199,6 +199,8 @@ class Finding:
             start-up for a fit finding and for every finding of a report that measured the fit
             (:func:`~lightning_accel.core.verdict.build_report` rescales the step findings by the training's share
             of that fit). ``None`` where the rule cannot say (the gain of a larger batch, the attention's share).
+        module: the module path the finding is about (``model.blocks.3.attn``) for a compute finding
+            (``kind="compute"``, :mod:`lightning_accel.core.compute_causes`), else ``None``.
     """
 
     rule: str
@@ -209,6 +211,7 @@ class Finding:
     gain: float | None = None
     kind: str = "step"
     saving: float | None = None
+    module: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -225,6 +228,7 @@ class Finding:
             gain=None if gain is None else float(gain),
             kind=str(data.get("kind", "step")),
             saving=None if saving is None else float(saving),
+            module=None if data.get("module") is None else str(data["module"]),
         )
 
     def __str__(self) -> str:

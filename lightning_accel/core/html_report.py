@@ -160,7 +160,13 @@ def _findings_section(report: DoctorReport) -> str:
     if not report.findings:
         return "<p>No finding: no stage or phase crossed its threshold.</p>"
     rows = [
-        [_e(f.stage), _e(f.rule), _pct(f.saving), _e(f.evidence), f'<span class="fix">{_e(f.fix)}</span>']
+        [
+            _e(f"{f.stage}: {f.module}" if f.module else f.stage),
+            _e(f.rule),
+            _pct(f.saving),
+            _e(f.evidence),
+            f'<span class="fix">{_e(f.fix)}</span>',
+        ]
         for f in report.findings
     ]
     return _table(["stage", "finding", "would save", "evidence", "fix"], rows, numeric=[2])

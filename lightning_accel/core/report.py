@@ -63,6 +63,10 @@ class DoctorReport:
             in ``findings``.
         smells: code smells found before the first step (:func:`~lightning_accel.core.smells.find_smells`).
         smells_skipped: smells that could not be checked and why.
+        attribution: the compute attribution of the profiled window when one ran
+            (:meth:`~lightning_accel.core.attribution.Attribution.to_dict`: ``modules`` by time with their costliest
+            ``ops``, ``leaves``, ``forward_ms`` / ``backward_ms``, ``measured_ms``, ``ranks``, ``window``,
+            ``overhead``, ``notes``); its findings are in ``findings`` (``kind="compute"``, with the ``module``).
     """
 
     bottleneck: str | None = None
@@ -89,6 +93,7 @@ class DoctorReport:
     fit_findings: list[Finding] = field(default_factory=list)
     smells: list[Finding] = field(default_factory=list)
     smells_skipped: list[SkippedRule] = field(default_factory=list)
+    attribution: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +123,7 @@ class DoctorReport:
             "fit_findings": [f.to_dict() for f in self.fit_findings],
             "smells": [f.to_dict() for f in self.smells],
             "smells_skipped": [s.to_dict() for s in self.smells_skipped],
+            "attribution": dict(self.attribution),
         }
 
     @classmethod
@@ -161,6 +167,7 @@ class DoctorReport:
                 fit_findings=[Finding.from_dict(f) for f in data.get("fit_findings", [])],
                 smells=[Finding.from_dict(f) for f in data.get("smells", [])],
                 smells_skipped=[SkippedRule(str(s["rule"]), str(s["reason"])) for s in data.get("smells_skipped", [])],
+                attribution=dict(data.get("attribution") or {}),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{source}: malformed BottleneckDoctor report ({err!r})") from err
@@ -242,7 +249,8 @@ class DoctorReport:
             basis = "fit" if self.fit.get("wall") else "step"
             for i, f in enumerate(self.findings, 1):
                 saves = f"(saves up to {100 * f.saving:.1f} % of the {basis}) " if f.saving is not None else ""
-                parts.append(Text.assemble((f"{i}. [{f.stage}] ", "bold yellow"), saves, f.evidence))
+                where = f"{f.stage}: {f.module}" if f.module else f.stage
+                parts.append(Text.assemble((f"{i}. [{where}] ", "bold yellow"), saves, f.evidence))
                 parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
         elif self.bottleneck is not None:
             parts.append(Text("No finding: no stage crosses its threshold.", style="green"))
@@ -251,6 +259,7 @@ class DoctorReport:
                 Text("skipped rules: " + "; ".join(f"{s.rule} ({s.reason})" for s in self.skipped), style="dim")
             )
         parts.extend(self._fit_parts())
+        parts.extend(self._attribution_parts())
         if self.smells:
             parts.append(Text("code smells (before the first step):", style="bold"))
             for f in self.smells:
@@ -277,6 +286,41 @@ class DoctorReport:
                 str(rank), *[f"{1000 * seconds.get(s, 0.0):.2f}" for s in STAGES], f"{1000 * sum(seconds.values()):.2f}"
             )
         return [table]
+
+    def _attribution_parts(self) -> list[Any]:
+        """The compute attribution's module rows (when a window was profiled)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        rows = self.attribution.get("modules") or []
+        if not rows:
+            return []
+        steps = self.attribution.get("steps", 0)
+        table = Table(
+            title=f"compute attribution ({steps} profiled steps; share of forward + backward)",
+            show_header=True,
+            header_style="bold",
+        )
+        table.add_column("module")
+        for name in ("share", "fwd ms", "bwd ms"):
+            table.add_column(name, justify="right")
+        table.add_column("costliest operation (input shapes)")
+        for row in rows:
+            ops = row.get("ops") or []
+            top = f"{ops[0]['name']} ({ops[0].get('shapes', '')})" if ops else ""
+            indent = "  " if row.get("depth", 0) and rows[0].get("depth") != row.get("depth") else ""
+            table.add_row(
+                indent + str(row.get("module")),
+                f"{100 * float(row.get('share', 0.0)):.1f} %",
+                f"{float(row.get('forward_ms', 0.0)):.2f}",
+                f"{float(row.get('backward_ms', 0.0)):.2f}",
+                top,
+            )
+        parts: list[Any] = [table]
+        overhead = self.attribution.get("overhead") or {}
+        if overhead.get("extra_s") is not None:
+            parts.append(Text(f"the profiled window cost {overhead['extra_s']:.3f} s of the fit", style="dim"))
+        return parts
 
     def _fit_parts(self) -> list[Any]:
         """The fit-level phases, variability and the fit findings."""

@@ -26,6 +26,8 @@ Semantics:
 * the first ``warmup_batches`` batches are not measured; the window clock starts at the end of the last one;
 * :meth:`pause` / :meth:`resume` take time out of the window (validation, a checkpoint save, the gap between
   epochs): the open stage stops and continues on resume;
+* :meth:`hold` / :meth:`release` leave whole batches out of every window, their time and their count (the
+  doctor's profiled attribution window: a profiler slows the batches it records);
 * every measured batch's host duration (step end → step end, pauses excluded) and its data wait are kept for the
   window, for the variability statistics (:mod:`lightning_accel.core.variability`).
 """
@@ -140,6 +142,7 @@ class StageMachine:
         self._step_times: list[float] = []
         self._data_times: list[float] = []
         self._first_batch = 0
+        self._held_at: float | None = None
         if warmup_batches == 0:
             self._start_measuring()
 
@@ -177,6 +180,8 @@ class StageMachine:
         """The batch is done: close the open stage, count the batch (and its samples) in the window."""
         now = self._switch(None)
         self.batches_seen += 1
+        if self._held_at is not None:
+            return
         if self.measuring:
             self.window_batches += 1
             self.window_samples += samples
@@ -204,8 +209,9 @@ class StageMachine:
             return
         gap = self.clock() - self._paused_at
         self._paused_at = None
-        self._paused_total += gap
-        self._batch_paused += gap
+        if self._held_at is None:  # a pause inside a held stretch is already out of the window
+            self._paused_total += gap
+            self._batch_paused += gap
         stage, self._resume_stage = self._resume_stage, None
         if stage is not None:
             awaiting = stage == "data"
@@ -215,6 +221,31 @@ class StageMachine:
     @property
     def paused(self) -> bool:
         return self._paused_at is not None
+
+    @property
+    def held(self) -> bool:
+        return self._held_at is not None
+
+    def hold(self) -> None:
+        """Leave the batches from now until :meth:`release` out of every window: neither their time nor their
+        count (stages still switch, untimed). Call it between batches (after :meth:`step_end`), not in a pause."""
+        if self._held_at is not None:
+            return
+        if self._paused_at is not None:
+            raise RuntimeError("StageMachine.hold() inside a pause: hold between batches, after step_end()")
+        self._held_at = self._switch(None)
+
+    def release(self) -> None:
+        """End a :meth:`hold`: the window goes on from now, as if the held batches had not run (call it after the
+        last held batch's :meth:`step_end`; a pause still open continues from here)."""
+        if self._held_at is None:
+            return
+        now = self._switch(None)
+        self._paused_total += now - self._held_at
+        self._held_at = None
+        if self._paused_at is not None:
+            self._paused_at = now
+        self._batch_start, self._batch_paused, self._data_time = now, 0.0, 0.0
 
     def cancel(self) -> None:
         """Drop the open stage (an exception inside a step)."""
@@ -292,6 +323,10 @@ class StageMachine:
         clock (one reading per switch); the other stages by the timer (CUDA events on a GPU)."""
         now = self.clock()
         old = self.stage
+        if self._held_at is not None:
+            self.awaiting_batch = False
+            self.stage = stage
+            return now
         if old == "data":
             if self._data_start is not None:
                 wait = now - self._data_start

@@ -840,3 +840,54 @@ def test_the_validation_loader_gets_the_kept_workers_and_validates_as_often() ->
         reference, _loader(), val_dataloaders=val_loader()
     )
     assert model.validated == reference.validated == 2 * 2  # twice, two batches each: as often as configured
+
+
+# ------------------------------------------------------------------------------------------------ attribution order
+class LoopLossModel(pl.LightningModule):
+    """A small linear layer and a loss summed sample by sample in Python: the step is the loop's small operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(16, 16)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        out, total = self.layer(x), x.new_zeros(())
+        for i in range(x.shape[0]):
+            total = total + ((out[i] - x[i]) ** 2).mean()
+        return total / x.shape[0]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("attributed", [True, False])
+def test_the_attribution_orders_the_compute_fixes(monkeypatch, attributed) -> None:
+    from lightning_accel.callbacks import _autopilot_backend
+
+    offered: list[list[tuple[str, float | None]]] = []
+    real = _autopilot_backend.LightningSearchBackend.offers
+
+    def offers(self, shares, tried):
+        out = real(self, shares, tried)
+        if not tried:  # the pay-back estimate's list, then the first after the baseline
+            offered.append([(o.candidate.name, o.gain) for o in out])
+        return out
+
+    monkeypatch.setattr(_autopilot_backend.LightningSearchBackend, "offers", offers)
+    if not attributed:
+        monkeypatch.setattr(_autopilot_backend.LightningSearchBackend, "_compute_findings", lambda *a: [])
+    loader = DataLoader(TensorDataset(torch.randn(256, 16)), batch_size=32)
+    # compile frozen: offered (with the reason it cannot run) but never compiled here
+    autopilot = Autopilot(**FAST, only=["compile", "fused_attention", "tf32", "precision"], save_plan=False)
+    _trainer([autopilot], max_steps=2).fit(LoopLossModel(), loader)
+    after_baseline = offered[-1]
+    names = [n for n, _ in after_baseline]
+    if attributed:
+        # the loop's finding credits compile with its saving: first, with that gain
+        assert names[0] == "compile", after_baseline
+        assert dict(after_baseline)["compile"] > 0.3
+    else:
+        # the priors alone: tf32 (0.3 of compute) and fused attention (0.25) ahead of compile (0.2)
+        assert names.index("compile") > names.index("fused_attention"), after_baseline

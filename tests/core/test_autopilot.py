@@ -220,3 +220,22 @@ def test_rendered_yaml_parses_as_yaml() -> None:
         "data": {"name": "a: b"},
         "trainer": {"plugins": [{"class_path": "lightning_accel.AutoMixedPrecision", "init_args": {"dtype": "fp32"}}]},
     }
+
+
+def test_the_compute_attribution_replaces_the_priors_of_the_fixes_it_measured():
+    from lightning_accel.core.autopilot import fix_gains, rank_by_expected_gain
+    from lightning_accel.core.findings import Finding
+
+    def compute(rule, saving):
+        return Finding(rule, "forward", "e", "f", 0.5, kind="compute", saving=saving, module="m")
+
+    found = [compute("python_loop", 0.2), compute("unfused_elementwise", 0.15), compute("eager_attention", 0.05)]
+    found.append(Finding("optimizer", "optimizer", "e", "f", 0.3, saving=0.9))  # a stage finding: no measured gain
+    gains = fix_gains(found)
+    assert gains == pytest.approx({"compile": 0.35, "fused_attention": 0.05})
+    shares = {"forward": 0.4, "backward": 0.5, "optimizer": 0.1}
+    names = ["precision", "tf32", "fused_attention", "compile"]
+    # priors on a GPU: precision 0.36, tf32 0.27, fused attention 0.225, compile 0.18
+    assert rank_by_expected_gain(names, shares, "cuda") == ["precision", "tf32", "fused_attention", "compile"]
+    assert rank_by_expected_gain(names, shares, "cuda", gains) == ["precision", "compile", "tf32", "fused_attention"]
+    assert fix_gains([compute("python_loop", 0.7), compute("unfused_elementwise", 0.7)]) == {"compile": 0.95}

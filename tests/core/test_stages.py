@@ -124,3 +124,31 @@ def test_stage_end_with_a_name_only_closes_that_stage_and_cancel_drops_the_open_
 def test_bad_input_raises_with_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
         call(StageMachine(clock=Clock()))
+
+
+def test_held_batches_are_in_no_window_neither_their_time_nor_their_count():
+    clock = Clock()
+    machine = StageMachine(clock=clock, warmup_batches=0)
+    step(machine, clock, data=0.1, forward=0.2, backward=0.3)
+    machine.hold()  # between batches, as the doctor does before its profiled window
+    step(machine, clock, data=5, forward=5, backward=5)  # a slow, profiled batch
+    machine.pause()  # validation inside the held stretch: already out of the window
+    clock.advance(7)
+    machine.resume()
+    step(machine, clock, data=5, forward=5, backward=5)
+    assert machine.held and machine.batches_seen == 3
+    machine.release()
+    step(machine, clock, data=0.1, forward=0.2, backward=0.3)
+    window = machine.close_window()
+    assert window.batches == 2 and len(window.step_times) == 2
+    assert window.wall == pytest.approx(1.2)
+    assert window.seconds["forward"] == pytest.approx(0.4) and window.seconds["data"] == pytest.approx(0.2)
+    assert window.step_times == pytest.approx([0.6, 0.6])
+
+
+def test_hold_inside_a_pause_is_refused():
+    clock = Clock()
+    machine = StageMachine(clock=clock)
+    machine.pause()
+    with pytest.raises(RuntimeError, match="hold between batches"):
+        machine.hold()

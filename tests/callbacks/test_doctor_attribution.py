@@ -1,0 +1,517 @@
+"""BottleneckDoctor's compute attribution on CPU: planted compute causes are named with their module and fix."""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_accel.callbacks import BottleneckDoctor
+from lightning_accel.core.attribution import ENGINE, PSEUDO_MODULES, STEP, attribute
+from lightning_accel.core.compute_causes import find_compute_causes
+from lightning_accel.core.findings import RunContext
+
+
+class Batches(Dataset):
+    """The same pre-made batch again and again: no data wait, no collation."""
+
+    def __init__(self, make, n=64):
+        self.batch, self.n = make(), n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.batch
+
+
+class Task(pl.LightningModule):
+    def __init__(self, model, make_batch, loss=None):
+        super().__init__()
+        self.model = model
+        self.make_batch = make_batch
+        if loss is not None:
+            self.loss_fn = loss
+
+    def training_step(self, batch, i):
+        x, y = batch
+        out = self.model(x)
+        if hasattr(self, "loss_fn"):
+            return self.loss_fn(out, y)
+        return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+    def train_dataloader(self):
+        return DataLoader(Batches(self.make_batch), batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def fit(task, *, max_steps=8, doctor=None, callbacks=(), **trainer_kwargs):
+    doctor = doctor or BottleneckDoctor(
+        window=3,
+        warmup_batches=1,
+        report_path=False,
+        print_report=False,
+        log_metrics=False,
+        utilisation=False,
+        smells=False,
+        attribute_compute=True,
+        attribution_steps=2,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor, *callbacks],
+        **trainer_kwargs,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task)
+    messages = [str(w.message) for w in caught if "BottleneckDoctor: compute" in str(w.message)]
+    return doctor, messages
+
+
+def compute_findings(report):
+    return [f for f in report.findings if f.kind == "compute"]
+
+
+# ---------------------------------------------------------------------------------------------- planted models
+class EagerAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v written out: the [B, H, L, L] scores are stored and read several times."""
+
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        scores = (q @ k.transpose(-1, -2)) / (c // self.heads) ** 0.5
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class FusedAttention(EagerAttention):
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, attention, d=32):
+        super().__init__()
+        self.ln, self.attn = nn.LayerNorm(d), attention(d)
+
+    def forward(self, x):
+        return x + self.attn(self.ln(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, attention, *, d=32, layers=2, vocab=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(attention, d) for _ in range(layers))
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def tokens(b, t, d, vocab):
+    return lambda: (torch.randn(b, t, d), torch.randint(0, vocab, (b, t)))
+
+
+class HandNorm(nn.Module):
+    """LayerNorm written out: ~10 elementwise passes a compiler fuses into one."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+class LoopLoss(nn.Module):
+    """A squared error summed sample by sample in Python: 4 small operations per sample."""
+
+    def forward(self, pred, target):
+        total = pred.new_zeros(())
+        for i in range(pred.shape[0]):
+            total = total + ((pred[i] - target[i]) ** 2).mean()
+        return total / pred.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------- planted causes
+def test_eager_attention_at_a_long_sequence_is_named_with_the_attention_module_and_sdpa():
+    doctor, messages = fit(Task(Stack(EagerAttention), tokens(2, 256, 32, 64)))
+    found = compute_findings(doctor.report)
+    assert [f.rule for f in found][:1] == ["eager_attention"], [(f.rule, f.module) for f in found]
+    f = found[0]
+    assert f.module in ("model.blocks.0.attn", "model.blocks.1.attn")
+    assert "model.blocks.*.attn (2 modules" in f.evidence and "[2, 2, 256, 256]" in f.evidence
+    assert "scaled_dot_product_attention" in f.fix and "use_fused_attention" in f.fix
+    assert f.value > 0.3 and 0 < f.saving < f.value  # half the score passes, of the compute share of the fit
+    assert any("computes attention by hand" in m for m in messages)  # warned live, once the window closed
+
+
+class MathSDPA(FusedAttention):
+    """SDPA on its math kernel: the softmax over the scores runs inside the one SDPA operation."""
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return super().forward(x)
+
+
+def test_the_same_model_with_sdpa_gets_no_attention_finding():
+    doctor, _ = fit(Task(Stack(MathSDPA), tokens(2, 256, 32, 64)))
+    assert "eager_attention" not in [f.rule for f in compute_findings(doctor.report)]
+    # the operations inside SDPA (its softmax over [2, 2, 256, 256]) are SDPA's, not calls of the module's own
+    attn = next(r for r in doctor.report.attribution["leaves"] if r["module"].endswith(".attn"))
+    assert "aten::scaled_dot_product_attention" in [o["name"] for o in attn["ops"]]
+    assert not [o for o in attn["ops"] if "softmax" in o["name"]]
+
+
+def test_a_large_vocabulary_head_and_its_cross_entropy_are_named_with_a_chunked_loss():
+    doctor, _ = fit(Task(Stack(FusedAttention, layers=1, vocab=16384), tokens(2, 128, 32, 16384)))
+    found = compute_findings(doctor.report)
+    f = next(f for f in found if f.rule == "large_vocab_loss")
+    assert f.module == "model.lm_head" and found[0] is f
+    assert "16,384 classes for 256 tokens" in f.evidence and "[256, 16384]" in f.evidence
+    assert "chunked or fused linear + cross-entropy" in f.fix
+
+
+def test_an_unfused_elementwise_chain_is_named_with_torch_compile():
+    model = nn.Sequential(nn.Linear(64, 64), HandNorm(64), nn.Linear(64, 8))
+    task = Task(model, lambda: (torch.randn(4096, 64), torch.randint(0, 8, (4096,))))
+    doctor, _ = fit(task)
+    found = compute_findings(doctor.report)
+    f = next(f for f in found if f.rule == "unfused_elementwise")
+    assert f.module == "model.1" and found[0] is f
+    assert "TorchCompile" in f.fix and "F.layer_norm" in f.fix
+    assert "operations in a row (mean, sub, pow, mean" in f.evidence
+
+
+def test_a_python_loop_loss_is_named_with_vectorise():
+    task = Task(nn.Linear(16, 16), lambda: (torch.randn(64, 16), torch.randn(64, 16)), loss=LoopLoss())
+    doctor, _ = fit(task)
+    found = compute_findings(doctor.report)
+    f = found[0]
+    assert f.rule == "python_loop" and f.module == "loss_fn", [(g.rule, g.module) for g in found]
+    assert "vectorise the loop in loss_fn" in f.fix
+    calls = int(re.search(r"\((\d+) operations a step, (\d+) distinct", f.evidence).group(1))
+    assert calls >= 64 * 4  # 64 samples x (sub, pow, mean, add), and the views that pick a sample
+    # the loop's operations are its finding's alone: no chain finding counts them again
+    assert "unfused_elementwise" not in [g.rule for g in found]
+
+
+class MLP(nn.Module):
+    def __init__(self, d=256):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def mlp_task():
+    return Task(MLP(), lambda: (torch.randn(256, 256), torch.randint(0, 256, (256,))))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fp32_matmuls_on_a_tensor_core_gpu_are_named_with_mixed_precision(precision, monkeypatch):
+    # The GPU is mocked: the run facts say an A100 in fp32 (or bf16); the window is this CPU's. CPU autocast runs
+    # the matmuls in bf16 as CUDA's would, so the recorded dtype is the one the finding reads.
+    import lightning_accel.callbacks.bottleneck_doctor as bd
+
+    half = precision != "32-true"
+    gpu = RunContext(
+        device_type="cuda",
+        device_name="NVIDIA A100-SXM4-80GB",
+        device_capability=(8, 0),
+        compute_dtype="bf16" if half else "fp32",
+        world_size=1,
+    )
+    monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
+    doctor, _ = fit(mlp_task(), precision=precision)
+    found = compute_findings(doctor.report)
+    rules = [f.rule for f in doctor.report.findings]
+    if half:
+        assert "fp32_matmul" not in rules and "fp32_compute" not in rules
+        return
+    f = next(f for f in found if f.rule == "fp32_matmul")
+    assert f.module in ("model.up", "model.down")
+    assert "AutoMixedPrecision" in f.fix and "bf16-mixed" in f.fix
+    # the module-level finding replaces the stage-level one, which would count the same seconds
+    assert "fp32_compute" not in rules
+
+
+class Balanced(nn.Module):
+    """Already fused: SDPA attention at a short sequence, F.layer_norm, F.gelu, a small vocabulary."""
+
+    def __init__(self, d=128):
+        super().__init__()
+        self.attn, self.ln = FusedAttention(d, heads=4), nn.LayerNorm(d)
+        self.mlp, self.head = MLP(d), nn.Linear(d, 64)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return self.head(x + self.mlp(x))
+
+
+def test_a_balanced_model_gets_no_compute_finding_and_its_shares_add_up():
+    doctor, messages = fit(Task(Balanced(), tokens(8, 64, 128, 64)))
+    report = doctor.report
+    assert compute_findings(report) == [] and messages == []
+    attr = report.attribution
+    # the rows from the first branching level (model's children) and one below, then the rows outside modules
+    top = [r for r in attr["modules"] if r["depth"] == 2]
+    assert {r["module"] for r in top} == {"model.attn", "model.ln", "model.mlp", "model.head"}
+    assert {r["module"] for r in attr["modules"] if r["depth"] == 3} >= {"model.attn.qkv", "model.mlp.up"}
+    pseudo = [r for r in attr["modules"] if r["module"] in (*PSEUDO_MODULES, "model (own)")]
+    total = attr["forward_ms"] + attr["backward_ms"]
+    # bookkeeping: the top rows and the rows outside modules are the whole forward + backward
+    assert sum(r["forward_ms"] + r["backward_ms"] for r in top + pseudo) == pytest.approx(total, rel=1e-9)
+    assert sum(r["share"] for r in top + pseudo) == pytest.approx(1.0, rel=1e-9)
+    # against the host clock around the same steps: within 5 % (the stated tolerance)
+    for phase in ("forward", "backward"):
+        assert attr[f"{phase}_ms"] == pytest.approx(attr["measured_ms"][phase], rel=0.05)
+    # most of the time is in the modules, not in the step's own Python or the engine; each module's backward is
+    # its own (linked to its forward operations), not the step's
+    assert sum(r["share"] for r in top) > 0.6
+    assert all(r["backward_ms"] > 0 for r in top)
+    assert {r["module"] for r in top if r["backward_ms"] > 0.2 * r["forward_ms"]} >= {"model.attn", "model.mlp"}
+    mlp = next(r for r in attr["modules"] if r["module"] == "model.mlp")
+    assert mlp["ops"][0]["name"] == "aten::linear"
+    assert {o["shapes"] for o in mlp["ops"] if o["name"] == "aten::linear"} == {
+        "[8, 64, 128], [512, 128], [512]",  # up
+        "[8, 64, 512], [128, 512], [128]",  # down
+    }
+    assert attr["window"]["recorded_steps"] == 2 and attr["overhead"]["window_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- the window itself
+class HookCounter(pl.Callback):
+    """Per batch, in the middle of the step: module hooks present and whether a profiler records."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in pl_module.modules())
+        self.seen.append((hooks, torch.autograd.profiler._is_profiler_enabled))
+
+
+def test_outside_the_window_nothing_is_added_to_a_step():
+    counter = HookCounter()
+    doctor, _ = fit(mlp_task(), max_steps=9, callbacks=[counter])
+    window = doctor.report.attribution["window"]
+    first, n = window["first_batch"], window["batches"]
+    assert (first, n) == (1, 3)  # right after the warm-up batch: 1 profiler warm-up + 2 recorded steps
+    for i, (hooks, profiling) in enumerate(counter.seen):
+        inside = first <= i < first + n
+        recorded = first + 1 <= i < first + n  # the window's first step is the profiler's warm-up
+        assert (hooks > 0, profiling) == (inside, recorded), (i, counter.seen)
+    assert doctor.report.batches == 9 - 1 - 3  # the warm-up and the window are in no stage window
+
+
+class SlowData(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.randn(256, 256), torch.randint(0, 256, (256,))
+
+
+def test_automatic_mode_waits_for_a_compute_bound_window_and_false_never_profiles():
+    # data-bound (20 ms a batch against a ~2 ms step): no window
+    slow = mlp_task()
+    slow.train_dataloader = lambda: DataLoader(SlowData(), batch_size=None)
+    auto = BottleneckDoctor(window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False)
+    doctor, _ = fit(slow, doctor=auto, max_steps=10)
+    assert doctor.report.bottleneck == "data" and doctor.report.attribution == {}
+    auto = BottleneckDoctor(window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False)
+    doctor, _ = fit(mlp_task(), doctor=auto, max_steps=10)
+    assert doctor.report.attribution["window"]["first_batch"] == 4  # after the first window of 3 batches
+    assert "forward + backward take" in doctor.report.attribution["window"]["reason"]
+    off = BottleneckDoctor(
+        window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False, attribute_compute=False
+    )
+    doctor, _ = fit(mlp_task(), doctor=off, max_steps=10)
+    assert doctor.report.attribution == {} and doctor.report.batches == 9
+
+
+class Requester(pl.Callback):
+    def __init__(self, doctor, at):
+        self.doctor, self.at, self.answers = doctor, at, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            self.answers.append(self.doctor.request_attribution("asked by a test"))
+
+
+def test_request_attribution_opens_the_window_at_a_chosen_batch():
+    doctor = BottleneckDoctor(
+        window=3,
+        warmup_batches=1,
+        report_path=False,
+        print_report=False,
+        log_metrics=False,
+        attribute_compute=False,
+        attribution_steps=2,
+    )
+    requester = Requester(doctor, at=4)
+    fit(mlp_task(), doctor=doctor, max_steps=10, callbacks=[requester])
+    window = doctor.report.attribution["window"]
+    assert requester.answers == [True] and window["reason"] == "asked by a test" and window["first_batch"] == 6
+
+
+def test_a_fit_that_ends_inside_the_window_reports_the_steps_it_recorded():
+    task = mlp_task()
+    doctor, _ = fit(task, max_steps=3)  # warm-up batch, profiler warm-up, one recorded step
+    attr = doctor.report.attribution
+    assert attr["window"]["recorded_steps"] == 1 and attr["forward_ms"] > 0
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in task.modules()) == 0
+    assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_a_compiled_model_is_not_attributed_and_the_report_says_why():
+    task = mlp_task()
+    task.model = torch.compile(task.model, backend="eager")
+    doctor, _ = fit(task, max_steps=5)
+    assert doctor.report.attribution == {}
+    assert any("compiled" in n for n in doctor.report.notes)
+
+
+def test_core_attribution_matches_the_report_and_the_root_rows_are_named():
+    doctor, _ = fit(Task(Stack(FusedAttention, layers=1), tokens(2, 64, 32, 64)))
+    table = doctor._attribution.table
+    again = attribute(table).to_dict()
+    assert [r["module"] for r in again["modules"]] == [r["module"] for r in doctor.report.attribution["modules"]]
+    names = {r["module"] for r in again["modules"]}
+    assert STEP in names and ENGINE in names  # the loss in training_step; the engine's own time
+    step = next(r for r in again["modules"] if r["module"] == STEP)
+    assert any(o["name"] == "aten::cross_entropy_loss" for o in step["ops"])
+    assert find_compute_causes(table, compute_share=0.0) == []  # a run that is not compute-bound: nothing to save
+
+
+def test_a_profile_window_due_during_the_attribution_waits_for_it(tmp_path):
+    from lightning_accel import ProfileWindow
+
+    # the doctor's window holds batches 1-3 (global steps 1-3); a trace due at step 2 opens after it, not inside
+    traces = ProfileWindow(dirpath=tmp_path, at_step=2, wait=0, warmup=0, active=1)
+    doctor, _ = fit(mlp_task(), max_steps=7, callbacks=[traces])
+    assert doctor.report.attribution["window"]["recorded_steps"] == 2
+    assert [w["start_step"] for w in traces.windows] == [4] and traces.windows[0]["steps_recorded"] == 1
+
+
+DDP_SCRIPT = """
+import json
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+
+torch.set_num_threads(1)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        self.head = torch.nn.Linear(64, 8)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.enc(x)), y)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(2048, 64), torch.randint(0, 8, (2048,))), batch_size=64)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+doctor = BottleneckDoctor(window=3, warmup_batches=1, report_path=False, print_report=False, log_metrics=False,
+                          attribute_compute=True, attribution_steps=2)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=10, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[doctor])
+trainer.fit(Model())
+with open(f"attr_rank{trainer.global_rank}.json", "w") as fh:
+    json.dump(doctor.report.to_dict(), fh)
+"""
+
+
+@pytest.mark.distributed
+def test_two_ranks_record_the_same_window_and_rank_zero_holds_every_ranks_times(ddp_script, tmp_path):
+    from tests.conftest import read_rank_json
+
+    ddp_script(DDP_SCRIPT, timeout=300)
+    r0, r1 = read_rank_json(tmp_path, "attr")
+    for report in (r0, r1):
+        attr = report["attribution"]
+        assert attr["window"] == {
+            "reason": "attribute_compute=True",
+            "first_batch": 1,
+            "batches": 3,
+            "recorded_steps": 2,
+            "ranks": 2,
+        }
+        assert report["batches"] == 10 - 1 - 3  # the same batches left out on both ranks
+    attr = r0["attribution"]
+    assert [r["rank"] for r in attr["ranks"]] == [0, 1] and all(r["forward_ms"] > 0 for r in attr["ranks"])
+    enc = next(r for r in attr["modules"] if r["module"] == "enc")
+    assert len(enc["rank_ms"]) == 2 and all(ms > 0 for ms in enc["rank_ms"])
+    assert enc["rank_ms"][0] == pytest.approx(enc["forward_ms"] + enc["backward_ms"])
+
+
+def test_ranks_that_hold_different_modules_send_their_totals_only():
+    from types import SimpleNamespace
+
+    from lightning_accel.callbacks._doctor_attribution import DoctorAttribution
+    from lightning_accel.core.attribution import OpRecord, OpTable
+
+    # a pipeline stage: this rank holds one block of a model another rank holds more of
+    attr = DoctorAttribution(True, 2)
+    attr.start_fit(nn.Sequential(nn.Linear(2, 2)))
+    table = OpTable(
+        [OpRecord(0, "forward", "0", "aten::linear", 0.002), OpRecord(0, "backward", "0", "aten::linear", 0.003)],
+        steps=1,
+    )
+    attr.window, attr.state = SimpleNamespace(close=lambda: table), "active"
+    sent = []
+
+    def gather(row):
+        sent.append(row)
+        if len(sent) == 1:
+            return [row, [row[0] + 2]]  # the other rank names more modules
+        return [row, [0.004, 0.006]]
+
+    attr.finish(gather, None, batches_seen=3)
+    assert sent[1] == pytest.approx([0.002, 0.003]) and attr.state == "done"
+    assert attr.rank_tables == [
+        {"(rank total)": {"forward": pytest.approx(0.002), "backward": pytest.approx(0.003)}},
+        {"(rank total)": {"forward": 0.004, "backward": 0.006}},
+    ]
+    result = attribute(attr.table, rank_tables=attr.rank_tables).to_dict()
+    assert [r["forward_ms"] for r in result["ranks"]] == pytest.approx([2.0, 4.0])
+    assert all("rank_ms" not in r for r in result["modules"])  # no module row pretends to be both ranks'
