@@ -431,6 +431,104 @@ def check_attribution(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def check_channels_last(args: argparse.Namespace) -> list[Row]:
+    """The doctor's nchw_convolution finding on a small CNN in bf16, and what channels_last measures against the
+    rule's 1.2x prior (A B A B of 20-step loops, NCHW vs NHWC weights and inputs)."""
+    import time
+
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_accel as la
+
+    gpu = not args.smoke
+    width, size, batch = (256, 56, 64) if gpu else (8, 16, 2)
+
+    def convnet() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            *[m for _ in range(4) for m in (nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())],
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, 10),
+        )
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = convnet()
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    doctor = la.BottleneckDoctor(
+        window=5, warmup_batches=2, report_path=False, print_report=False, warn=False, attribute_compute=True
+    )
+    trainer = pl.Trainer(
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=16,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[doctor],
+    )
+    data = TensorDataset(torch.randn(16 * batch, 3, size, size), torch.randint(0, 10, (16 * batch,)))
+    trainer.fit(Task(), DataLoader(data, batch_size=batch))
+    found = [
+        f"{f.rule} ({f.module}, saves {100 * (f.saving or 0):.1f} %)"
+        for f in doctor.report.findings
+        if f.kind == "compute"
+    ]
+    rows: list[Row] = [("channels_last finding (bf16 CNN)", "; ".join(found) or "no compute finding", "")]
+
+    device = torch.device("cuda" if gpu else "cpu")
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def loop(model: nn.Module, inp: torch.Tensor) -> float:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for i in range(25):
+            if i == 5:
+                if gpu:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(inp), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 20
+
+    nchw, nhwc = convnet().to(device), convnet().to(device).to(memory_format=torch.channels_last)
+    times: dict[str, list[float]] = {"nchw": [], "nhwc": []}
+    for _ in range(3):
+        times["nchw"].append(loop(nchw, x))
+        times["nhwc"].append(loop(nhwc, x.contiguous(memory_format=torch.channels_last)))
+    ratios = sorted(a / b for a, b in zip(times["nchw"], times["nhwc"]))
+    rows.append(
+        (
+            "channels_last speed-up (bf16 CNN, A B x3)",
+            f"{ratios[1]:.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f})",
+            f"NCHW {1e3 * min(times['nchw']):.2f} ms/step, NHWC {1e3 * min(times['nhwc']):.2f} ms/step; the rule's prior: 1.2x on the convolutions",
+        )
+    )
+    return rows
+
+
 CHECKS = [
     ("gpu tests", check_gpu_tests),
     ("gpt mfu", check_gpt_mfu),
@@ -438,6 +536,7 @@ CHECKS = [
     ("stage timer", check_stage_timer),
     ("autopilot", check_autopilot),
     ("nvtx", check_nvtx),
+    ("channels last", check_channels_last),
     ("attribution", check_attribution),
 ]
 

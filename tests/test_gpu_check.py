@@ -19,4 +19,5 @@ def test_gpu_check_smoke_runs_every_check_without_error():
         assert "data: PyTorch DataLoader + PIL" in names and "data: DALIImageDataModule (CPU, ROI decode)" in names
     assert "autopilot" in names and "autopilot training" in names and "autopilot precision" in names
     assert "attribution 32-true" in names and "attribution bf16-mixed vs host clock" in names
+    assert "channels_last finding (bf16 CNN)" in names and "channels_last speed-up (bf16 CNN, A B x3)" in names
     assert not [r for r in rows if r[1] == "ERROR"], rows

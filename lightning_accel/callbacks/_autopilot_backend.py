@@ -235,7 +235,9 @@ class LightningSearchBackend:
         compute fixes by what they would save. Every rank runs the window (its steps all-reduce under DDP)."""
         if self._compute is not None:
             return self._compute
-        from lightning_accel.core.compute_causes import find_compute_causes
+        from dataclasses import replace
+
+        from lightning_accel.core.compute_causes import find_compute_causes, nchw_convolutions
         from lightning_accel.core.rules import Thresholds
 
         compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
@@ -244,6 +246,8 @@ class LightningSearchBackend:
         self._compute = []
         try:
             table = self.run.runner.attribute()
+            if ctx is not None:  # read now: a kept fix may have converted the model since the fit started
+                ctx = replace(ctx, nchw_convolutions=nchw_convolutions(self.run.module))
             self._compute = find_compute_causes(table, context=ctx, compute_share=min(1.0, compute))
         except Exception as err:  # noqa: BLE001 - the priors order the fixes without it
             self.autopilot.notes.append(f"compute attribution skipped: {short_error(err)}")

@@ -37,7 +37,7 @@ from lightning_accel.callbacks._window_log import log_window
 from lightning_accel.core.attribution import attribute
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.comm import CommRecorder
-from lightning_accel.core.compute_causes import find_compute_causes
+from lightning_accel.core.compute_causes import find_compute_causes, nchw_convolutions
 from lightning_accel.core.fit_windows import FitWindows, window_metrics
 from lightning_accel.core.phases import FitClock
 from lightning_accel.core.report import DoctorReport
@@ -354,6 +354,8 @@ class BottleneckDoctor(Callback):
         except Exception as err:  # noqa: BLE001 - rules that need the missing facts are skipped
             self._context = RunContext(device_type=self._device.type, world_size=trainer.world_size)
             self._notes.append(f"run facts incomplete: {err!r}")
+        # read once, before the fit: a conversion the user makes later is not seen (the Autopilot re-reads it)
+        self._context.nchw_convolutions = nchw_convolutions(pl_module)
         try:
             self._install_timers(trainer)
         except Exception as err:  # noqa: BLE001 - measuring must never stop training

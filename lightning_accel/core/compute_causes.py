@@ -23,6 +23,9 @@ rule                        fires when                                       sav
 ``unfused_elementwise``     >= 4 elementwise or normalisation operations in  ``1 - 1/n`` for a chain of n: one
                             a row (views and arithmetic on scalars between   fused pass instead of n
                             them neither count nor break it)
+``nchw_convolution``        2-D convolutions in bf16/fp16 on a GPU with      a sixth (1.2x: the low end of what
+                            tensor cores whose weights are in NCHW (the      NHWC kernels gain over NCHW ones,
+                            default memory format, not ``channels_last``)    which transpose around each call)
 ``fp32_matmul``             matmuls / convolutions in fp32 (or tf32) on a    a third (1.5x, as the stage rule
                             GPU with tensor cores (compute capability >= 7)  ``fp32_compute``)
 ==========================  ===============================================  ==================================
@@ -37,6 +40,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+
 from lightning_accel.core.attribution import PSEUDO_MODULES, PYTHON_OP, STEP, OpTable, module_pattern
 from lightning_accel.core.findings import Finding, RunContext
 
@@ -47,6 +53,7 @@ __all__ = [
     "MATMUL_OPS",
     "VOCAB_MIN",
     "find_compute_causes",
+    "nchw_convolutions",
 ]
 
 #: the rules, in the order they claim operations
@@ -55,6 +62,7 @@ COMPUTE_CAUSES: tuple[str, ...] = (
     "eager_attention",
     "large_vocab_loss",
     "unfused_elementwise",
+    "nchw_convolution",
     "fp32_matmul",
 )
 
@@ -106,6 +114,10 @@ _LOSS_OPS = frozenset(
     {"aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax", "aten::nll_loss", "aten::nll_loss_nd"}
 )
 _FP32 = frozenset({"float", "float32", "torch.float32"})
+_HALF = frozenset({"c10::BFloat16", "c10::Half", "bfloat16", "float16", "torch.bfloat16", "torch.float16"})
+_CONV2D_OPS = frozenset(
+    {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution", "aten::conv_transpose2d"}
+)
 
 #: Lq x Lk from which hand-written attention scores are worth a fused kernel (a 128 x 128 score matrix)
 ATTENTION_MIN_SCORES = 128 * 128
@@ -119,6 +131,7 @@ _CHAIN_MIN = 4
 _ATTENTION_GAIN = 2.0
 _LOSS_REMOVABLE = 0.5
 _MIXED_SPEEDUP = 1.5  # as core.rules: the low end of the 1.5-2x mixed precision gives
+_CHANNELS_LAST_SPEEDUP = 1.2
 _MIN_SAVING = 0.03  # as core.smells.LIVE_SMELL_MIN_SHARE
 
 
@@ -370,6 +383,35 @@ def _fp32_matmuls(calls: Sequence[_Call], taken: set[tuple[int, int]]) -> list[_
     return list(claims.values())
 
 
+def nchw_convolutions(model: nn.Module) -> tuple[str, ...]:
+    """Module paths (as ``model.named_modules()`` spells them) of the 2-D convolutions whose weight is in NCHW: a
+    4-D weight that is contiguous in the default format and not in ``channels_last``."""
+    out = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)) or not isinstance(weight, torch.Tensor):
+            continue
+        # a 1x1 kernel with one input channel is contiguous in both formats: nothing to convert
+        if weight.dim() == 4 and not weight.is_contiguous(memory_format=torch.channels_last):
+            out.append(name)
+    return tuple(out)
+
+
+def _nchw_convs(calls: Sequence[_Call], taken: set[tuple[int, int]], nchw: Iterable[str]) -> list[_Claim]:
+    modules = set(nchw)
+    claims: dict[str, _Claim] = {}
+    for c in calls:
+        if c.name in _CONV2D_OPS and c.key not in taken and c.dtype in _HALF and c.module in modules:
+            claim = claims.setdefault(c.module, _Claim(c.module))
+            claim.seconds += c.seconds
+            claim.saved += c.seconds * (1.0 - 1.0 / _CHANNELS_LAST_SPEEDUP)
+            claim.keys.add(c.key)
+            claim.detail = "half-precision convolutions in NCHW"
+    for claim in claims.values():
+        taken |= claim.keys
+    return list(claims.values())
+
+
 def find_compute_causes(
     table: OpTable,
     *,
@@ -382,7 +424,8 @@ def find_compute_causes(
 
     Args:
         table: the window's operations (rank 0's).
-        context: run facts; ``fp32_matmul`` needs ``device_type="cuda"`` and a ``device_capability`` >= 7.
+        context: run facts; ``fp32_matmul`` and ``nchw_convolution`` need ``device_type="cuda"`` and a
+            ``device_capability`` >= 7, ``nchw_convolution`` also ``nchw_convolutions`` (the modules to look at).
         compute_share: forward + backward's share of the step (from the stage breakdown): a finding's saving
             is its share of forward + backward times this.
         min_saving: the least saving (share of the step) a finding must have to be reported.
@@ -406,11 +449,13 @@ def find_compute_causes(
         "eager_attention": _eager_attention(calls, taken),
         "large_vocab_loss": _large_vocab(calls, taken, vocab_min),
         "unfused_elementwise": _chains(calls, taken),
+        "nchw_convolution": [],
         "fp32_matmul": [],
     }
     cuda = context is not None and context.device_type == "cuda"
     capability = context.device_capability if context is not None else None
     if cuda and capability is not None and capability[0] >= 7:
+        found["nchw_convolution"] = _nchw_convs(calls, taken, (context.nchw_convolutions or ()) if context else ())
         found["fp32_matmul"] = _fp32_matmuls(calls, taken)
     findings = []
     for rule in COMPUTE_CAUSES:
@@ -451,6 +496,8 @@ def _evidence(rule: str, where: str, share: float, detail: str, seconds: float) 
         return f"{where} feeds a large-vocabulary loss ({detail}): the passes over the logits take {took}."
     if rule == "unfused_elementwise":
         return f"{where} run chains of unfused elementwise/normalisation operations (longest: {detail}): {took}."
+    if rule == "nchw_convolution":
+        return f"{where} run half-precision convolutions with NCHW weights on a tensor-core GPU: {took}."
     return f"{where} run their matmuls in fp32 on a tensor-core GPU: {took}."
 
 
@@ -479,6 +526,13 @@ def _fix(rule: str, module: str, context: RunContext | None) -> str:
             f"compile the model: Trainer(callbacks=[TorchCompile()]) fuses each chain (e.g. in {module}) into one "
             "kernel; or use the fused operation the chain writes out (F.layer_norm, F.gelu(approximate='tanh'), "
             "F.silu)."
+        )
+    if rule == "nchw_convolution":
+        return (
+            "convert the model to channels_last once, before the fit: model = "
+            f"model.to(memory_format=torch.channels_last) (the convolutions of {module} and the others then run "
+            "the tensor cores' NHWC kernels without a transpose around each call; the Autopilot trials it as "
+            "'channels_last'); inputs may stay NCHW, the first convolution converts them."
         )
     half = (
         "bf16-mixed"

@@ -121,6 +121,8 @@ class RunContext:
             (an int ``val_check_interval`` counts training batches, a float is a fraction of the epoch).
         checkpoint_every_n_train_steps: the ``ModelCheckpoint``'s step cadence (``None``: not by steps).
         async_checkpoint: whether checkpoints are written by ``AsyncCheckpointIO`` (a background thread).
+        nchw_convolutions: module paths of the 2-D convolutions whose weights are in NCHW (the default memory
+            format, not ``channels_last``); ``None`` when not looked at.
     """
 
     device_type: str | None = None
@@ -153,6 +155,7 @@ class RunContext:
     limit_val_batches: float | None = None
     checkpoint_every_n_train_steps: int | None = None
     async_checkpoint: bool | None = None
+    nchw_convolutions: tuple[str, ...] | None = None
 
     @property
     def threaded_pipeline(self) -> bool:
@@ -163,6 +166,8 @@ class RunContext:
         out = asdict(self)
         if self.device_capability is not None:
             out["device_capability"] = list(self.device_capability)
+        if self.nchw_convolutions is not None:
+            out["nchw_convolutions"] = list(self.nchw_convolutions)
         return out
 
     @classmethod
@@ -171,6 +176,8 @@ class RunContext:
         values = {k: v for k, v in data.items() if k in known}
         if values.get("device_capability") is not None:
             values["device_capability"] = tuple(values["device_capability"])
+        if values.get("nchw_convolutions") is not None:
+            values["nchw_convolutions"] = tuple(values["nchw_convolutions"])
         return cls(**values)
 
 

@@ -35,11 +35,14 @@ class Net(pl.LightningModule):
         torch.manual_seed(0)
         self.attn = Attention(d=16, heads=2, seq=8)
         self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)])
+        # two input channels: a weight with one is contiguous in both memory formats (channels_last changes nothing)
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
         self.batch_size, self.num_workers = 4, 0
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
         x = self.attn(x)
+        x = x + self.conv(x.view(-1, 2, 4, 16)).view_as(x)
         for block in self.blocks:
             x = x + block(x)
         return x.square().mean()
@@ -62,6 +65,7 @@ def _plain(value):
             "tensor",
             str(value.dtype),
             tuple(value.shape),
+            value.stride(),  # a memory-format change moves no value
             value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"",
         )
     if isinstance(value, dict):
@@ -339,3 +343,49 @@ def test_the_worker_search_is_costed_from_the_measured_load_time() -> None:
     assert DataLoaderSettings(num_workers=2, prefetch_factor=4).setup_seconds(run) == 0.0  # a replayed setting
     source.current = lambda: {"num_workers": 1, "pin_memory": False}
     assert DataLoaderSettings().setup_seconds(run) == 0.0  # its data wait is no load time
+
+
+def _conv_run(device: str = "cuda", world_size: int = 1):
+    from types import SimpleNamespace
+
+    from lightning_accel.callbacks.interventions import Run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.LazyLinear(4))
+    model(torch.randn(1, 3, 8, 8))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), world_size=world_size)
+    return Run(trainer=trainer, module=model, source=None, config=None, runner=None)  # type: ignore[arg-type]
+
+
+def test_channels_last_converts_the_nchw_convolutions_and_its_undo_returns_exactly_those() -> None:
+    from lightning_accel.callbacks.interventions import ChannelsLast
+
+    run = _conv_run()
+    model = run.module
+    # a weight the user already converted is neither converted nor returned to NCHW by the undo
+    model[2].weight.data = model[2].weight.data.contiguous(memory_format=torch.channels_last)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    fix = ChannelsLast()
+    assert fix.unavailable(run) is None
+    undo = fix.apply(run)
+    assert fix.params == {"modules": ["0"]}
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert list(model.parameters()) == params  # the same Parameter objects: the optimizer still holds them
+    model(torch.randn(2, 3, 8, 8)).sum().backward()  # trains in the new format
+    undo()
+    assert model[0].weight.is_contiguous() and model[2].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert "model.to(memory_format=torch.channels_last)" in fix.config(run)[1][0]
+
+
+def test_channels_last_is_offered_on_one_cuda_process_with_an_nchw_convolution_only() -> None:
+    from lightning_accel.callbacks.interventions import ChannelsLast
+
+    assert "on cpu" in ChannelsLast().unavailable(_conv_run("cpu"))
+    assert "under DDP" in ChannelsLast().unavailable(_conv_run(world_size=2))
+    run = _conv_run()
+    run.module.to(memory_format=torch.channels_last)
+    assert "no 2-D convolution" in ChannelsLast().unavailable(run)
+    with pytest.raises(ValueError, match=r"modules=\['nope'\].*omit modules="):
+        ChannelsLast(modules=["nope"]).apply(_conv_run())

@@ -263,6 +263,41 @@ def test_fp32_matmuls_on_a_tensor_core_gpu_are_named_with_mixed_precision(precis
     assert "fp32_compute" not in rules
 
 
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.body = nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(32, 32, 3, padding=1)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.body(F.relu(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_nchw_convolutions_in_mixed_precision_on_a_tensor_core_gpu_are_named_with_channels_last(
+    channels_last, monkeypatch
+):
+    # The GPU is mocked as in the fp32 test: CPU autocast runs the convolutions in bf16 as CUDA's would.
+    import lightning_accel.callbacks.bottleneck_doctor as bd
+
+    gpu = RunContext(device_type="cuda", device_capability=(8, 0), compute_dtype="bf16", world_size=1)
+    monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
+    model = ConvNet()
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    doctor, _ = fit(
+        Task(model, lambda: (torch.randn(8, 16, 32, 32), torch.randint(0, 10, (8,)))), precision="bf16-mixed"
+    )
+    rules = [f.rule for f in compute_findings(doctor.report)]
+    if channels_last:
+        assert "nchw_convolution" not in rules
+        return
+    f = next(f for f in compute_findings(doctor.report) if f.rule == "nchw_convolution")
+    assert f.module in ("model.stem", "model.body") and "channels_last" in f.fix
+    assert doctor.report.context.nchw_convolutions == ("model.stem", "model.body")
+
+
 class Balanced(nn.Module):
     """Already fused: SDPA attention at a short sequence, F.layer_norm, F.gelu, a small vocabulary."""
 

@@ -274,3 +274,56 @@ def test_findings_keep_their_module_through_json():
     assert Finding.from_dict(json.loads(json.dumps(f.to_dict()))) == f
     report = DoctorReport(bottleneck="forward", shares={"forward": 1.0}, findings=[f], attribution={"steps": 3})
     assert DoctorReport.from_dict(json.loads(report.to_json())) == report
+
+
+def conv_table(dtype, module="model.stem"):
+    records = []
+    records += fwd_bwd(module, "aten::conv2d", 8, 16, 0, shapes=[(32, 64, 56, 56), (64, 64, 3, 3)], dtype=dtype)
+    records += fwd_bwd("model.act", "aten::relu", 2, 2, 1, shapes=[(32, 64, 56, 56)], dtype=dtype)
+    return OpTable(records, steps=1)
+
+
+A100_BF16 = RunContext(
+    device_type="cuda", device_capability=(8, 0), compute_dtype="bf16", nchw_convolutions=("model.stem",)
+)
+
+
+def test_half_precision_convolutions_in_nchw_name_the_module_and_channels_last():
+    (f,) = find_compute_causes(conv_table("c10::BFloat16"), context=A100_BF16, compute_share=0.9)
+    assert (f.rule, f.kind, f.module) == ("nchw_convolution", "compute", "model.stem")
+    # the convolution's 24 of 28 ms; 1.2x takes a sixth off; times the compute share
+    assert f.value == pytest.approx(24 / 28)
+    assert f.saving == pytest.approx(24 / 28 * (1 - 1 / 1.2) * 0.9)
+    assert "channels_last" in f.fix and "model.stem" in f.fix
+
+
+@pytest.mark.parametrize(
+    "dtype, context",
+    [
+        ("c10::BFloat16", RunContext(device_type="cuda", device_capability=(8, 0), nchw_convolutions=())),
+        ("c10::BFloat16", RunContext(device_type="cpu", nchw_convolutions=("model.stem",))),
+        ("c10::BFloat16", RunContext(device_type="cuda", device_capability=(6, 1), nchw_convolutions=("model.stem",))),
+        ("c10::BFloat16", RunContext(device_type="cuda", device_capability=(8, 0))),
+    ],
+)
+def test_no_channels_last_finding_when_converted_off_tensor_cores_or_unknown(dtype, context):
+    assert find_compute_causes(conv_table(dtype), context=context) == []
+
+
+def test_fp32_convolutions_are_a_precision_finding_not_a_memory_format_one():
+    (f,) = find_compute_causes(conv_table("float"), context=A100_BF16)
+    assert f.rule == "fp32_matmul"
+
+
+def test_nchw_convolutions_lists_the_weights_not_in_channels_last():
+    from torch import nn
+
+    from lightning_accel.core.compute_causes import nchw_convolutions
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 1), nn.Conv2d(1, 4, 3), nn.Linear(4, 4))
+    # a 1x1 kernel, or one input channel, is laid out the same in both formats: nothing to convert
+    assert nchw_convolutions(model) == ("0",)
+    model.to(memory_format=__import__("torch").channels_last)
+    assert nchw_convolutions(model) == ()
+    ctx = RunContext(nchw_convolutions=("a.b",))
+    assert RunContext.from_dict(json.loads(json.dumps(ctx.to_dict()))) == ctx

@@ -9,7 +9,7 @@ replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autop
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
 
 One concern per module: ``base`` (:class:`Run`, :class:`Intervention`), ``data``, ``batch``, ``optimizer``,
-``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``activation_checkpointing``,
+``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``memory_format`` (channels_last), ``activation_checkpointing``,
 ``compression`` (with its link measurement and the projection's choice) and ``checkpoint_io`` (the background
 checkpoint writer, trialled after the step search); this package holds the registry
 (:data:`INTERVENTIONS`, :func:`knob_names`) and re-exports every name, so imports from
@@ -34,6 +34,8 @@ name                          change                                       built
                               (CUDA, compute capability >= 8.0)            ``precision("high")``
 ``compile``                   torch.compile in place (pays back or not)    ``TorchCompile``                reorder
 ``fused_attention``           hand-written attention → SDPA                ``use_fused_attention``         reorder
+``channels_last``             2-D convolution weights to NHWC (CUDA, one   ``Tensor.contiguous(memory_``   reorder
+                              process)                                     ``format=channels_last)``
 ``activation_checkpointing``    recompute blocks + larger micro-batch        ``core.checkpointing``          reorder
 ``compression``               16-bit gradient all-reduce (DDP), or         ``ddp_bf16_compress``'s hook    low_precision
                               Top-K / QSGD where ``project_scaling``       (``ddp_topk`` / ``ddp_qsgd``'s
@@ -63,6 +65,7 @@ from lightning_accel.callbacks.interventions.compression import (
     measure_link,
 )
 from lightning_accel.callbacks.interventions.data import DataLoaderSettings, PinMemory, Prefetch
+from lightning_accel.callbacks.interventions.memory_format import ChannelsLast
 from lightning_accel.callbacks.interventions.optimizer import ForeachOptimizer, FusedOptimizer, OptimizerImplementation
 from lightning_accel.callbacks.interventions.precision import MixedPrecisionDtype, Tf32Matmul
 
@@ -74,6 +77,7 @@ __all__ = [
     "TYPICAL_COMPILE_SECONDS",
     "ActivationCheckpointingWithLargerBatch",
     "AsyncCheckpoint",
+    "ChannelsLast",
     "Compile",
     "Compression",
     "DataLoaderSettings",
@@ -109,6 +113,7 @@ INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
         Tf32Matmul,
         Compile,
         FusedAttention,
+        ChannelsLast,
         ActivationCheckpointingWithLargerBatch,
         Compression,
         AsyncCheckpoint,
