@@ -43,7 +43,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 
 def findings(report):
@@ -125,7 +125,7 @@ import json, os, time
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 
 def findings(report):

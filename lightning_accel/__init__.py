@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "AutopilotPlan": "lightning_accel.core.autopilot",
     "Tolerance": "lightning_accel.core.autopilot",
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",
-    "BottleneckDoctor": "lightning_accel.callbacks.bottleneck_doctor",
+    "BottleneckDoctor": "lightning_accel.callbacks.doctor.bottleneck_doctor",
     "NonFiniteGuard": "lightning_accel.callbacks.non_finite_guard",
     "TorchCompile": "lightning_accel.callbacks.torch_compile",
     "ActivationCheckpointing": "lightning_accel.callbacks.activation_checkpointing",
@@ -54,7 +54,7 @@ _EXPORTS: dict[str, str] = {
     "diagnose": "lightning_accel.core.rules",
     "timed_comm_hook": "lightning_accel.core.comm",
     "nvtx_range": "lightning_accel.core.nvtx",
-    "find_batch_size": "lightning_accel.core.search",
+    "find_batch_size": "lightning_accel.core.batch_size_search",
     "estimate_zero_memory": "lightning_accel.core.memory",
     "project_scaling": "lightning_accel.core.scaling",
     # scale-out

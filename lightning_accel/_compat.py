@@ -222,6 +222,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         why="dynamo's error base class is not exported publicly",
     ),
     PrivateName(
+        "torch.autograd.profiler",
+        "_is_profiler_enabled",
+        _T,
+        ("callbacks/doctor/attribution.py:profiling",),
+        why="no public API says whether a torch.profiler is recording in this process (two cannot run at once)",
+    ),
+    PrivateName(
+        "torch._dynamo.eval_frame",
+        "OptimizedModule",
+        _T,
+        ("callbacks/doctor/attribution.py:compiled_module",),
+        why="the class torch.compile wraps a module in is not exported publicly",
+    ),
+    PrivateName(
         "torch.nn.Module",
         "_call_impl",
         _T,
@@ -319,7 +333,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.loops.fit_loop._FitLoop",
         "_data_source",
         _L,
-        ("callbacks/_loader_source.py:TrainLoaderSource", "callbacks/_loader_source.py:fit_data_holder"),
+        ("callbacks/_fit/loader_source.py:TrainLoaderSource", "callbacks/_fit/loader_source.py:fit_data_holder"),
         instance=_fit_loop,
         why="where the fit's train data comes from (module, datamodule, fit() argument): no public accessor",
     ),
@@ -327,21 +341,21 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.utilities.data",
         "_get_dataloader_init_args_and_kwargs",
         _L,
-        ("callbacks/_loader_source.py:rebuild_dataloader",),
+        ("callbacks/_fit/loader_source.py:rebuild_dataloader",),
         why="Lightning's re-creation of a DataLoader from its constructor arguments; not exported",
     ),
     PrivateName(
         "lightning.fabric.utilities.data",
         "_reinstantiate_wrapped_cls",
         _L,
-        ("callbacks/_loader_source.py:rebuild_dataloader",),
+        ("callbacks/_fit/loader_source.py:rebuild_dataloader",),
         why="the other half of Lightning's DataLoader re-creation (attribute records replayed)",
     ),
     PrivateName(
         "lightning.pytorch.loops.fit_loop._FitLoop",
         "_combined_loader",
         _L,
-        ("callbacks/_probe_step.py:reload_train_dataloader",),
+        ("callbacks/_fit/step_runner.py:reload_train_dataloader",),
         instance=_fit_loop,
         why="the fit loop rebuilds its train loader only once this is cleared (no on-demand public reload)",
     ),
@@ -402,7 +416,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.Trainer",
         "_logger_connector",
         _L,
-        ("callbacks/_window_log.py:log_window",),
+        ("callbacks/_fit/window_metrics.py:log_window",),
         instance=lambda: _fit_loop().trainer,
         why=(
             "its log_metrics logs to every logger at Lightning's step counter with epoch added, as self.log "
@@ -413,7 +427,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.callbacks.ModelCheckpoint",
         "_every_n_train_steps",
         _L,
-        ("callbacks/_doctor_facts.py:run_facts",),
+        ("callbacks/doctor/facts.py:run_facts",),
         instance=_model_checkpoint,
         why="ModelCheckpoint has no public getter for its configured interval",
     ),
@@ -627,6 +641,20 @@ def reinstantiate_dataloader(loader: Any, *args: Any, **kwargs: Any) -> Any:
     from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 
     return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+def profiler_recording() -> bool:
+    """Whether a ``torch.profiler`` (or the autograd profiler) records in this process."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (False on a torch without dynamo)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return False
+    return isinstance(module, OptimizedModule)
 
 
 def compiled_call(module: nn.Module) -> Callable[..., Any] | None:

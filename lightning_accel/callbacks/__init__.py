@@ -4,9 +4,9 @@ collection is importable from here."""
 from lightning_accel.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_accel.callbacks.autopilot import Autopilot
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.callbacks.mfu_monitor import MFUMonitor
 from lightning_accel.callbacks.non_finite_guard import NonFiniteGuard
 from lightning_accel.callbacks.nsys_capture import NsysCapture

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_accel.callbacks._autopilot_trials import Window
-from lightning_accel.callbacks._trainer import gather_floats, gather_outcomes
+from lightning_accel.callbacks._fit.trainer_state import gather_floats, gather_outcomes
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run
 from lightning_accel.core.autopilot import (
     NumericsCheck,

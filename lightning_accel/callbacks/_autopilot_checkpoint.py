@@ -34,7 +34,7 @@ CHECKPOINT_BYTES_PER_PARAM_BYTE = 3
 def _cadence(run: Run) -> int | None:
     """Optimizer steps between two saves of the fit's most frequent step/epoch-cadence ``ModelCheckpoint``."""
     from lightning_accel._compat import checkpoint_every_n_train_steps
-    from lightning_accel.callbacks._trainer import steps_per_epoch
+    from lightning_accel.callbacks._fit.trainer_state import steps_per_epoch
     from lightning_accel.core.checkpoint_cost import steps_between_saves
 
     try:
@@ -85,7 +85,7 @@ class _TrialFile:
 def _period(run: Run, file: _TrialFile, steps: int, weights_only: bool) -> tuple[float, float]:
     """Wall seconds of one save plus ``steps`` training steps (and, written in the background, until the write is
     done), and of the ``save_checkpoint`` call alone (what it blocks the training thread for); the slowest rank's."""
-    from lightning_accel.callbacks._trainer import gather_floats
+    from lightning_accel.callbacks._fit.trainer_state import gather_floats
     from lightning_accel.checkpoint_io import OrderedAsyncCheckpointIO
 
     trainer = run.trainer

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_accel.callbacks._probe_step import NullTimer, StepRunner, TrainingState, iterate_batches
+from lightning_accel.callbacks._fit.step_runner import NullTimer, StepRunner, TrainingState, iterate_batches
 from lightning_accel.core.autopilot import ProbeResult, batch_digest
 from lightning_accel.core.batch import map_tensors, samples_in_batch
 from lightning_accel.core.breakdown import MEASURED_STAGES, split_seconds
@@ -31,7 +31,7 @@ from lightning_accel.core.timing import StageTimer
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_accel.callbacks._loader_source import TrainLoaderSource
+    from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
 
 __all__ = ["RunConfig", "TrialRunner", "Window", "concat_batches"]
 
@@ -231,7 +231,7 @@ class TrialRunner:
         """Profile one warm-up and ``steps`` optimizer steps with the current configuration, with the doctor's
         module and stage ranges, and read them into an :class:`~lightning_accel.core.attribution.OpTable`; the
         training state is restored afterwards."""
-        from lightning_accel.callbacks._doctor_attribution import AttributionWindow
+        from lightning_accel.callbacks.doctor.attribution import AttributionWindow
 
         window = AttributionWindow(self.module, steps=steps, device_type=self.device.type)
         batches = None

@@ -257,7 +257,7 @@ class Autopilot(Callback):
             rank_zero_warn(f"Autopilot: {reason}; training as configured")
             self.notes.append(reason)
             return
-        from lightning_accel.callbacks._loader_source import TrainLoaderSource
+        from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
 
         try:
             source = TrainLoaderSource(trainer, pl_module)
@@ -317,7 +317,7 @@ class Autopilot(Callback):
         return None
 
     def _make_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, source: Any) -> Run:
-        from lightning_accel.callbacks._probe_step import TrainingState
+        from lightning_accel.callbacks._fit.step_runner import TrainingState
 
         state = TrainingState(trainer, pl_module)
         config = RunConfig(accumulate=int(trainer.accumulate_grad_batches))
@@ -336,7 +336,7 @@ class Autopilot(Callback):
         epochs = trainer.max_epochs
         if epochs is None or epochs < 0:
             return None
-        from lightning_accel.callbacks._trainer import steps_per_epoch
+        from lightning_accel.callbacks._fit.trainer_state import steps_per_epoch
 
         try:
             batches = source.batches()
@@ -356,9 +356,9 @@ class Autopilot(Callback):
 
     # ------------------------------------------------------------------ the search
     def _context(self, run: Run) -> Any:
-        """The doctor's run facts (``_doctor_facts.static_context``) with the current configuration's loader
+        """The doctor's run facts (``doctor.facts.static_context``) with the current configuration's loader
         settings and accumulation."""
-        from lightning_accel.callbacks._doctor_facts import static_context
+        from lightning_accel.callbacks.doctor.facts import static_context
 
         ctx = static_context(run.trainer, run.device)
         settings = run.source.current()
@@ -560,7 +560,7 @@ class Autopilot(Callback):
     def _validation_loader(self, run: Run) -> None:
         """The kept loader settings (workers, prefetch, pinned memory) also for the validation DataLoader, when it
         delivers the same batches with them; how often the user validates is never changed."""
-        from lightning_accel.callbacks._loader_source import VALIDATION_KEYS, apply_to_validation_loader
+        from lightning_accel.callbacks._fit.loader_source import VALIDATION_KEYS, apply_to_validation_loader
 
         source = run.source
         changed = {k: v for k, v in source.current().items() if k in VALIDATION_KEYS and source.initial.get(k) != v}

@@ -17,17 +17,17 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int, is_int
-from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
-from lightning_accel.callbacks._probe_step import (
+from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
+from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
     TrainingState,
     iterate_batches,
     missing_attribute_error,
     reload_train_dataloader,
 )
-from lightning_accel.callbacks._trainer import agree_across_ranks, rank_zero_print
+from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, rank_zero_print
+from lightning_accel.core.batch_size_search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
-from lightning_accel.core.search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
 
 _compat.require_versions("BatchSizeTuner")
 
@@ -50,12 +50,12 @@ class BatchSizeTuner(Callback):
     few batch sizes, measures each step's peak memory (CUDA allocator peak on GPU; the process's peak resident set
     on CPU, see :class:`~lightning_accel.core.memory_probe.PeakMemoryMeter`), fits ``fixed + per_sample × batch``
     and jumps to the largest batch the line puts under the budget, verifying it
-    (:func:`~lightning_accel.core.search.find_batch_size`: 3 probes on a linear memory curve where Lightning's
+    (:func:`~lightning_accel.core.batch_size_search.find_batch_size`: 3 probes on a linear memory curve where Lightning's
     ``BatchSizeFinder(mode="binsearch")`` takes ~20). Then it writes the batch size into the module's or
     datamodule's ``batch_size`` attribute (as ``BatchSizeFinder`` does), so the fit loop builds its dataloader with
     it. A ``DataLoader`` passed straight to ``trainer.fit(model, loader)`` (which ``BatchSizeFinder`` refuses) is
     re-created from its own constructor arguments at each probed size, and the fit trains on the re-created loader
-    with the chosen size, the way the Autopilot does (``callbacks/_loader_source.py``); a loader that batches with
+    with the chosen size, the way the Autopilot does (``callbacks/_fit/loader_source.py``); a loader that batches with
     a custom batch sampler is refused (its batch size cannot be changed from outside).
 
     * ``mode="max_fit"``: the largest batch within the budget. ``mode="throughput"``: doubling from
@@ -115,7 +115,7 @@ class BatchSizeTuner(Callback):
             know, or a simulated device in tests and benchmarks.
         print_summary: print the probe table on rank 0.
 
-    After a search, :attr:`result` holds the :class:`~lightning_accel.core.search.BatchSizeSearch` of this rank
+    After a search, :attr:`result` holds the :class:`~lightning_accel.core.batch_size_search.BatchSizeSearch` of this rank
     and :attr:`summary` a dict of the decision.
     """
 

@@ -15,14 +15,14 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from typing_extensions import override
 
 from lightning_accel._checks import check_int, is_int
-from lightning_accel.callbacks._loader_source import TrainLoaderSource, fit_data_holder
-from lightning_accel.callbacks._probe_step import (
+from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
+from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
     TrainingState,
     iterate_batches,
     missing_attribute_error,
 )
-from lightning_accel.callbacks._trainer import agree_across_ranks, rank_zero_print
+from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, rank_zero_print
 from lightning_accel.core.utilisation import usable_cores_per_rank
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class DataLoaderTuner(Callback):
     ``train_dataloader()`` must read them. Settings whose attribute is absent are left alone (only ``num_workers`` is
     required). A ``DataLoader`` passed straight to ``trainer.fit(model, loader)`` has no attributes: it is re-created
     from its own constructor arguments with each setting (every setting is tuned), and the fit trains on the re-created
-    loader with the choice, the way the Autopilot does (``callbacks/_loader_source.py``). The sequence of samples is
+    loader with the choice, the way the Autopilot does (``callbacks/_fit/loader_source.py``). The sequence of samples is
     unchanged: the tuner's iterations draw from the global RNGs and any ``torch.Generator`` on the loader or its
     sampler, and all are restored, so a seeded run sees the same batches in the same order with or without the tuner
     (PyTorch keeps batch order with any number of workers). Only randomness drawn *inside workers* (augmentations seeded

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._trainer import compute_dtype, gather_floats, rank_zero_print, sync_fn
-from lightning_accel.callbacks._window_log import log_window
+from lightning_accel.callbacks._fit.trainer_state import compute_dtype, gather_floats, rank_zero_print, sync_fn
+from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
 from lightning_accel.core.peak import PeakFlops, format_flops, resolve_peak_flops
@@ -51,7 +51,7 @@ class MFUMonitor(Callback):
     micro-batch of gradient accumulation counts as a batch. The device is synchronised only when a window closes.
 
     Logged every ``window`` batches, to every logger, ``trainer.callback_metrics`` and the progress bar, as
-    ``pl_module.log(on_step=True)`` would, in one call per window (``_window_log.log_window``):
+    ``pl_module.log(on_step=True)`` would, in one call per window (``_fit.window_metrics.log_window``):
 
     ========================================  ==========  ====================================================
     key                                       unit        scope

@@ -131,7 +131,7 @@ class ProfileWindow(Callback):
     ) -> None:
         if self._profiler is not None:
             return
-        from lightning_accel.callbacks._doctor_attribution import profiling
+        from lightning_accel.callbacks.doctor.attribution import profiling
 
         if profiling():  # another profiler (the doctor's attribution window) records: open after it
             return

@@ -1,6 +1,14 @@
 """Framework-free measuring and tuning core: no Lightning imports here."""
 
 from lightning_accel.core.batch import iter_tensors, map_tensors, samples_in_batch, tokens_in_batch
+from lightning_accel.core.batch_size_search import (
+    BatchSizeSearch,
+    BatchSizeSearchError,
+    MemoryModel,
+    ProbeRecord,
+    find_batch_size,
+    find_throughput_batch_size,
+)
 from lightning_accel.core.breakdown import Breakdown, split_seconds
 from lightning_accel.core.checkpointing import (
     apply_activation_checkpointing,
@@ -18,14 +26,6 @@ from lightning_accel.core.prefetch import PrefetchingLoader
 from lightning_accel.core.ranks import find_stragglers
 from lightning_accel.core.report import DoctorReport, compare, plot_timeline
 from lightning_accel.core.rules import STAGES, Finding, RunContext, Thresholds, diagnose
-from lightning_accel.core.search import (
-    BatchSizeSearch,
-    BatchSizeSearchError,
-    MemoryModel,
-    ProbeRecord,
-    find_batch_size,
-    find_throughput_batch_size,
-)
 from lightning_accel.core.smells import SMELLS, find_smells
 from lightning_accel.core.stages import StageMachine, StageWindow
 from lightning_accel.core.throughput import Rates, WindowedThroughput

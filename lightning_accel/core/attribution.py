@@ -1,6 +1,6 @@
 """Compute attribution: a profiled window's operations → forward and backward time per module of the model.
 
-Pure (no Lightning, no profiler): the doctor's profiling window (``callbacks/_doctor_attribution.py``) turns a
+Pure (no Lightning, no profiler): the doctor's profiling window (``callbacks/doctor/attribution.py``) turns a
 ``torch.profiler`` recording into an :class:`OpTable`, one :class:`OpRecord` per operation call, and
 :func:`attribute` turns the table into an :class:`Attribution`: the module tree by time, the costliest operations
 of each module with their input shapes, and the rows that belong to no module. The findings with their fixes

@@ -1,6 +1,6 @@
 """FitWindows: the doctor's bookkeeping over one fit's windows, with no Lightning in sight.
 
-:class:`~lightning_accel.callbacks.bottleneck_doctor.BottleneckDoctor` hands it each closed
+:class:`~lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor` hands it each closed
 :class:`~lightning_accel.core.stages.StageWindow` (:meth:`FitWindows.local_row` turns it into this rank's
 :class:`~lightning_accel.core.window_row.RankWindow`) and every rank's gathered rows (:meth:`FitWindows.add`):
 the step breakdown over windows and ranks, the utilisation per window, the variability rows per rank, the

@@ -1,6 +1,6 @@
 """The stage state machine: training-loop events + a clock → seconds per stage per window, with pauses.
 
-No Lightning here: :class:`~lightning_accel.callbacks.bottleneck_doctor.BottleneckDoctor` feeds it from its hooks,
+No Lightning here: :class:`~lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor` feeds it from its hooks,
 and any other step loop (a hand-written loop, a test with a fake clock) drives it with the same calls (the
 ``Autopilot``'s trials time their stages with the :class:`~lightning_accel.core.timing.StageTimer` underneath, not
 with this machine)::

@@ -1,6 +1,6 @@
 """The doctor's window log: one JSON line per measuring window of a running fit, and what follows it.
 
-:class:`BottleneckDoctor <lightning_accel.callbacks.bottleneck_doctor.BottleneckDoctor>` (rank 0) appends to the log
+:class:`BottleneckDoctor <lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor>` (rank 0) appends to the log
 while the fit runs; ``lightning-accel watch DIR`` follows it from another shell, on the same machine or over a shared
 file system. Each line is one event:
 

@@ -246,7 +246,7 @@ def build_callbacks(cfg: DemoConfig) -> list[Any]:
             ProfileWindow(at_step=cfg.profile_at_step, dirpath=f"{cfg.output_dir}/profile" if cfg.output_dir else None)
         )
     if cfg.doctor:  # last: its report prints after MFUMonitor's summary
-        from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+        from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
         report: Any = cfg.doctor_report or (
             str(Path(cfg.output_dir) / "bottleneck_report.json") if cfg.output_dir else False
@@ -309,7 +309,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     monitor = next(cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss", "val_acc")}
     from lightning_accel.callbacks.autopilot import Autopilot
-    from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+    from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
     doctor = next((cb for cb in trainer.callbacks if isinstance(cb, BottleneckDoctor)), None)
     autopilot = next((cb for cb in trainer.callbacks if isinstance(cb, Autopilot)), None)

@@ -119,7 +119,7 @@ class Sweep(Callback):
         self.body = body
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from lightning_accel.callbacks._loader_source import TrainLoaderSource
+        from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
         from lightning_accel.callbacks.autopilot import Autopilot
 
         run = Autopilot()._make_run(trainer, pl_module, TrainLoaderSource(trainer, pl_module))

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks.batch_size_tuner import BatchSizeTuner
-from lightning_accel.core.search import BatchSizeSearchError
+from lightning_accel.core.batch_size_search import BatchSizeSearchError
 from tests.helpers import IndexedDataset as Indexed
 
 GiB = 2**30
@@ -183,7 +183,7 @@ def test_state_is_bit_identical_and_training_equals_an_untuned_run_at_that_size(
 
 
 def test_restore_after_steps_with_optimizer_state_is_exact() -> None:
-    from lightning_accel.callbacks._probe_step import StepRunner, TrainingState
+    from lightning_accel.callbacks._fit.step_runner import StepRunner, TrainingState
 
     pl.seed_everything(0)
     model = Net()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.core.report import DoctorReport
 from lightning_accel.core.rules import STAGES
 
@@ -365,7 +365,7 @@ def test_mfu_monitor_throughput_and_mfu_reach_the_report():
 def test_precision_plugin_loss_scale_stats_are_reported():
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks.bottleneck_doctor import _precision_stats
+    from lightning_accel.callbacks.doctor.bottleneck_doctor import _precision_stats
 
     plugin = SimpleNamespace(loss_scale=torch.tensor(32768.0), skipped_steps=3, total_steps=100, other=1)
     assert _precision_stats(SimpleNamespace(precision_plugin=plugin)) == {

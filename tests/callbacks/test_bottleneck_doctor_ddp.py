@@ -9,7 +9,7 @@ import json, os, time
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 torch.set_num_threads(1)
 
@@ -127,7 +127,7 @@ WRAPPERS_SCRIPT = (
     + """
 import json
 import lightning_accel  # registers the strategy strings
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 
 doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False)
@@ -159,7 +159,7 @@ BROKEN_RANK_SCRIPT = (
     LINEAR_MODEL
     + """
 import json, os
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 from lightning_accel.core.stages import StageMachine
 
 if os.environ.get("LOCAL_RANK") == "1":  # rank 1's measuring breaks at its first window

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 from tests.callbacks.test_bottleneck_doctor import one_thread  # noqa: F401 - the autouse fixture: 1 torch thread
 
 

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 from tests.callbacks.test_bottleneck_doctor import one_thread  # noqa: F401 - the autouse fixture: 1 torch thread
 from tests.conftest import read_rank_json
 
@@ -95,7 +95,7 @@ import json, os, time
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 torch.set_num_threads(1)
 # every rank waits 8 ms per batch for its loader; rank 1 waits 24 ms more (a straggler: rank 0 waits for it in the

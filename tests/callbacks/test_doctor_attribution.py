@@ -239,7 +239,7 @@ def mlp_task():
 def test_fp32_matmuls_on_a_tensor_core_gpu_are_named_with_mixed_precision(precision, monkeypatch):
     # The GPU is mocked: the run facts say an A100 in fp32 (or bf16); the window is this CPU's. CPU autocast runs
     # the matmuls in bf16 as CUDA's would, so the recorded dtype is the one the finding reads.
-    import lightning_accel.callbacks.bottleneck_doctor as bd
+    import lightning_accel.callbacks.doctor.bottleneck_doctor as bd
 
     half = precision != "32-true"
     gpu = RunContext(
@@ -279,7 +279,7 @@ def test_nchw_convolutions_in_mixed_precision_on_a_tensor_core_gpu_are_named_wit
     channels_last, monkeypatch
 ):
     # The GPU is mocked as in the fp32 test: CPU autocast runs the convolutions in bf16 as CUDA's would.
-    import lightning_accel.callbacks.bottleneck_doctor as bd
+    import lightning_accel.callbacks.doctor.bottleneck_doctor as bd
 
     gpu = RunContext(device_type="cuda", device_capability=(8, 0), compute_dtype="bf16", world_size=1)
     monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
@@ -463,7 +463,7 @@ import json
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 torch.set_num_threads(1)
 
@@ -522,7 +522,7 @@ def test_two_ranks_record_the_same_window_and_rank_zero_holds_every_ranks_times(
 def test_ranks_that_hold_different_modules_send_their_totals_only():
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks._doctor_attribution import DoctorAttribution
+    from lightning_accel.callbacks.doctor.attribution import DoctorAttribution
     from lightning_accel.core.attribution import OpRecord, OpTable
 
     # a pipeline stage: this rank holds one block of a model another rank holds more of

@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_accel.callbacks._probe_step import StepRunner
+from lightning_accel.callbacks._fit.step_runner import StepRunner
 
 
 class Tiny(pl.LightningModule):

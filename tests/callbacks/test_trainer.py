@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accel.callbacks import _trainer
-from lightning_accel.callbacks._trainer import agree_across_ranks, gather_outcomes
+from lightning_accel.callbacks._fit import trainer_state as _trainer
+from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, gather_outcomes
 
 TRAINER = SimpleNamespace(world_size=2, strategy=SimpleNamespace(root_device=torch.device("cpu")))
 

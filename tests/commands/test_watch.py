@@ -15,7 +15,7 @@ import sys, time
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
-from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
 torch.set_num_threads(1)
 

@@ -165,7 +165,7 @@ def _trainer(callbacks, steps=6):
 
 
 def test_bottleneck_doctor_nvtx_emits_the_stages_balanced(monkeypatch, tmp_path):
-    from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+    from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
     mock = MockNvtx()
     monkeypatch.setattr(nvtx_module, "_default_backend", lambda: mock)
@@ -260,7 +260,7 @@ def test_doctor_and_autopilot_with_nvtx_but_no_support_warn_once_and_train(monke
     import warnings
 
     from lightning_accel.callbacks.autopilot import Autopilot
-    from lightning_accel.callbacks.bottleneck_doctor import BottleneckDoctor
+    from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 
     monkeypatch.setitem(sys.modules, "nvtx", None)
     monkeypatch.setattr(torch.version, "cuda", None)  # as on a CPU-only build, whatever this test runs on

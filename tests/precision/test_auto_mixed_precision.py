@@ -124,7 +124,7 @@ def test_plugin_reports_kept_fp32_when_probe_says_so(monkeypatch: pytest.MonkeyP
     assert plugin.scaler is None and plugin.loss_scale is None
     assert model.seen_dtypes["fc1"] == torch.float32
     assert plugin.total_steps == 1 and plugin.skipped_steps == 0
-    from lightning_accel.callbacks._trainer import compute_dtype
+    from lightning_accel.callbacks._fit.trainer_state import compute_dtype
 
     t = trainer(AutoMixedPrecision(dtype="bf16"), 1)
     t.fit(Net())

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
-    from lightning_accel.callbacks._loader_source import TrainLoaderSource
+    from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
 
 __all__ = ["Intervention", "Run"]
 

@@ -137,7 +137,7 @@ def measure_link(run: Run) -> Any:
 
     import torch.distributed as dist
 
-    from lightning_accel.callbacks._trainer import gather_floats
+    from lightning_accel.callbacks._fit.trainer_state import gather_floats
     from lightning_accel.core.scaling import fit_interconnect
 
     sizes = [256 * 2**10, 4 * 2**20]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lightning_accel.core.search import (
+from lightning_accel.core.batch_size_search import (
     BatchSizeSearchError,
     MemoryModel,
     find_batch_size,

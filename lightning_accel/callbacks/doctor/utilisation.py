@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lightning_accel.callbacks._doctor_facts import nvml_index
+from lightning_accel.callbacks.doctor.facts import nvml_index
 
 __all__ = ["UtilisationSamplers"]
 

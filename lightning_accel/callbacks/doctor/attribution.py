@@ -42,17 +42,17 @@ _OPEN: list[AttributionWindow] = []  # windows open in this process (one profile
 def profiling() -> bool:
     """Whether a ``torch.profiler`` records in this process, or an attribution window holds one (in its warm-up
     step the profiler does not record yet): another profiler must wait."""
-    return bool(_OPEN) or bool(torch.autograd.profiler._is_profiler_enabled)
+    from lightning_accel._compat import profiler_recording
+
+    return bool(_OPEN) or profiler_recording()
 
 
 def compiled_module(module: nn.Module) -> bool:
     """Whether ``module`` or a sub-module is a ``torch.compile`` wrapper: its operations are fused kernels with no
     module, and a hook on it would make it recompile."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without dynamo compiles nothing
-        return False
-    return any(isinstance(m, OptimizedModule) for m in module.modules())
+    from lightning_accel._compat import is_compile_wrapper
+
+    return any(is_compile_wrapper(m) for m in module.modules())
 
 
 class AttributionWindow:

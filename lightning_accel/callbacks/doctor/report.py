@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_accel.callbacks._trainer import rank_zero_print
+from lightning_accel.callbacks._fit.trainer_state import rank_zero_print
 from lightning_accel.core.html_report import write_html
 from lightning_accel.core.report import DoctorReport, plot_timeline
 

@@ -18,22 +18,22 @@ from typing_extensions import override
 
 from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
-from lightning_accel.callbacks._doctor_attribution import DoctorAttribution
-from lightning_accel.callbacks._doctor_facts import precision_stats as _precision_stats
-from lightning_accel.callbacks._doctor_facts import read_dataloader_settings, static_context
-from lightning_accel.callbacks._doctor_report import report_dir, write_report_files
-from lightning_accel.callbacks._doctor_smells import DoctorSmells
-from lightning_accel.callbacks._doctor_timers import (
+from lightning_accel.callbacks._fit.trainer_state import gather_floats, rank_zero_print
+from lightning_accel.callbacks._fit.window_metrics import log_window
+from lightning_accel.callbacks.doctor.attribution import DoctorAttribution
+from lightning_accel.callbacks.doctor.facts import precision_stats as _precision_stats
+from lightning_accel.callbacks.doctor.facts import read_dataloader_settings, static_context
+from lightning_accel.callbacks.doctor.live_warnings import LiveWarnings, warn_smell
+from lightning_accel.callbacks.doctor.report import report_dir, write_report_files
+from lightning_accel.callbacks.doctor.smells import DoctorSmells
+from lightning_accel.callbacks.doctor.timers import (
     install_checkpoint_timer,
     install_comm_timer,
     install_instance_wrapper,
     install_optimizer_hooks,
     wrap_strategy_comm_hook,
 )
-from lightning_accel.callbacks._doctor_utilisation import UtilisationSamplers
-from lightning_accel.callbacks._doctor_warnings import LiveWarnings, warn_smell
-from lightning_accel.callbacks._trainer import gather_floats, rank_zero_print
-from lightning_accel.callbacks._window_log import log_window
+from lightning_accel.callbacks.doctor.utilisation import UtilisationSamplers
 from lightning_accel.core.attribution import attribute
 from lightning_accel.core.batch import samples_in_batch
 from lightning_accel.core.comm import CommRecorder
@@ -96,7 +96,7 @@ class BottleneckDoctor(Callback):
     =================  =========================================================================================
 
     The stage logic is :class:`~lightning_accel.core.stages.StageMachine` (pure, driven by these hooks); the timer
-    installers live in ``_doctor_timers``, the run facts in ``_doctor_facts``. On CUDA the device stages are CUDA
+    installers live in ``doctor.timers``, the run facts in ``doctor.facts``. On CUDA the device stages are CUDA
     events, read when a window closes (one synchronisation per window, none per step). Shares are aggregated over
     each window of ``window`` batches and over ranks (one ``all_gather`` per window). Rules
     (``lightning_accel.core.rules``) turn the shares, utilisation and run facts into findings: each
@@ -135,7 +135,7 @@ class BottleneckDoctor(Callback):
     without the doctor; the doctor adds no wait of its own.
 
     Logged when a window closes, to every logger and ``trainer.callback_metrics`` as ``pl_module.log(on_step=True)``
-    would, in one call per window (``_window_log.log_window``):
+    would, in one call per window (``_fit.window_metrics.log_window``):
 
     ==========================================  =========  ====================================================
     key                                         unit       scope

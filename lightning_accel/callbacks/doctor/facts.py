@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_accel.callbacks._trainer import compute_dtype
+from lightning_accel.callbacks._fit.trainer_state import compute_dtype
 from lightning_accel.core.rules import RunContext
 
 if TYPE_CHECKING:
