@@ -105,6 +105,10 @@ def _autopilot_row(autopilot: Any) -> dict[str, Any]:
         "noise": plan.noise,
         "baseline_autopilot": plan.baseline_samples_per_sec,
         "final_autopilot": plan.final_samples_per_sec,
+        "claimed_speedup": plan.speedup,
+        "claimed_low": plan.speedup_low,
+        "claimed_high": plan.speedup_high,
+        "claim_source": plan.speedup_source,
         "trials": [
             {
                 "index": r.index,

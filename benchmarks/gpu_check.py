@@ -230,7 +230,7 @@ def check_autopilot(args: argparse.Namespace) -> list[Row]:
     )
     trainer.fit(GPTTask(cfg), datamodule=data)
     plan = autopilot.plan
-    speedup = (plan.final_samples_per_sec or 0.0) / (plan.baseline_samples_per_sec or float("nan"))
+    speedup = plan.speedup if plan.speedup is not None and plan.kept else 1.0
     kept = "; ".join(k["change"] for k in plan.kept) or "nothing"
     rejected = "; ".join(
         f"{r.name}: {r.reason[:60]}" for r in autopilot.records[1:] if not r.kept and r.samples_per_sec is not None
@@ -242,7 +242,7 @@ def check_autopilot(args: argparse.Namespace) -> list[Row]:
     return [
         (
             "autopilot",
-            f"{speedup:.2f}x its baseline (trial windows)",
+            f"{speedup:.2f}x the untouched configuration ({plan.speedup_source or 'nothing kept'})",
             f"kept: {kept}; search {plan.search_seconds:.0f} s; stopped: {plan.stopped}",
         ),
         (

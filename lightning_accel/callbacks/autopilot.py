@@ -107,7 +107,10 @@ class Autopilot(Callback):
     ``autopilot/trial_kept``                 0/1         per trial: whether it was kept
     ``autopilot/baseline_samples_per_sec``   samples/s   global, the run as configured (median of its windows)
     ``autopilot/final_samples_per_sec``      samples/s   global, with the kept changes (median of its windows)
-    ``autopilot/speedup``                    ratio       final ÷ baseline
+    ``autopilot/speedup``                    ratio       the kept set ÷ the untouched configuration, from the
+                                                         final check's paired windows (B A, A B, B A after the
+                                                         search; 1.0 when nothing is kept)
+    ``autopilot/speedup_low``, ``_high``     ratio       its 90 % interval (from the pairs' spread)
     ``autopilot/trials``                     count       candidates trialled
     ``autopilot/kept``                       count       changes kept
     ``autopilot/noise``                      fraction    (max - min) / median of the baseline's repeated windows
@@ -415,6 +418,8 @@ class Autopilot(Callback):
             self.notes.extend(result.notes)
             plan.baseline_samples_per_sec = result.baseline_samples_per_sec
             plan.final_samples_per_sec = result.final_samples_per_sec
+            plan.speedup, plan.speedup_source = result.speedup, result.speedup_source
+            plan.speedup_low, plan.speedup_high = result.speedup_low, result.speedup_high
             plan.noise = result.noise
             plan.stopped = result.stopped or None
             plan.search_seconds = time.perf_counter() - started
@@ -491,6 +496,10 @@ class Autopilot(Callback):
             stopped=f"replayed {self.plan_path or 'the checkpoint'}",
             baseline_samples_per_sec=plan.baseline_samples_per_sec,
             final_samples_per_sec=plan.final_samples_per_sec,
+            speedup=plan.speedup,
+            speedup_low=plan.speedup_low,
+            speedup_high=plan.speedup_high,
+            speedup_source=plan.speedup_source,
             noise=plan.noise,
             trials=plan.trials,
         )
@@ -592,7 +601,7 @@ class Autopilot(Callback):
             metrics = {
                 "autopilot/baseline_samples_per_sec": plan.baseline_samples_per_sec,
                 "autopilot/final_samples_per_sec": plan.final_samples_per_sec,
-                "autopilot/speedup": plan.final_samples_per_sec / plan.baseline_samples_per_sec,
+                "autopilot/speedup": plan.speedup if plan.speedup is not None and self.kept else 1.0,
                 "autopilot/trials": float(
                     sum(
                         1
@@ -604,6 +613,9 @@ class Autopilot(Callback):
                 "autopilot/noise": float(plan.noise or 0.0),
                 "autopilot/search_seconds": float(plan.search_seconds or 0.0),
             }
+            if plan.speedup_low is not None and plan.speedup_high is not None and self.kept:
+                metrics["autopilot/speedup_low"] = plan.speedup_low
+                metrics["autopilot/speedup_high"] = plan.speedup_high
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         path = self._plan_path(trainer)
@@ -613,11 +625,7 @@ class Autopilot(Callback):
                 atomic_write_text(path.with_suffix(".yaml"), self.yaml)
         summary = (
             f"Autopilot: kept {len(self.kept)} change(s)"
-            + (
-                f", {plan.final_samples_per_sec / plan.baseline_samples_per_sec:.2f}x baseline"
-                if plan.baseline_samples_per_sec and plan.final_samples_per_sec
-                else ""
-            )
+            + (_claim_text(plan) if self.kept and plan.speedup is not None else "")
             + (f" ({plan.stopped})" if plan.stopped else "")
         )
         rank_zero_info(summary)
@@ -700,3 +708,16 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+def _claim_text(plan: AutopilotPlan) -> str:
+    """The claimed speed-up as the summary line says it, with how it was measured."""
+    assert plan.speedup is not None
+    if plan.speedup_source == "trials":
+        return f", {plan.speedup:.2f}x the untouched configuration (product of the kept trials' paired ratios)"
+    interval = (
+        f", 90 % interval {plan.speedup_low:.2f}-{plan.speedup_high:.2f}"
+        if plan.speedup_low is not None and plan.speedup_high is not None
+        else ""
+    )
+    return f", {plan.speedup:.2f}x the untouched configuration (final paired A/B{interval})"

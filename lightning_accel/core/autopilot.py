@@ -530,6 +530,12 @@ class AutopilotPlan:
     trials: list[dict[str, Any]] = field(default_factory=list)
     baseline_samples_per_sec: float | None = None
     final_samples_per_sec: float | None = None
+    #: the claimed speed-up of the kept set over the untouched configuration, its 90 % interval and its source
+    #: (``"final A/B"`` or ``"trials"``: see ``AutopilotSearch``); absent in plans written before it was measured
+    speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_source: str | None = None
     noise: float | None = None
     search_seconds: float | None = None
     world_size: int = 1

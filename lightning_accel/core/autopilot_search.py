@@ -79,6 +79,7 @@ __all__ = [
     "SearchResult",
     "SearchStatus",
     "Undo",
+    "claimed_speedup",
     "decide_paired",
     "needs_third_pair",
     "noise_gate",
@@ -98,6 +99,16 @@ MIN_WINDOW_SECONDS = 0.25
 SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
 BUNDLE_WINDOWS = 4.4
+#: The gate stops at this many thresholds (:func:`noise_gate`); a baseline noisier than that lengthens its windows,
+#: or the search stops: paired windows that noisy cannot resolve the gate's gain
+NOISE_CAP = 2.0
+#: Windows lengthen at most this many times their steps for a noisy baseline (noise falls as 1/sqrt(steps): 2x)
+MAX_LENGTHENING = 4
+#: Pairs of the final check (the untouched configuration against the kept set, B A A B B A): three ratios give the
+#: claimed speed-up a confidence interval; two would need a t quantile of 6.3 for it
+FINAL_PAIRS = 3
+#: Two-sided 90 % Student t quantiles by degrees of freedom (pairs - 1), for the claim's interval
+_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 #: A baseline whose two windows differ by more than this many thresholds gets a third window, and the two closest
 #: of the three count: one burst of interference on a shared CPU made a Llama baseline's A/A noise 85.7 %, the gate sat at
 #: its 10 % cap, and a micro-batch jump measured 1.34x then 0.50x was refused (the fit trained at 0.49x the
@@ -312,12 +323,38 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
     #: seconds per optimizer step of the configuration the search ended with (the estimate's when not searched)
     step_seconds: float | None = None
+    #: the claimed speed-up of the kept set over the untouched configuration and its 90 % interval
+    #: (:func:`claimed_speedup`), and where it comes from: ``"final A/B"`` (paired windows of both, interleaved,
+    #: after the search) or ``"trials"`` (the product of the kept trials' paired ratios, when a kept change cannot be
+    #: toggled without one-off work); ``None`` when nothing was kept
+    speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_source: str | None = None
+    #: the final check's paired ratios (kept set ÷ untouched)
+    final_ratios: list[float] = field(default_factory=list)
+    #: seconds the final check took (not counted in the search's budget)
+    final_seconds: float = 0.0
+
+
+def claimed_speedup(ratios: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """The speed-up a set of paired ratios (B ÷ A, each from adjacent windows) bears out: their geometric mean and its
+    two-sided 90 % interval from their spread (Student t on the log ratios, ``pairs - 1`` degrees of freedom); no
+    interval from one pair."""
+    if not ratios or any(r <= 0 for r in ratios):
+        raise ValueError(f"claimed_speedup({list(ratios)!r}): needs one or more positive ratios")
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), None, None
+    half = _T90.get(len(logs) - 1, 1.645) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def noise_gate(threshold: float, noise: float) -> float:
     """The relative gain a change must clear: ``threshold``, raised by the measured A/A ``noise`` up to twice the
     threshold (one burst of interference in the baseline would otherwise hide every later gain)."""
-    return max(threshold, min(noise, 2 * threshold))
+    return max(threshold, min(noise, NOISE_CAP * threshold))
 
 
 def paired_bar(pairs: int, gate: float, floor: float = 0.0) -> float:
@@ -375,13 +412,18 @@ class AutopilotSearch:
         unknown_length_seconds: float = 60.0,
         min_gain: float = 0.01,
         progress: SearchProgress | None = None,
+        final_pairs: int = FINAL_PAIRS,
     ) -> None:
+        if final_pairs < 0:
+            raise ValueError(f"AutopilotSearch(final_pairs={final_pairs!r}): use 0 (no final check) or more pairs")
         self.backend = backend
         self.threshold, self.warmup_steps, self.measure_steps = threshold, warmup_steps, measure_steps
         self.patience, self.budget, self.budget_seconds = patience, budget, budget_seconds
         self.steps_left, self.unknown_length_seconds, self.min_gain = steps_left, unknown_length_seconds, min_gain
         self.progress = progress or _Silent()
+        self.final_pairs = final_pairs
         self.result = SearchResult()
+        self._kept: list[tuple[Any, Callable[[], None]]] = []  # each kept change with its undo, in order
         self._started = 0.0
         self._budget = math.inf
         self._current: MeasurementLike | None = None
@@ -492,6 +534,7 @@ class AutopilotSearch:
                 return result
             self._loop()
             result.final_samples_per_sec = statistics.median(self._current_rates)
+            self._claim()
         finally:
             if self._current is not None:
                 result.step_seconds = self._current.step_seconds
@@ -592,6 +635,32 @@ class AutopilotSearch:
                 f"the baseline's A/A noise was {spread:.1%}: a third window measured, the closest two kept"
             )
             rates = [first.samples_per_sec, second.samples_per_sec]
+        noise = relative_noise(rates)
+        if noise > NOISE_CAP * self.threshold:
+            # the gate stops at twice the threshold: windows this noisy cannot resolve a gain of that size. Longer
+            # windows average the noise down (as 1/sqrt(steps)): the baseline is measured again with them when the
+            # budget allows; otherwise, or if it stays above the gate's cap, nothing can be kept, so nothing is tried
+            factor = min(MAX_LENGTHENING, math.ceil((noise / (NOISE_CAP * self.threshold)) ** 2))
+            longer = self.measure_steps * factor
+            window = max(_window_length(first), _window_length(second))
+            if factor > 1 and self._affords(2.2 * factor * window):
+                self.measure_steps = longer
+                first, second = self._measure(), self._measure()
+                fresh = second
+                rates = [first.samples_per_sec, second.samples_per_sec]
+                result.notes.append(
+                    f"the baseline's A/A noise was {noise:.1%}: windows lengthened to {longer} steps, "
+                    f"A/A noise now {relative_noise(rates):.1%}"
+                )
+                noise = relative_noise(rates)
+            if noise > NOISE_CAP * self.threshold:
+                result.baseline_samples_per_sec, result.noise = statistics.median(rates), noise
+                result.stopped = (
+                    f"noise too high to resolve a gain of {NOISE_CAP * self.threshold:.0%}: the baseline's "
+                    f"A/A noise is {noise:.1%} at windows of {self.measure_steps} steps; nothing tried, nothing "
+                    "changed (a quieter machine, a longer fit or a larger budget lets longer windows settle it)"
+                )
+                return False
         result.baseline_samples_per_sec = statistics.median(rates)
         result.noise = relative_noise(rates)
         # the baseline's A/A spread raises the gate, by at most the threshold again: one burst of interference in
@@ -841,6 +910,8 @@ class AutopilotSearch:
                 # the last window measured: B (one pair, or the third pair's), or the confirmation's A
                 self._fresh = after_window if after_window is after or len(ratios) == 3 else None
                 self.result.kept.append(candidate)
+                if undo is not None:
+                    self._kept.append((candidate, undo))
                 self._window_seconds = _window_length(after_window)  # the next trials' windows are of this one
                 backend.adopt(after_window, None)
                 backend.reference()
@@ -866,6 +937,105 @@ class AutopilotSearch:
                     self.result.notes.append(f"reverting {candidate.name} raised {err!r}")
             backend.restore()
             self._record(record)
+
+    # ------------------------------------------------------------------ the claim
+    def _claim(self) -> None:
+        """The speed-up the search claims: the kept set against the untouched configuration, measured the way
+        decisions are (adjacent windows, pairs in alternating order: B A, A B, B A), not the winning windows of the
+        last trial. A kept set measured slower than the untouched configuration beyond the noise (the interval's
+        upper end below 1) is reverted. A kept change that costs one-off work to re-apply (a compile) is not
+        toggled: the claim is then the product of the kept trials' paired ratios, labelled so."""
+        result = self.result
+        if not result.kept:
+            return
+        trials = [r for r in result.records[1:] if r.kept and r.ratio is not None and r.name != "final A/B"]
+        toggles = len(self._kept) == len(result.kept) and not any(
+            int(getattr(c, "warmup_steps", 0)) > 0 or float(self._setup_seconds(c)) > 0 for c, _ in self._kept
+        )
+        if self.final_pairs == 0 or not toggles:
+            trial_ratios = [float(cast(float, r.ratio)) for r in trials]
+            if trial_ratios:
+                result.speedup = math.prod(trial_ratios)
+                result.speedup_source = "trials"
+            return
+        started = self.backend.clock()
+        record = self._new_record("final A/B", " + ".join(self.backend.describe(c) for c, _ in self._kept))
+        ratios: list[float] = []
+        on = True
+        try:
+            self._phase("final check: kept set vs untouched", "final A/B", record.index)
+            # every window its own, the first too: the trial's last window of the kept set is the one that won, and
+            # reusing it would carry its luck into the claim
+            pending: MeasurementLike | None = None
+            for pair in range(self.final_pairs):
+                if pair % 2 == 0:  # B then A
+                    kept_window = pending or self._measure()
+                    self._switch_kept(off=True)
+                    on = False
+                    untouched = self._measure()
+                    pending = self._measure() if pair + 1 < self.final_pairs else None
+                else:  # A then B (the A measured at the end of the last pair)
+                    untouched = cast(MeasurementLike, pending)
+                    self._switch_kept(off=False)
+                    on = True
+                    kept_window = self._measure()
+                    pending = None  # the next pair measures its own B: no window counts in two pairs
+                ratios.append(kept_window.samples_per_sec / max(untouched.samples_per_sec, 1e-12))
+            if not on:
+                self._switch_kept(off=False)
+                on = True
+            speedup, low, high = claimed_speedup(ratios)
+            result.final_ratios = ratios
+            result.speedup, result.speedup_low, result.speedup_high = speedup, low, high
+            result.speedup_source = "final A/B"
+            record.ratio, record.kept = speedup, True
+            shown = " ".join(f"{r:.3f}" for r in ratios)
+            interval = f" (90 % interval {low:.2f}-{high:.2f})" if low is not None and high is not None else ""
+            record.reason = f"kept set ÷ untouched, paired {shown}: {speedup:.2f}x{interval}"
+            slower, _ = self.backend.agree(high is not None and high < 1.0, None)
+            if slower:
+                self._switch_kept(off=True)
+                on = False
+                reverted = ", ".join(self.backend.describe(c) for c, _ in self._kept)
+                result.kept, self._kept = [], []
+                record.kept = False
+                record.reason += "; slower than the untouched configuration beyond the noise: reverted"
+                result.notes.append(
+                    f"the kept set ({reverted}) measured {speedup:.2f}x{interval} against the untouched "
+                    "configuration: reverted to it"
+                )
+            elif low is not None and low <= 1.0:
+                record.reason += "; not resolved from 1.0 at this noise"
+        except Exception as err:  # noqa: BLE001 - the claim falls back to the trials' ratios
+            record.reason = f"failed during the final check: {type(err).__name__}: {_short(err)}"
+            if not on:
+                try:
+                    self._switch_kept(off=False)
+                except Exception as again:  # noqa: BLE001
+                    result.notes.append(f"re-applying the kept set after the final check raised {again!r}")
+                    result.kept, self._kept = [], []
+            if result.speedup is None and trials:
+                result.speedup = math.prod(float(cast(float, r.ratio)) for r in trials)
+                result.speedup_source = "trials"
+        finally:
+            record.seconds = result.final_seconds = self.backend.clock() - started
+            self.backend.restore()
+            self._record(record)
+
+    def _setup_seconds(self, candidate: Any) -> float:
+        setup = getattr(self.backend, "setup_seconds", None)
+        return float(setup(candidate)) if setup is not None else 0.0
+
+    def _switch_kept(self, *, off: bool) -> None:
+        """Take every kept change off (their undos, last first) or put them back on in order (their undos renewed)."""
+        if off:
+            _undo_all([undo for _, undo in self._kept])
+            return
+        candidates = [c for c, _ in self._kept]
+        undos, failure = self._apply_all(candidates)
+        if failure is not None:
+            raise RuntimeError(f"re-applying the kept set failed: {failure}")
+        self._kept = list(zip(candidates, undos))
 
     # ------------------------------------------------------------------ the bundle
     def _apply_all(self, members: list[Any]) -> tuple[list[Callable[[], None]], str | None]:
@@ -987,6 +1157,7 @@ class AutopilotSearch:
                 self._current, self._current_rates = last, rates
                 self._fresh = last if len(ratios) == 3 else None
                 self.result.kept.extend(bundle.members)
+                self._kept.extend(zip(bundle.members, undos))
                 self._window_seconds = _window_length(last)
                 for h in held:
                     if h.candidate in bundle.members:

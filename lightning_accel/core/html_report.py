@@ -240,10 +240,17 @@ def _fit_section(report: DoctorReport) -> str:
 def _autopilot_section(plan: Mapping[str, Any]) -> str:
     trials = plan.get("trials") or []
     base, final = plan.get("baseline_samples_per_sec"), plan.get("final_samples_per_sec")
+    speedup, low, high = plan.get("speedup"), plan.get("speedup_low"), plan.get("speedup_high")
+    if speedup is not None and plan.get("kept"):
+        claim = f" ({speedup:.2f}× the untouched configuration"
+        if plan.get("speedup_source") == "trials":
+            claim += ", product of the kept trials' paired ratios)"
+        else:
+            claim += f", final paired A/B{f', 90 % interval {low:.2f}–{high:.2f}' if low and high else ''})"
+    else:
+        claim = f" ({final / base:.2f}× in the search's windows)" if base and final else ""
     head = (
-        f"<p>Baseline {_num(base)} samples/s → {_num(final)} samples/s"
-        + (f" ({final / base:.2f}×)" if base and final else "")
-        + f"; noise {_pct(plan.get('noise'))}; "
+        f"<p>Baseline {_num(base)} samples/s → {_num(final)} samples/s" + claim + f"; noise {_pct(plan.get('noise'))}; "
         f"search {_num(plan.get('search_seconds'), '{:.1f}')} s"
         + (f"; stopped: {_e(plan['stopped'])}" if plan.get("stopped") else "")
         + ".</p>"

@@ -17,6 +17,7 @@ from lightning_accel.core.autopilot_search import (
     Offer,
     SearchStatus,
     Undo,
+    claimed_speedup,
     decide_paired,
     needs_third_pair,
     paired_bar,
@@ -133,7 +134,16 @@ class Events:
 
 
 def _search(backend: Scripted, **kwargs) -> AutopilotSearch:
-    defaults = {"threshold": 0.05, "warmup_steps": 5, "measure_steps": 20, "patience": 4, "budget_seconds": 1e6}
+    # the final check (the kept set against the untouched configuration) has its own tests: off by default here, so
+    # the scripted windows of the others stay those of the search
+    defaults = {
+        "threshold": 0.05,
+        "warmup_steps": 5,
+        "measure_steps": 20,
+        "patience": 4,
+        "budget_seconds": 1e6,
+        "final_pairs": 0,
+    }
     return AutopilotSearch(backend, **{**defaults, **kwargs})
 
 
@@ -708,11 +718,18 @@ def test_a_burst_in_the_baseline_gets_a_third_window_and_the_closest_two_count()
 def test_a_third_baseline_window_further_off_is_dropped_and_the_trial_measures_its_own_a() -> None:
     backend = Scripted([Change("workers", 1.3)], noise=[1.0, 0.8, 0.3])
     result = _search(backend).run()
-    assert result.noise == pytest.approx(0.2 / 0.9)  # the first two are the closest: the third is dropped
-    assert _measured(backend)[3] == ()  # the newest window is not one of them: a fresh A before the first B
+    # the first two are the closest: the third is dropped; their 22.2 % is still above the gate's 10 % cap, so the
+    # baseline is measured again with windows 4x longer (the scripted noise is spent: 0 %)
+    assert any("third window" in n for n in result.notes)
+    assert any("A/A noise was 22.2%: windows lengthened to 80 steps" in n for n in result.notes)
+    assert result.noise == pytest.approx(0.0)
+    # the longer baseline's two windows, then the trial's B (its A is the newest of them)
+    assert _measured(backend)[3:6] == [(), (), ("workers",)]
     calm = Scripted([Change("workers", 1.3)], noise=[1.0, 0.9])
-    assert not any("third window" in n for n in _search(calm).run().notes)  # 10.5 % is no burst: two windows
-    assert _measured(calm)[2] == ("workers",)
+    notes = _search(calm).run().notes
+    assert not any("third window" in n for n in notes)  # 10.5 % is no burst: no third window, but above the cap
+    assert any("windows lengthened to 40 steps" in n for n in notes)
+    assert _measured(calm)[2:5] == [(), (), ("workers",)]
 
 
 def test_the_ranks_agree_before_a_third_baseline_window() -> None:
@@ -729,4 +746,96 @@ def test_the_ranks_agree_before_a_third_baseline_window() -> None:
     result = _search(backend).run()
     assert asked and asked[0] is True  # this rank could afford it
     assert not any("third window" in n for n in result.notes)
-    assert result.noise == pytest.approx(0.5 / 0.75)
+    # 66.7 % without a third window: the windows lengthen (every rank affords it this time)
+    assert any("A/A noise was 66.7%: windows lengthened" in n for n in result.notes)
+    assert result.noise == pytest.approx(0.02 / 1.01)
+
+
+# ------------------------------------------------------------------ the claim: the kept set vs the untouched run
+def test_the_claim_is_a_final_paired_ab_of_the_kept_set_against_the_untouched_configuration() -> None:
+    # baseline A A, the change's B against the baseline's last A (decisive at 1.5x); then B A, A B, B A
+    noise = [1.0, 1.0, 1.0] + [1.02, 0.98, 1.0, 1.01, 0.99, 1.0]
+    backend = Scripted([Change("workers", 1.5)], noise=noise)
+    result = _search(backend, final_pairs=3).run()
+    assert [c.name for c in result.kept] == ["workers"] and backend.applied == result.kept
+    # the windows: B, A | A, B | B, A, all the check's own; the change on again after
+    assert _measured(backend)[-6:] == [("workers",), (), (), ("workers",), ("workers",), ()]
+    ratios = [1.5 * 1.02 / 0.98, 1.5 * 1.01 / 1.0, 1.5 * 0.99 / 1.0]
+    assert result.final_ratios == pytest.approx(ratios)
+    speedup, low, high = claimed_speedup(ratios)
+    assert (result.speedup, result.speedup_low, result.speedup_high) == pytest.approx((speedup, low, high))
+    assert result.speedup_source == "final A/B" and low < speedup < high and low > 1.0
+    final = result.records[-1]
+    assert final.name == "final A/B" and final.kept and "90 % interval" in final.reason
+
+
+def test_a_kept_set_slower_than_the_untouched_configuration_beyond_the_noise_is_reverted() -> None:
+    # the trial was lucky (a burst in its B window); the final check measures the change 10 % slower every time
+    backend = Scripted([Change("flaky", 0.9)], noise=[1.0, 1.0, 1.7] + [1.0] * 6)
+    result = _search(backend, final_pairs=3).run()
+    assert result.kept == [] and backend.applied == []
+    assert result.speedup == pytest.approx(0.9) and result.speedup_high < 1.0
+    assert "reverted" in result.records[-1].reason and not result.records[-1].kept
+    assert any("reverted to it" in n for n in result.notes)
+
+
+def test_a_claim_inside_the_noise_is_said_to_be_unresolved_and_kept() -> None:
+    # ratios 1.12, 0.96, 1.20: a gain on average, an interval that holds 1.0
+    backend = Scripted([Change("small", 1.6)], noise=[1.0, 1.0, 1.0] + [0.7, 1.0, 1.0, 0.6, 0.75, 1.0])
+    result = _search(backend, final_pairs=3).run()
+    assert [c.name for c in result.kept] == ["small"]
+    assert result.speedup_low <= 1.0 <= result.speedup_high
+    assert "not resolved from 1.0" in result.records[-1].reason
+
+
+def test_a_change_with_one_off_work_is_not_toggled_and_the_claim_comes_from_its_trial() -> None:
+    change = Change("compile", 1.6)
+    change.warmup_steps = 3
+    backend = Scripted([change])
+    result = _search(backend, final_pairs=3).run()
+    assert result.speedup_source == "trials" and result.speedup == pytest.approx(1.6)
+    assert result.records[-1].name != "final A/B" and backend.applied == [change]
+
+
+def test_claimed_speedup_is_the_geometric_mean_with_a_student_t_interval() -> None:
+    speedup, low, high = claimed_speedup([1.1, 1.2, 1.3])
+    logs = [math.log(r) for r in (1.1, 1.2, 1.3)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    assert speedup == pytest.approx(math.exp(mean))
+    assert (low, high) == pytest.approx(
+        (math.exp(mean - 2.920 * sd / math.sqrt(3)), math.exp(mean + 2.920 * sd / math.sqrt(3)))
+    )
+    assert claimed_speedup([1.2]) == (pytest.approx(1.2), None, None)
+    with pytest.raises(ValueError, match=r"claimed_speedup\(\[0.0\]\)"):
+        claimed_speedup([0.0])
+
+
+# ------------------------------------------------------------------ windows long enough for the noise
+def test_a_noisy_baseline_lengthens_the_windows_and_the_search_goes_on_when_the_noise_settles() -> None:
+    # a 20 ms step (10 samples at 500 samples/s) with 14 % A/A noise at 20-step windows: above the gate's 10 % cap
+    # (below the 15 % of a burst, which measures a third window first); (13.9 / 10)^2 -> 2x longer windows, after
+    # which the A/A noise is 2 %
+    backend = Scripted([Change("workers", 1.3)], rate=500.0, noise=[1.0, 0.87, 1.0, 0.98])
+    search = _search(backend)
+    result = search.run()
+    assert search.measure_steps == 40
+    assert any("A/A noise was 13.9%: windows lengthened to 40 steps, A/A noise now 2.0%" in n for n in result.notes)
+    assert result.noise == pytest.approx(0.02 / 0.99) and [c.name for c in result.kept] == ["workers"]
+
+
+def test_noise_that_longer_windows_do_not_settle_stops_the_search_and_changes_nothing() -> None:
+    backend = Scripted([Change("workers", 1.3)], rate=500.0, noise=[1.0, 0.87, 1.0, 0.88])
+    result = _search(backend).run()
+    assert result.kept == [] and backend.applied == [] and len(result.records) == 0
+    assert result.stopped.startswith("noise too high to resolve a gain of 10%: the baseline's A/A noise is 12.8%")
+    assert "at windows of 40 steps" in result.stopped
+
+
+def test_noise_the_budget_cannot_lengthen_the_windows_for_stops_the_search() -> None:
+    # 0.5 s of budget: the baseline's two windows (~0.5 s) leave nothing for two windows 2x longer
+    backend = Scripted([Change("workers", 1.3)], rate=500.0, noise=[1.0, 0.87])
+    result = _search(backend, budget_seconds=0.5).run()
+    assert result.kept == [] and backend.applied == []
+    assert "noise too high to resolve a gain of 10%" in result.stopped and "at windows of 20 steps" in result.stopped
+    assert _measured(backend) == [(), ()]
