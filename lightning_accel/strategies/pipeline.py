@@ -898,8 +898,12 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         if self.compression == "bf16":
             return self._dp_group, default_hooks.bf16_compress_hook
         if self.compression == "topk":
+            from lightning_accel.strategies.ddp_compression import DEFAULT_DENSITY_WARMUP_STEPS
+
+            # ddp_topk's density warm-up; its momentum correction and Adam warm-up are not applied here
+            knobs: dict[str, Any] = {"density_warmup_steps": DEFAULT_DENSITY_WARMUP_STEPS, **self._compression_knobs}
             return (
-                compression_hooks.TopKState(process_group=self._dp_group, **self._compression_knobs),
+                compression_hooks.TopKState(process_group=self._dp_group, **knobs),
                 compression_hooks.topk_hook,
             )
         return (
