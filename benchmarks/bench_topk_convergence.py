@@ -8,7 +8,8 @@ tokens), ``--optimizer adamw`` or ``sgd`` (momentum 0.9). Each piece runs ``ddp`
 ``--repeats`` times with seeds 0, 1, ...; both strategies are distributed (Lightning's ``DistributedSampler`` in
 both), so a pair differs only in the gradient exchange. Final loss: the mean over both ranks of the last
 ``--last`` steps' training losses. Pieces write JSON (``--out``); ``--report`` prints the table of all of them:
-per piece the median final loss of each strategy, the gap ``topk / ddp - 1`` per seed (median [min-max]).
+per piece the median final loss of each strategy, the gap ``topk / ddp - 1`` per seed (median [min-max]); with
+``--plain`` also Top-K without the recipe (error feedback and 2 plain steps only: the collection's earlier default).
 
     flock /tmp/cpu.lock python benchmarks/bench_topk_convergence.py --model mlp --optimizer adamw --out r/mlp-adamw.json
     python benchmarks/bench_topk_convergence.py --report r/*.json
@@ -95,7 +96,7 @@ def _piece(args: argparse.Namespace) -> dict[str, Any]:
     names = ("ddp", "ddp_topk") + (("topk_plain",) if args.plain else ())
     out: dict[str, Any] = {name: [] for name in names}
     out.update(density=[], compressed_steps=[])
-    for seed in range(args.repeats):
+    for seed in range(args.first_seed, args.first_seed + args.repeats):
         for name in names:
             pl.seed_everything(seed, verbose=False)
             task, data = _tasks(args.model, args.optimizer)
@@ -130,8 +131,13 @@ def _piece(args: argparse.Namespace) -> dict[str, Any]:
 def _report(paths: list[str]) -> None:
     print("final training loss (mean of the last steps, both ranks), median over seeds; gap = topk/ddp - 1")
     print(f"{'piece':<12} {'seeds':>5} {'ddp':>8} {'ddp_topk':>9} {'gap median [min-max]':>26} {'no recipe':>10}")
-    for path in paths:
-        r = json.loads(Path(path).read_text())
+    pieces: dict[str, dict[str, Any]] = {}
+    for path in paths:  # a piece run in chunks of seeds: its files are merged
+        part = json.loads(Path(path).read_text())
+        merged = pieces.setdefault(part["piece"], {"piece": part["piece"]})
+        for key in ("ddp", "ddp_topk", "topk_plain"):
+            merged.setdefault(key, []).extend(part.get(key, []))
+    for r in pieces.values():
         gaps = [t / d - 1 for d, t in zip(r["ddp"], r["ddp_topk"])]
         print(
             f"{r['piece']:<12} {len(gaps):>5} {statistics.median(r['ddp']):>8.4f} "
@@ -148,6 +154,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--last", type=int, default=32, help="steps whose losses make the final loss")
     parser.add_argument("--repeats", type=int, default=1, help="seeds (each one ddp then ddp_topk)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed + 1, ...")
     parser.add_argument("--plain", action="store_true", help="also run Top-K without DGC's recipe")
     parser.add_argument("--out", default=None, help="write this piece's JSON here")
     parser.add_argument("--report", nargs="+", default=None, help="print the table of these pieces' JSON files")
