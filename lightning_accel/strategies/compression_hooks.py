@@ -18,8 +18,14 @@ QSGD        per chunk of ``d`` entries one fp32 norm, per entry    off by defaul
             ``s`` <= 1, 7, 127 levels): ``n·b/8 + 4·n/d`` bytes    ``min(d/s², √d/s)·‖g‖²`` per chunk
 ==========  =====================================================  ===========================================
 
-State (:class:`TopKState`, :class:`QSGDState`) is training state: the iteration counter, the per-bucket error
-residuals and QSGD's random generator; ``DDPCompressionStrategy`` saves and restores it with the checkpoint.
+Top-K carries Deep Gradient Compression's recipe (Lin et al. 2018) as state knobs, all off in a bare
+:class:`TopKState` and set by ``ddp_topk``: a density warm-up (:func:`warmup_densities`, :func:`scheduled_density`:
+25 %, 6.25 %, 1.5625 %, ... down to the target, a fixed number of compressed steps per stage) and momentum
+correction with factor masking (:func:`topk_accumulate`, :func:`topk_select`): the hook accumulates the velocity
+itself, so the optimizer must step without momentum on compressed steps.
+
+State (:class:`TopKState`, :class:`QSGDState`) is training state: the iteration counter (which also places the
+density warm-up), the per-bucket error residuals, Top-K's per-bucket velocity and QSGD's random generator; ``DDPCompressionStrategy`` saves and restores it with the checkpoint.
 Residuals are keyed by DDP's bucket index, which is stable once DDP has rebuilt its buckets after the first
 iteration; hence a warm-up of at least 2 plain all-reduce steps with error feedback (torch's PowerSGD demands the
 same).

@@ -814,7 +814,9 @@ def ddp_powersgd(**kwargs: Any) -> DDPCompressionStrategy:
 
 
 def ddp_topk(**kwargs: Any) -> DDPCompressionStrategy:
-    """``strategy="ddp_topk"``: Top-K sparsification (1 % of the entries) with error feedback, by all-gather."""
+    """``strategy="ddp_topk"``: Top-K sparsification (1 % of the entries) with error feedback and Deep Gradient
+    Compression's recipe (density warm-up, momentum correction for momentum SGD, plain steps first for Adam), by
+    all-gather."""
     return DDPCompressionStrategy(compression="topk", **kwargs)
 
 
