@@ -603,7 +603,10 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         sgd = [(o, i, g) for o in optimizers if isinstance(o, torch.optim.SGD) for i, g in enumerate(o.param_groups)]
         all_momentum_sgd = bool(optimizers) and all(isinstance(o, torch.optim.SGD) for o in optimizers)
         momenta = sorted({float(g.get("momentum", 0.0)) for _, _, g in sgd})
-        if self.momentum_correction is not False and all_momentum_sgd and momenta != [0.0]:
+        # without error feedback there is no residual to accumulate the velocity in: no correction (True is refused
+        # at construction)
+        correct = self.momentum_correction is not False and bool(self._hook_kwargs["use_error_feedback"])
+        if correct and all_momentum_sgd and momenta != [0.0]:
             if len(momenta) > 1:
                 raise ValueError(
                     f"ddp_topk: momentum correction needs one momentum for all parameters; the SGD param groups "

@@ -161,6 +161,11 @@ def test_optimizer_detection_momentum_sgd_adam_family_and_errors():
     off_state, _ = off._base_hook()
     off.configure_topk_for_optimizers([torch.optim.SGD(params(), lr=0.1, momentum=0.9)])
     assert off_state.momentum == 0.0 and off._momentum_groups == {}
+    # without error feedback there is no residual to accumulate the velocity in: SGD keeps its own momentum
+    plain = ddp_topk(use_error_feedback=False, start_iter=0)
+    plain_state, _ = plain._base_hook()
+    plain.configure_topk_for_optimizers([torch.optim.SGD(params(), lr=0.1, momentum=0.9)])
+    assert plain_state.momentum == 0.0 and plain._momentum_groups == {}
     mixed = torch.optim.SGD([{"params": params(), "momentum": 0.9}, {"params": params(), "momentum": 0.5}], lr=0.1)
     with pytest.raises(ValueError, match=r"momentum \[0.5, 0.9\]: use one value, or momentum_correction=False"):
         strategy.configure_topk_for_optimizers([mixed])
