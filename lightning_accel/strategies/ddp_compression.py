@@ -180,8 +180,9 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
       1.5625 % (each stage a quarter of the last, ``density_warmup_steps`` steps each), then the target density;
       ``density_warmup_steps=0`` turns it off, ``density_warmup=[...]`` sets the stages' densities. The density in
       use is ``compressor_state.current_density``; it follows the step counter, which checkpoints keep.
-    * **momentum correction and factor masking**, when every optimizer is ``torch.optim.SGD`` with one momentum
-      ``m > 0`` (``momentum_correction=None``, automatic; ``True`` insists, ``False`` turns it off): the hook
+    * **momentum correction and factor masking**, with error feedback, when every optimizer is ``torch.optim.SGD``
+      with one momentum ``m > 0`` (``momentum_correction=None``, automatic; ``True`` insists, ``False`` turns it
+      off): the hook
       keeps a local velocity ``u ← m·u + g`` (Nesterov as torch's), accumulates ``v ← v + u``, sends the top-k
       of ``v`` and zeroes ``u`` and ``v`` at the sent entries. The averaged sparse ``v`` is the update, so on
       every compressed step the strategy sets the SGD groups' ``momentum`` to 0 between the backward and the
