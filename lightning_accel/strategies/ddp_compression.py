@@ -572,26 +572,31 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
                 f"for the first {self._powersgd_kwargs['start_powerSGD_iter']} steps "
                 f"(now at step {state.iter})"
             )
-        elif self.compression in ("topk", "qsgd"):
-            knob = (
-                f"density {self._hook_kwargs['density']}"
-                if self.compression == "topk"
-                else f"{self._hook_kwargs['levels']} levels ({state.bits} bits per entry)"
-            )
-            feedback = "on" if self._hook_kwargs["use_error_feedback"] else "off"
-            if self.compression == "topk" and state.density_warmup_steps and state.density_warmup:
-                stages = " → ".join(f"{d:g}" for d in state.density_warmup)
-                knob += f" after a warm-up {stages} ({state.density_warmup_steps} steps each)"
-            rank_zero_info(
-                f"{self.string}: {knob}, error feedback {feedback}, plain all-reduce for the first "
-                f"{self._hook_kwargs['start_iter']} steps (now at step {state.iter})"
-            )
+        elif self.compression == "qsgd":
+            self._log_hook_plan(state)
+
+    def _log_hook_plan(self, state: Any) -> None:
+        knob = (
+            f"density {self._hook_kwargs['density']}"
+            if self.compression == "topk"
+            else f"{self._hook_kwargs['levels']} levels ({state.bits} bits per entry)"
+        )
+        feedback = "on" if self._hook_kwargs["use_error_feedback"] else "off"
+        if self.compression == "topk" and state.density_warmup_steps and state.density_warmup:
+            stages = " → ".join(f"{d:g}" for d in state.density_warmup)
+            knob += f" after a warm-up {stages} ({state.density_warmup_steps} steps each)"
+        rank_zero_info(
+            f"{self.string}: {knob}, error feedback {feedback}, plain all-reduce for the first "
+            f"{state.start_iter} steps (now at step {state.iter})"
+        )
 
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self.compression == "topk" and self.compressor_state is not None:
+            # Top-K's plan depends on the optimizers (momentum correction, Adam's warm-up): logged once known
             self.configure_topk_for_optimizers(self.optimizers)
+            self._log_hook_plan(self.compressor_state)
 
     def configure_topk_for_optimizers(self, optimizers: Sequence[Any]) -> None:
         """DGC's optimizer-dependent parts (``setup`` calls it once the optimizers exist; see the class doc):
