@@ -18,8 +18,14 @@ QSGD        per chunk of ``d`` entries one fp32 norm, per entry    off by defaul
             ``s`` <= 1, 7, 127 levels): ``n·b/8 + 4·n/d`` bytes    ``min(d/s², √d/s)·‖g‖²`` per chunk
 ==========  =====================================================  ===========================================
 
-State (:class:`TopKState`, :class:`QSGDState`) is training state: the iteration counter, the per-bucket error
-residuals and QSGD's random generator; ``DDPCompressionStrategy`` saves and restores it with the checkpoint.
+Top-K carries Deep Gradient Compression's recipe (Lin et al. 2018) as state knobs, all off in a bare
+:class:`TopKState` and set by ``ddp_topk``: a density warm-up (:func:`warmup_densities`, :func:`scheduled_density`:
+25 %, 6.25 %, 1.5625 %, ... down to the target, a fixed number of compressed steps per stage) and momentum
+correction with factor masking (:func:`topk_accumulate`, :func:`topk_select`): the hook accumulates the velocity
+itself, so the optimizer must step without momentum on compressed steps.
+
+State (:class:`TopKState`, :class:`QSGDState`) is training state: the iteration counter (which also places the
+density warm-up), the per-bucket error residuals, Top-K's per-bucket velocity and QSGD's random generator; ``DDPCompressionStrategy`` saves and restores it with the checkpoint.
 Residuals are keyed by DDP's bucket index, which is stable once DDP has rebuilt its buckets after the first
 iteration; hence a warm-up of at least 2 plain all-reduce steps with error feedback (torch's PowerSGD demands the
 same).
@@ -33,7 +39,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["QSGDState", "TopKState", "qsgd_bits", "qsgd_hook", "qsgd_variance_bound", "topk_hook"]
+__all__ = [
+    "QSGDState",
+    "TopKState",
+    "qsgd_bits",
+    "qsgd_hook",
+    "qsgd_variance_bound",
+    "scheduled_density",
+    "topk_accumulate",
+    "topk_hook",
+    "topk_select",
+    "warmup_densities",
+]
 
 
 class _CompressorState:
@@ -90,46 +107,165 @@ def _all_gather(state: _CompressorState, payload: torch.Tensor) -> torch.futures
     return dist.all_gather(out, payload, group=group, async_op=True).get_future()
 
 
-# --- Top-K ----------------------------------------------------------------------------------------------------
+# --- Top-K ---------------------------------------------------------------------------------------------------
+#: DGC's density warm-up (Lin et al. 2018): each stage sends a quarter of the previous stage's density (25 %, 6.25 %,
+#: 1.5625 %, ...) until the target is reached; stages at or below the target are skipped.
+DGC_WARMUP_FACTOR = 0.25
+
+
+def warmup_densities(density: float, factor: float = DGC_WARMUP_FACTOR) -> tuple[float, ...]:
+    """The warm-up stages' densities above the target ``density``: ``factor``, ``factor²``, ... (DGC's ramp).
+
+    ``warmup_densities(0.01) == (0.25, 0.0625, 0.015625)``; a target of 0.25 or more needs no warm-up: ``()``.
+    """
+    if not 0 < factor < 1:
+        raise ValueError(f"Top-K density warm-up factor={factor!r} must be in (0, 1), e.g. 0.25 (DGC's)")
+    out: list[float] = []
+    d = factor
+    while d > density:
+        out.append(d)
+        d *= factor
+    return tuple(out)
+
+
+def scheduled_density(
+    density: float, compressed_steps: int, steps_per_stage: int, stages: tuple[float, ...] | None = None
+) -> float:
+    """The density of the compressed step ``compressed_steps`` (0 = the first one) under the warm-up.
+
+    Stage ``i`` covers compressed steps ``[i·steps_per_stage, (i+1)·steps_per_stage)`` and sends ``stages[i]``
+    (default :func:`warmup_densities`); after the last stage, and with ``steps_per_stage == 0``, ``density``.
+    """
+    if steps_per_stage <= 0:
+        return density
+    stages = warmup_densities(density) if stages is None else stages
+    stage = max(0, compressed_steps) // steps_per_stage
+    return stages[stage] if stage < len(stages) else density
+
+
 class TopKState(_CompressorState):
     """State of :func:`topk_hook`.
 
     Args:
-        density: fraction of each bucket's entries sent (0 < density <= 1), e.g. 0.01.
+        density: the target fraction of each bucket's entries sent (0 < density <= 1), e.g. 0.01.
         use_error_feedback: keep the unsent entries and add them to the next step's gradient.
         start_iter: plain all-reduce for this many steps first (>= 2 with error feedback).
         process_group: the group to reduce over (None: the default group).
+        density_warmup_steps: compressed steps per stage of the density warm-up (0, this object's default: no
+            warm-up, the target density from the first compressed step; ``ddp_topk`` defaults to DGC's ramp).
+        density_warmup: the stages' densities (None: :func:`warmup_densities` of the target, 25 %, 6.25 %, ...).
+        momentum: DGC's momentum correction with this momentum (0: off). The hook then keeps a local velocity
+            ``u`` per bucket, accumulates ``v += u`` (the error-feedback residual), sends the top-k of ``v`` and
+            zeroes both ``u`` and ``v`` at the sent entries (factor masking); the optimizer must then step without
+            momentum on the compressed steps (``ddp_topk`` sets that up).
+        nesterov: Nesterov momentum in the correction (``v += g + m·u``, as ``torch.optim.SGD(nesterov=True)``).
+
+    Attributes:
+        current_density: the density the next compressed step sends (follows :attr:`iter` through the warm-up).
+        last_compressed: whether the last synchronising backward was compressed (read by ``ddp_topk`` to switch
+            the optimizer's momentum off for exactly those steps).
     """
 
     def __init__(
-        self, *, density: float, use_error_feedback: bool = True, start_iter: int = 2, process_group: Any = None
+        self,
+        *,
+        density: float,
+        use_error_feedback: bool = True,
+        start_iter: int = 2,
+        process_group: Any = None,
+        density_warmup_steps: int = 0,
+        density_warmup: tuple[float, ...] | list[float] | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
     ) -> None:
         super().__init__(process_group=process_group, start_iter=start_iter, use_error_feedback=use_error_feedback)
+        if momentum and not use_error_feedback:
+            raise ValueError(
+                f"TopKState(momentum={momentum!r}) needs use_error_feedback=True: momentum correction accumulates "
+                "the velocity in the error-feedback residual; turn error feedback on or use momentum=0"
+            )
         self.density = density
+        self.density_warmup_steps = density_warmup_steps
+        self.density_warmup = tuple(density_warmup) if density_warmup is not None else warmup_densities(density)
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        #: bucket index -> this rank's local velocity ``u`` (momentum correction only)
+        self.momentum_dict: dict[int, torch.Tensor] = {}
+        self.last_compressed = False
+
+    @property
+    def current_density(self) -> float:
+        """The density of the next compressed step: the warm-up stage of ``iter - start_iter``, else the target."""
+        return scheduled_density(
+            self.density, self.iter - self.start_iter, self.density_warmup_steps, self.density_warmup
+        )
+
+
+def topk_accumulate(state: TopKState, index: int, grad: torch.Tensor) -> torch.Tensor:
+    """What Top-K selects from for bucket ``index``: ``grad`` (fp32, consumed) plus the state it carries.
+
+    Without momentum correction: ``grad + residual`` (error feedback) or ``grad``. With it (DGC):
+    ``u ← m·u + g`` (Nesterov: ``u ← m·(u + g)``, selecting from ``v + u + g``), ``v ← v + u``; the velocity ``u``
+    is stored in ``state.momentum_dict`` and the returned ``v`` becomes the residual after :func:`topk_select`.
+    """
+    if state.momentum:
+        u = state.momentum_dict.get(index)
+        if u is None:
+            u = torch.zeros_like(grad)
+        if state.nesterov:
+            u.add_(grad).mul_(state.momentum)
+            step = u + grad
+        else:
+            step = u.mul_(state.momentum).add_(grad)
+        state.momentum_dict[index] = u
+        residual = state.error_dict.get(index)
+        # a new tensor either way: v must not alias u (the masking zeroes both, but they accumulate differently)
+        return step.clone() if residual is None else residual + step
+    if state.use_error_feedback:
+        residual = state.error_dict.get(index)
+        if residual is not None:
+            grad.add_(residual)
+    return grad
+
+
+def topk_select(state: TopKState, index: int, acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the ``k`` largest magnitudes of ``acc``; the rest stays as the residual, and with
+    momentum correction the velocity is masked at the sent entries too (DGC's factor masking: a sent entry's
+    momentum must not keep pushing an update that has already been applied)."""
+    # sorted=False: the set is what matters; topk over |g| is deterministic on one device for one input
+    indices = acc.abs().topk(k, sorted=False).indices
+    values = acc[indices]
+    if state.use_error_feedback:
+        acc[indices] = 0.0
+        state.error_dict[index] = acc
+    if state.momentum:
+        state.momentum_dict[index][indices] = 0.0
+    return values, indices
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: send each bucket's ``ceil(density·n)`` largest-magnitude entries (values + int32 indices).
 
-    The received entries of all ranks are summed into a dense gradient and divided by the world size (entries
-    another rank sent but this one did not count with their value; the rest are zero), then written into the
-    bucket in place (correct with ``gradient_as_bucket_view``).
+    ``density`` is :attr:`TopKState.current_density` (the warm-up's stage, then the target). The received entries
+    of all ranks are summed into a dense gradient and divided by the world size (entries another rank sent but this
+    one did not count with their value; the rest are zero), then written into the bucket in place (correct with
+    ``gradient_as_bucket_view``). With momentum correction the result is the averaged sparse velocity update,
+    which the optimizer applies without momentum.
     """
     if state.iter < state.start_iter:
+        if bucket.is_last():
+            state.last_compressed = False
         return _allreduce_plain(state, bucket)
     buffer = bucket.buffer()
     n = buffer.numel()
-    k = max(1, min(n, math.ceil(state.density * n)))
-    grad = _with_error(state, bucket)
-    # sorted=False: the set is what matters; topk over |g| is deterministic on one device for one input
-    indices = grad.abs().topk(k, sorted=False).indices
-    values = grad[indices]
-    if state.use_error_feedback:
-        grad[indices] = 0.0
-        state.error_dict[bucket.index()] = grad
+    k = max(1, min(n, math.ceil(state.current_density * n)))
+    acc = topk_accumulate(state, bucket.index(), buffer.to(torch.float32, copy=True))
+    values, indices = topk_select(state, bucket.index(), acc, k)
     # one message: fp32 values' bits and int32 indices side by side
     payload = torch.cat([values.view(torch.int32), indices.to(torch.int32)])
     fut = _all_gather(state, payload)
+    if bucket.is_last():
+        state.last_compressed = True
     state.maybe_increase_iter(bucket)
     world = dist.get_world_size(state._group())
 

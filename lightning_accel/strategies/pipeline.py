@@ -51,7 +51,8 @@ replicas of the same stage; each replica gets its own share of the data (``distr
 stages' gradients are averaged over the replicas before the optimizer step. ``compression="fp16"``, ``"bf16"``,
 ``"topk"`` (``density=``) or ``"qsgd"`` (``levels=``) runs that average through the same communication hook the
 ``ddp_<compression>`` strategies register with DDP (torch's ``fp16_compress_hook`` / ``bf16_compress_hook``,
-:mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults), over the replica group, with all of
+:mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults; Top-K with ``ddp_topk``'s density
+warm-up, without its optimizer-dependent momentum correction and Adam warm-up), over the replica group, with all of
 a stage's gradients as one flat bucket; :attr:`PipelineStrategy.comm_stats` counts the bytes before and after
 (:class:`~lightning_accel.strategies.ddp_compression.CommStats`). PowerSGD is not offered here (its per-matrix
 state expects DDP's buckets). ``"pp_fsdp2"`` is refused with the reason (``strategies/registration.py``'s
@@ -898,8 +899,12 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         if self.compression == "bf16":
             return self._dp_group, default_hooks.bf16_compress_hook
         if self.compression == "topk":
+            from lightning_accel.strategies.ddp_compression import DEFAULT_DENSITY_WARMUP_STEPS
+
+            # ddp_topk's density warm-up; its momentum correction and Adam warm-up are not applied here
+            knobs: dict[str, Any] = {"density_warmup_steps": DEFAULT_DENSITY_WARMUP_STEPS, **self._compression_knobs}
             return (
-                compression_hooks.TopKState(process_group=self._dp_group, **self._compression_knobs),
+                compression_hooks.TopKState(process_group=self._dp_group, **knobs),
                 compression_hooks.topk_hook,
             )
         return (

@@ -83,7 +83,10 @@ def test_topk_and_qsgd_defaults_and_bad_input():
         "use_error_feedback": True,
         "start_iter": 2,
         "density": 0.01,
+        "density_warmup_steps": 64,
+        "density_warmup": None,
     }
+    assert topk.momentum_correction is None and topk.adaptive_warmup_steps == 100
     assert qsgd._hook_kwargs == {
         "use_error_feedback": False,
         "start_iter": 0,

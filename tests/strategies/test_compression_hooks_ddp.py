@@ -30,6 +30,10 @@ class Teacher(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+class TeacherAdamW(Teacher):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
 def data(n=1024):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 32, generator=g)
@@ -38,9 +42,9 @@ def data(n=1024):
 
 EVAL = data()[:256]
 
-def fit(strategy, epochs=1, ckpt_path=None, save=None, callbacks=(), enable_checkpointing=False):
+def fit(strategy, epochs=1, ckpt_path=None, save=None, callbacks=(), enable_checkpointing=False, module=Teacher):
     pl.seed_everything(0, verbose=False)
-    model = Teacher()
+    model = module()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                          enable_checkpointing=enable_checkpointing, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=4)
@@ -60,14 +64,22 @@ def fit(strategy, epochs=1, ckpt_path=None, save=None, callbacks=(), enable_chec
     rng = None if rng is None else [int(rng.get_state()[2]), int(rng.get_state()[1].astype("int64").sum())]
     return {"eval_loss": eval_loss, "rng": rng, "stats": stats, "logged": logged, "rank": trainer.global_rank,
             "numel": sum(p.numel() for p in model.parameters()),
-            "iter": getattr(getattr(s, "compressor_state", None), "iter", None)}, weights
+            "iter": getattr(getattr(s, "compressor_state", None), "iter", None),
+            "momentum": trainer.optimizers[0].param_groups[0].get("momentum"),
+            "hook_momentum": getattr(getattr(s, "compressor_state", None), "momentum", None),
+            "density": getattr(getattr(s, "compressor_state", None), "current_density", None)}, weights
 
 def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 out = {}
 out["ddp"], w_ddp = fit("ddp", epochs=2)
-out["topk"], w_topk = fit(DDPCompressionStrategy(compression="topk", density=0.1), epochs=2)
+# Top-K's defaults with momentum SGD: momentum correction; a density warm-up of 20 steps at 25 %, then 10 %
+out["topk"], w_topk = fit(DDPCompressionStrategy(compression="topk", density=0.1, density_warmup_steps=20), epochs=2)
+# AdamW: plain all-reduce for the first 10 steps, then Top-K
+out["adamw"], _ = fit("ddp", epochs=2, module=TeacherAdamW)
+out["adamw_topk"], _ = fit(DDPCompressionStrategy(compression="topk", density=0.1, adaptive_warmup_steps=10), epochs=2,
+                           module=TeacherAdamW)
 out["qsgd"], w_qsgd = fit("ddp_qsgd", epochs=2)
 out["topk_vs_ddp"] = max_diff(w_topk, w_ddp)
 out["qsgd_vs_ddp"] = max_diff(w_qsgd, w_ddp)
@@ -76,8 +88,8 @@ out["qsgd_vs_ddp"] = max_diff(w_qsgd, w_ddp)
 here = os.getcwd()
 def psgd():
     return DDPCompressionStrategy(compression="powersgd", start_powerSGD_iter=10, matrix_approximation_rank=2)
-def topk():
-    return DDPCompressionStrategy(compression="topk", density=0.05)
+def topk():  # the resume (after step 32) falls in the density warm-up's second stage (steps 18-33)
+    return DDPCompressionStrategy(compression="topk", density=0.05, density_warmup_steps=16)
 def qsgd():
     return DDPCompressionStrategy(compression="qsgd", levels=127, chunk_size=512, use_error_feedback=True)
 for name, make in (("psgd", psgd), ("topk", topk), ("qsgd", qsgd)):
@@ -113,10 +125,17 @@ def test_topk_qsgd_train_close_to_ddp_send_fewer_bytes_and_resume_exactly(ddp_sc
             assert abs(run["eval_loss"] - ref["eval_loss"]) <= 0.05 * ref["eval_loss"], (name, run, ref)
             assert out[f"{name}_vs_ddp"] > 1e-4
             assert run["stats"]["steps"] == steps and run["stats"]["bytes_before"] == steps * n * 4
-        # Top-K, density 0.1: 2 plain warm-up steps, then ceil(0.1 n) values + int32 indices per step (one bucket)
+        # Top-K, density 0.1: 2 plain warm-up steps, 20 steps at 25 % (the density warm-up), then ceil(0.1 n)
+        # values + int32 indices per step (one bucket)
         topk = out["topk"]["stats"]
         assert topk["compressed_steps"] == steps - 2
-        assert topk["bytes_sent"] == 2 * n * 4 + (steps - 2) * 8 * math.ceil(0.1 * n)
+        assert topk["bytes_sent"] == 2 * n * 4 + 20 * 8 * math.ceil(0.25 * n) + (steps - 22) * 8 * math.ceil(0.1 * n)
+        # momentum SGD: the hook corrects momentum; the optimizer keeps its own 0.9 outside the steps
+        assert out["topk"]["hook_momentum"] == 0.9 and out["topk"]["momentum"] == 0.9
+        # AdamW: 10 plain all-reduce steps, then Top-K; within 5 % of plain DDP with AdamW
+        adamw = out["adamw_topk"]
+        assert adamw["stats"]["compressed_steps"] == steps - 10 and adamw["hook_momentum"] == 0.0
+        assert abs(adamw["eval_loss"] - out["adamw"]["eval_loss"]) <= 0.05 * out["adamw"]["eval_loss"], adamw
         # QSGD, 7 levels: 4 bits per entry + one fp32 norm per 128 entries, from the first step
         qsgd = out["qsgd"]["stats"]
         assert qsgd["compressed_steps"] == steps
@@ -125,7 +144,11 @@ def test_topk_qsgd_train_close_to_ddp_send_fewer_bytes_and_resume_exactly(ddp_sc
         assert out["qsgd"]["logged"]["comm/compression_rate"] == pytest.approx(n * 4 / per_step)
         pieces = {"error_dict": [0, 1, 2, 3]}  # every parameter's residual, of both ranks
         assert out["psgd_saved_pieces"] == [{**pieces, "p_memory_dict": [0, 2], "q_memory_dict": [0, 2]}] * 2
-        assert out["topk_saved_pieces"] == out["qsgd_saved_pieces"] == [pieces] * 2
+        assert out["qsgd_saved_pieces"] == [pieces] * 2
+        # Top-K under momentum SGD: the velocity of momentum correction too
+        assert out["topk_saved_pieces"] == [{**pieces, "momentum_dict": [0, 1, 2, 3]}] * 2
+        # the resumed run continued the density warm-up where it stopped: the same bytes (above), the same density
+        assert out["topk_first"]["density"] == 0.0625 and out["topk_resumed"]["density"] == 0.05
         for name in ("psgd", "topk", "qsgd"):
             resumed, straight = out[f"{name}_resumed"], out[f"{name}_straight"]
             assert resumed["iter"] == straight["iter"] == steps
