@@ -374,6 +374,8 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
     configs = grid(scenario)
     rates: dict[str, list[float]] = {label(c): [] for c in configs}
     auto_rates: list[float] = []
+    vanilla_by_round: list[float] = []
+    claims: list[tuple[float | None, float | None, float | None]] = []
     searches: list[float] = []
     kept: list[str] = []
     losses: dict[str, float | None] = {"vanilla": None, "autopilot": None}
@@ -385,6 +387,8 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
                 rate, model, _ = fit(scenario, scenario.vanilla, skip, autopilot)
                 auto_rates.append(rate)
                 searches.append(autopilot.plan.search_seconds or 0.0)
+                plan = autopilot.plan
+                claims.append((plan.speedup if plan.kept else 1.0, plan.speedup_low, plan.speedup_high))
                 kept = [k["change"] for k in autopilot.plan.kept]
                 if verbose:  # the Autopilot's own table of this round: every trial with its reason
                     for rec in autopilot.records:
@@ -398,6 +402,8 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
                 continue
             rate, model, _ = fit(scenario, config, skip)
             rates[label(config)].append(rate)
+            if config == scenario.vanilla:
+                vanilla_by_round.append(rate)
             if config == scenario.vanilla and losses["vanilla"] is None:
                 losses["vanilla"] = scenario.heldout(model)
     medians = {k: statistics.median(v) for k, v in rates.items()}
@@ -411,6 +417,10 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
         "grid_best_config": best,
         "grid": medians,
         "kept": kept,
+        # the Autopilot's claimed speed-up per round against what training measured after it (÷ the same round's
+        # vanilla run, which ran next to it)
+        "claims": claims,
+        "measured": [a / v for a, v in zip(auto_rates, vanilla_by_round)],
         "search_seconds": statistics.median(searches),
         "loss_vanilla": losses["vanilla"],
         "loss_autopilot": losses["autopilot"],
@@ -447,6 +457,9 @@ def main() -> None:
         for config, rate in row["grid"].items():
             print(f"  grid  {config:<45} {rate:10.1f} samples/s")
         print(f"  autopilot kept: {'; '.join(row['kept']) or 'nothing'}")
+        for (claim, low, high), measured in zip(row["claims"], row["measured"]):
+            interval = f" [{low:.2f}-{high:.2f}]" if low is not None and high is not None else ""
+            print(f"  claimed {claim:.3f}x{interval}, measured {measured:.3f}x (÷ the round's vanilla run)")
     print(
         "\n| scenario | vanilla samples/s | autopilot samples/s | ÷ vanilla | grid best | ÷ grid best | search s | "
         "search ÷ 10-min fit | held-out loss vanilla → autopilot |"
