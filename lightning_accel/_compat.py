@@ -643,6 +643,16 @@ def reinstantiate_dataloader(loader: Any, *args: Any, **kwargs: Any) -> Any:
     return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
 
 
+def profiler_records_dtypes() -> bool:
+    """Whether ``torch.profiler``'s events carry their inputs' dtypes (``FunctionEvent.input_dtypes``; older torch
+    records shapes only, and the doctor's dtype rules then find nothing)."""
+    import inspect
+
+    from torch.autograd.profiler_util import FunctionEvent
+
+    return "input_dtypes" in inspect.signature(FunctionEvent.__init__).parameters
+
+
 def profiler_recording() -> bool:
     """Whether a ``torch.profiler`` (or the autograd profiler) records in this process."""
     return bool(torch.autograd.profiler._is_profiler_enabled)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_accel._compat import profiler_records_dtypes
 from lightning_accel.callbacks import BottleneckDoctor
 from lightning_accel.core.attribution import ENGINE, PSEUDO_MODULES, STEP, attribute
 from lightning_accel.core.compute_causes import find_compute_causes
@@ -235,6 +236,11 @@ def mlp_task():
     return Task(MLP(), lambda: (torch.randn(256, 256), torch.randint(0, 256, (256,))))
 
 
+#: the dtype rules read the profiler's input dtypes, which older torch (2.6) does not record
+needs_dtypes = pytest.mark.skipif(not profiler_records_dtypes(), reason="this torch's profiler records no input dtypes")
+
+
+@needs_dtypes
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_fp32_matmuls_on_a_tensor_core_gpu_are_named_with_mixed_precision(precision, monkeypatch):
     # The GPU is mocked: the run facts say an A100 in fp32 (or bf16); the window is this CPU's. CPU autocast runs
@@ -274,6 +280,7 @@ class ConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+@needs_dtypes
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_nchw_convolutions_in_mixed_precision_on_a_tensor_core_gpu_are_named_with_channels_last(
     channels_last, monkeypatch
@@ -550,3 +557,14 @@ def test_ranks_that_hold_different_modules_send_their_totals_only():
     result = attribute(attr.table, rank_tables=attr.rank_tables).to_dict()
     assert [r["forward_ms"] for r in result["ranks"]] == pytest.approx([2.0, 4.0])
     assert all("rank_ms" not in r for r in result["modules"])  # no module row pretends to be both ranks'
+
+
+def test_without_the_profilers_dtypes_a_gpu_report_says_the_dtype_rules_were_skipped(monkeypatch):
+    import lightning_accel._compat as compat
+    import lightning_accel.callbacks.doctor.bottleneck_doctor as bd
+
+    gpu = RunContext(device_type="cuda", device_capability=(8, 0), compute_dtype="fp32", world_size=1)
+    monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
+    monkeypatch.setattr(compat, "profiler_records_dtypes", lambda: False)
+    doctor, _ = fit(mlp_task())
+    assert any("fp32_matmul and nchw_convolution compute rules were skipped" in n for n in doctor.report.notes)
