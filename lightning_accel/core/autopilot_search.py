@@ -53,6 +53,15 @@ benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
    other.
 5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
    trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
+6. **Windows long enough for the noise.** A baseline whose A/A noise stays above the gate's cap (twice the
+   threshold) after a third window is measured again with windows up to :data:`MAX_LENGTHENING` times longer (noise
+   falls as 1/sqrt(steps)), as the budget allows; noise that longer windows do not settle raises the gate to it, and a
+   gain inside it is refused as "noise too high to resolve a gain of x %".
+7. **The claim.** With something kept, :data:`FINAL_PAIRS` pairs of fresh windows (B A, A B, B A) measure the kept
+   set against the untouched configuration, the kept changes undone and re-applied between them; the claimed
+   speed-up is their geometric mean with a 90 % interval (:func:`claimed_speedup`), not the last trial's winning
+   window (chosen because it won). A kept set whose interval lies below 1 is reverted. A kept change with one-off
+   work (a compile) is not toggled: the claim is then the product of the kept trials' paired ratios, labelled so.
 
 Faults: an apply that raises leaves nothing applied (the backend's undo runs); any error in a trial is reported in
 the table and the search goes on from the last good configuration; every decision that depends on a rank's own
