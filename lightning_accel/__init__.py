@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     # scale-out
     "AutoParallelStrategy": "lightning_accel.strategies.model_parallel",
     "derive_plan": "lightning_accel.strategies.parallel_plan",
+    "finish_outstanding_work": "lightning_accel.strategies.outstanding_work",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
@@ -208,6 +209,7 @@ class ActivationCheckpointing(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
         if stage == "fit" and self._model is not None:
             remove_activation_checkpointing(self._model, self.wrapped_names)
             for config in self._cache_configs:

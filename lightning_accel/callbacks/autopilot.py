@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_accel._atomic import atomic_write_text
 from lightning_accel._checks import check_int
 from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
@@ -295,12 +296,7 @@ class Autopilot(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._source is not None and trainer.world_size > 1:
-            # a kept compression or the trial windows' timing chains Python callbacks on the all-reduces, also
-            # under Lightning's own DDPStrategy: complete them while every rank is here (only after a normal end)
-            from lightning_accel.strategies.outstanding_work import finish_outstanding_work
-
-            finish_outstanding_work()
+        finish_collectives_at_teardown(self, trainer)
         if self._prefetcher is not None:
             self._prefetcher.teardown(trainer, pl_module, stage)
             self._prefetcher = None

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int, is_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
@@ -467,6 +468,10 @@ class BatchSizeTuner(Callback):
                 sched.base_lrs = [lr * scale for lr in sched.base_lrs]
             _compat.set_scheduler_last_lr(sched, [g["lr"] for g in sched.optimizer.param_groups])
         return scale
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
 
     def _table(self) -> Any:
         from rich.table import Table

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from typing_extensions import override
 
 from lightning_accel._checks import check_int, is_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
@@ -213,6 +214,10 @@ class DataLoaderTuner(Callback):
             self.tune(trainer, pl_module)
 
     # ------------------------------------------------------------------ the search
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
+
     def _source(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainLoaderSource:
         return TrainLoaderSource(trainer, pl_module, attribute_names=self.attrs, require_dataloader=False)
 

@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.prefetch import PrefetchingLoader
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class DevicePrefetcher(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
         for loader in self._wrapped:
             loader.close()
         self._unpatch()

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.trainer_state import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
@@ -401,6 +402,10 @@ class MFUMonitor(Callback):
         self.summary = self._summarize(trainer)
         if self.print_summary:
             rank_zero_print(trainer, self._summary_table())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
 
     def _summarize(self, trainer: pl.Trainer) -> dict[str, Any]:
         device = trainer.strategy.root_device

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.checkpointing import clean_module_name
 
 _compat.require_versions("NonFiniteGuard")
@@ -235,6 +236,10 @@ class NonFiniteGuard(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps, "consecutive": self.consecutive}

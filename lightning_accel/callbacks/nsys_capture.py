@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int, is_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -102,6 +103,10 @@ class NsysCapture(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._capturing:
             self._stop(trainer.global_step)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
 
     def _stop(self, step: int) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_accel._atomic import atomic_path, atomic_write_text
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -170,6 +171,7 @@ class ProfileWindow(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
         if self._profiler is not None:  # fit failed mid-window: stop profiling, keep what was recorded
             self._close()
         self._pending = None

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.checkpointing import CHECKPOINT_PREFIX, clean_module_name
 
 _compat.require_versions("TorchCompile")
@@ -161,6 +162,10 @@ class TorchCompile(Callback):
         rank_zero_info(
             f"TorchCompile: compiling {', '.join(self.compiled_names)} lazily on the first batch ({self._describe()})"
         )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finish_collectives_at_teardown(self, trainer)
 
     def _describe(self) -> str:
         kw = dict(self.compile_kwargs)

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
+from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.trainer_state import gather_floats, rank_zero_print
 from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.callbacks.doctor.attribution import DoctorAttribution
@@ -461,12 +462,7 @@ class BottleneckDoctor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._comm is not None:
-            # our timing hook chains a Python callback on every all-reduce: under Lightning's own DDPStrategy no
-            # strategy of ours completes the outstanding ones (Lightning calls this hook only after a normal end)
-            from lightning_accel.strategies.outstanding_work import finish_outstanding_work
-
-            finish_outstanding_work()
+        finish_collectives_at_teardown(self, trainer)
         if stage == "fit":
             self._close_window_log("finished")  # still open only when the report could not be built
         self._attribution.abort(self._machine)
