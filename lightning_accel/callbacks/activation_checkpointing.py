@@ -13,7 +13,6 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.checkpointing import (
     CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
@@ -22,6 +21,7 @@ from lightning_accel.core.checkpointing import (
     saved_activation_bytes,
 )
 from lightning_accel.core.flops import FlopCounter
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 _compat.require_versions("ActivationCheckpointing")
 

@@ -16,7 +16,6 @@ from typing_extensions import override
 from lightning_accel._atomic import atomic_write_text
 from lightning_accel._checks import check_int
 from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks.interventions import INTERVENTIONS, Intervention, Run, knob_names
 from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
@@ -27,6 +26,7 @@ from lightning_accel.core.autopilot import (
     render_python,
     render_yaml,
 )
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -17,7 +17,6 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int, is_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
@@ -29,6 +28,7 @@ from lightning_accel.callbacks._fit.step_runner import (
 from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, rank_zero_print
 from lightning_accel.core.batch_size_search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 _compat.require_versions("BatchSizeTuner")
 

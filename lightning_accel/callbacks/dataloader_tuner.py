@@ -15,7 +15,6 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from typing_extensions import override
 
 from lightning_accel._checks import check_int, is_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource, fit_data_holder
 from lightning_accel.callbacks._fit.step_runner import (
     StepRunner,
@@ -25,6 +24,7 @@ from lightning_accel.callbacks._fit.step_runner import (
 )
 from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, rank_zero_print
 from lightning_accel.core.utilisation import usable_cores_per_rank
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

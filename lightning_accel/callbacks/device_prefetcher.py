@@ -32,8 +32,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.prefetch import PrefetchingLoader
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

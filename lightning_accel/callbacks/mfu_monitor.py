@@ -13,13 +13,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.trainer_state import compute_dtype, gather_floats, rank_zero_print, sync_fn
 from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
 from lightning_accel.core.peak import PeakFlops, format_flops, resolve_peak_flops
 from lightning_accel.core.throughput import WindowedThroughput
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -12,8 +12,8 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._checks import check_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.core.checkpointing import clean_module_name
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 _compat.require_versions("NonFiniteGuard")
 

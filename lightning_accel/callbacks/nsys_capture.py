@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel._checks import check_int, is_int
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

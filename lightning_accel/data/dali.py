@@ -27,6 +27,7 @@ from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data._dali_source import _BatchSource
 from lightning_accel.data.image_index import CorruptImageError, ImageIndex, ImageSource, resolve_image_source
 from lightning_accel.data.sharding import epoch_plan, num_batches
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -544,6 +545,7 @@ class DALIImageDataModule(pl.LightningDataModule):
 
     @override
     def teardown(self, stage: str) -> None:
+        finish_collectives_at_teardown(self, self.trainer)
         for loader in self._loaders.values():
             loader.close()
         self._loaders.clear()

@@ -33,6 +33,7 @@ from lightning_accel._atomic import atomic_path, atomic_write_json
 from lightning_accel._checks import check_int
 from lightning_accel.core.utilisation import usable_cores_per_rank
 from lightning_accel.data._progress import progress
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 __all__ = ["INDEX_FILE", "MemmapDataModule", "MemmapDataset", "TokenMemmapDataset", "pack_memmap", "read_memmap_index"]
 
@@ -481,6 +482,10 @@ class MemmapDataModule(pl.LightningDataModule):
         for split, path in (("train", self.train_path), ("val", self.val_path)):
             if path is not None and split not in self.datasets:
                 self.datasets[split] = self._dataset(path)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        finish_collectives_at_teardown(self, self.trainer)
 
     def loader_settings(self) -> dict[str, Any]:
         """The DataLoader keyword arguments this module uses (resolved against the attached Trainer)."""

@@ -46,7 +46,7 @@ from typing import Any
 
 from typing_extensions import override
 
-__all__ = ["FinishesOutstandingWork", "finish_outstanding_work"]
+__all__ = ["FinishesOutstandingWork", "finish_collectives_at_teardown", "finish_outstanding_work"]
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,31 @@ class FinishesOutstandingWork:
         if not ended_on_exception:
             finish_outstanding_work()
         super().teardown()  # type: ignore[misc]
+
+
+_PACKAGE = "lightning_accel."
+
+
+def _is_ours(component: object) -> bool:
+    # a user's subclass of one of our callbacks or data modules is ours too
+    return any(cls.__module__.startswith(_PACKAGE) for cls in type(component).__mro__)
+
+
+def finish_collectives_at_teardown(component: object, trainer: Any) -> None:
+    """From the ``teardown`` hook of one of our callbacks or data modules: :func:`finish_outstanding_work` if
+    ``component`` is the last of ours that Lightning tears down and the strategy is not one of ours; collective.
+
+    Lightning's own strategies (``"ddp"``, ``"fsdp"``, ``"deepspeed"``) end without it, so a Trainer that holds any of
+    our callbacks or data modules runs it from theirs. Only the last of ours in the order Lightning calls those hooks
+    (the data module, then ``trainer.callbacks``) runs it: once per entry point, and the same barriers on every rank,
+    which holds the same components in the same order. Lightning calls ``teardown`` only after an entry point that
+    ended normally, so a rank that died is never waited for.
+    """
+    if trainer is None or trainer.world_size < 2:  # a data module used outside a Trainer, or one process
+        return
+    if isinstance(trainer.strategy, FinishesOutstandingWork):
+        return  # it ran in the strategy's teardown, which Lightning calls before these hooks
+    in_teardown_order = [trainer.datamodule, *trainer.callbacks]
+    ours = [c for c in in_teardown_order if c is not None and _is_ours(c)]
+    if ours and ours[-1] is component:
+        finish_outstanding_work()

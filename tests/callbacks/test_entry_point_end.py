@@ -1,5 +1,6 @@
-"""Under Lightning's own multi-process strategies the last of our callbacks on the Trainer completes the outstanding
-collectives at the end of each entry point (callbacks/_fit/entry_point_end.py), once, and never twice with ours."""
+"""Under Lightning's own multi-process strategies the last of our callbacks and data modules on the Trainer completes
+the outstanding collectives at the end of each entry point (finish_collectives_at_teardown), once, and not under a
+strategy of ours, which did it already."""
 
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ def _public_callbacks() -> list[type[Callback]]:
     return [c for c in classes if inspect.isclass(c) and issubclass(c, Callback)]
 
 
-def _trainer(callbacks: list[Callback], *, world_size: int = 2, strategy: object | None = None) -> object:
-    return types.SimpleNamespace(world_size=world_size, strategy=strategy or object(), callbacks=callbacks)
+def _trainer(
+    callbacks: list[Callback], *, world_size: int = 2, strategy: object | None = None, datamodule: object = None
+) -> object:
+    return types.SimpleNamespace(
+        world_size=world_size, strategy=strategy or object(), callbacks=callbacks, datamodule=datamodule
+    )
 
 
 def _teardown_all(trainer: object) -> int:
+    """Lightning's order: the data module's ``teardown``, then each callback's."""
     with mock.patch.object(outstanding_work, "finish_outstanding_work") as finish:
+        if trainer.datamodule is not None:  # type: ignore[attr-defined]
+            trainer.datamodule.trainer = trainer  # type: ignore[attr-defined]
+            trainer.datamodule.teardown("fit")  # type: ignore[attr-defined]
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             callback.teardown(trainer, mock.MagicMock(), "fit")  # type: ignore[arg-type]
     return finish.call_count
@@ -59,6 +68,13 @@ def test_a_subclass_of_one_of_ours_counts_as_ours():
         assert finish.call_count == 0  # not the last of ours
         last.teardown(_trainer([first, last]), mock.MagicMock(), "fit")  # type: ignore[arg-type]
         assert finish.call_count == 1
+
+
+def test_a_data_module_of_ours_runs_the_barriers_when_no_callback_of_ours_follows(tmp_path):
+    datamodule = lightning_accel.MemmapDataModule(train=tmp_path)
+    assert _teardown_all(_trainer([LearningRateMonitor()], datamodule=datamodule)) == 1
+    # with a callback of ours after it, only the callback runs them
+    assert _teardown_all(_trainer([lightning_accel.MFUMonitor()], datamodule=datamodule)) == 1
 
 
 def test_not_under_a_strategy_of_ours_which_finished_in_its_own_teardown():

@@ -18,7 +18,6 @@ from typing_extensions import override
 
 from lightning_accel._checks import check_int
 from lightning_accel.attention import SDPABackendRecorder
-from lightning_accel.callbacks._fit.entry_point_end import finish_collectives_at_teardown
 from lightning_accel.callbacks._fit.trainer_state import gather_floats, rank_zero_print
 from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.callbacks.doctor.attribution import DoctorAttribution
@@ -47,6 +46,7 @@ from lightning_accel.core.stages import StageMachine, StageWindow
 from lightning_accel.core.verdict import build_report, place_finding
 from lightning_accel.core.window_log import WINDOW_LOG_SUFFIX, WindowLogWriter
 from lightning_accel.core.window_row import RankWindow
+from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
