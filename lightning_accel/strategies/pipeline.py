@@ -125,6 +125,11 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 _DP_COMPRESSIONS = ("fp16", "bf16", "topk", "qsgd")
+#: the first-batch check's tolerance on ``|pipeline - reference| / max(1, |reference|)``, by the dtype both losses
+#: are computed in: fp32 (and fp64) differ only by the order of the micro-batches' sums; a half-precision loss is
+#: rounded to its 8 (bf16) or 11 (fp16) significant bits and the pipeline and its reference (on the host) may run
+#: different kernels, so a few units of that rounding (bf16: 2^-8 = 0.4 %, fp16: 2^-11) are allowed
+_LOSS_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 __all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "measure_stage_costs", "pp", "pp_ddp"]
 
@@ -213,7 +218,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         density: float = 0.01,
         levels: int = 7,
         balance: Literal["parameters", "time"] = "parameters",
-        balance_shape: tuple[int, int] = (2, 8),
+        balance_shape: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         if schedule not in SCHEDULES:
@@ -240,13 +245,14 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
         if balance not in ("parameters", "time"):
             raise ValueError(f"PipelineStrategy(balance={balance!r}): use 'parameters' (the default) or 'time'")
-        if (
+        if balance_shape is not None and (
             not isinstance(balance_shape, (tuple, list))
             or len(balance_shape) != 2
             or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in balance_shape)
         ):
             raise ValueError(
-                f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), two integers >= 1"
+                f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), two integers >= 1 "
+                "(or None, the default: one micro-batch of the module's own first batch)"
             )
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
@@ -278,7 +284,8 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
         self._layout: _Layout | None = None
         self.compression = compression
-        self.balance, self.balance_shape = balance, tuple(balance_shape)
+        self.balance = balance
+        self.balance_shape = tuple(balance_shape) if balance_shape is not None else None
         self._compression_knobs = (
             {"density": float(density)}
             if compression == "topk"
@@ -287,6 +294,11 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         #: the data-parallel gradient exchange's counters (:class:`~.ddp_compression.CommStats`; pp_ddp only)
         self.comm_stats: Any = None
         self._dp_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: the ``ddp_<compression>`` strategy object whose state-dict methods save and restore the compressor's state
+        self._compression_holder: Any = None
+        self._saved_compression: dict[str, Any] | None = None  # from a checkpoint, until the hook is made
+        #: the first-batch loss check's numbers: pipeline, reference, the dtype compared in and its tolerance
+        self.loss_check: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- sizes and groups
     def resolve_sizes(self, world: int) -> tuple[int, int]:
@@ -326,6 +338,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self.pp_rank, self.dp_rank = rank // self.dp_size, rank % self.dp_size
         self._pp_group = self._dp_group = None
         self._dp_hook = None  # a compression hook's state is bound to the replica group
+        self._compression_holder = None
         # every rank creates every group, in the same order (torch's new_group contract). Each group carries this
         # strategy's timeout: gloo's point-to-point waits keep the timeout their group was created with, so the
         # world group (created before this strategy, perhaps by an earlier fit) would not honour ``timeout``.
@@ -369,7 +382,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             )
         return children[0]
 
-    def _split(self, module: pl.LightningModule) -> None:
+    def _split(self, module: pl.LightningModule, sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Find the structure, check it on ``sample`` (the module's own first batch: ``(inputs, targets)``), plan
+        the stages and keep this rank's."""
         attr, net = self._network(module)
         hook = getattr(module, "pipeline_layout", None)
         layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net)
@@ -379,7 +394,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         m = self._microbatches_arg or (num_stages if SCHEDULES[self.schedule_name][1] else self.pp_size)
         check_schedule(self.schedule_name, num_stages=num_stages, pipeline_ranks=self.pp_size, microbatches=m)
         self.microbatches = m
-        self._check_split(layout)
+        self._check_split(layout, sample[0] if sample is not None else None)
         # every parameter must belong to the embedding, a block or the head
         placed = {
             id(p) for path in layout.first + layout.last + [layout.blocks] for p in net.get_submodule(path).parameters()
@@ -403,7 +418,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             if id(p) in first_ids
         ]
         if self.balance == "time" and self.blocks_per_stage is None:
-            first_cost, costs, last_cost = self._timed_costs(layout)
+            first_cost, costs, last_cost = self._timed_costs(layout, sample)
             unit = "µs fwd+bwd"
         else:
             costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
@@ -443,14 +458,22 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 + (f"\n  tied across first and last stage: {self._tied}" if self._tied else "")
             )
 
-    def _timed_costs(self, layout: _Layout) -> tuple[float, list[float], float]:
-        """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) and every rank gets its numbers,
-        so all ranks build the same plan."""
+    def _timed_costs(
+        self, layout: _Layout, sample: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[float, list[float], float]:
+        """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) on one micro-batch of its first
+        batch (synthetic token ids of ``balance_shape`` when that is given, or when there is no batch) and every
+        rank gets its numbers, so all ranks build the same plan."""
         import torch.distributed as dist
 
-        mine = (
-            measure_stage_costs(layout, self.root_device, shape=self.balance_shape) if self.global_rank == 0 else None
-        )
+        probe: dict[str, Any]
+        if self.balance_shape is None and sample is not None:
+            inputs, targets = sample
+            rows = max(1, inputs.shape[0] // self.microbatches) if inputs.dim() else 1
+            probe = {"inputs": _rows(inputs, rows), "targets": _rows(targets, rows), "loss": self._user_loss}
+        else:
+            probe = {"shape": self.balance_shape or (2, 8)}
+        mine = measure_stage_costs(layout, self.root_device, **probe) if self.global_rank == 0 else None
         if dist.is_available() and dist.is_initialized():
             box = [mine]
             dist.broadcast_object_list(box, src=0)
@@ -458,25 +481,36 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         assert mine is not None
         return mine
 
-    def _check_split(self, layout: _Layout) -> None:
-        """The stages in sequence must be the network's own forward (on a synthetic batch, in eval mode)."""
+    def _check_split(self, layout: _Layout, inputs: torch.Tensor | None = None) -> None:
+        """The stages in sequence must be the network's own forward, in eval mode, on the first two rows of
+        ``inputs`` (the module's own first batch: float features, images, token ids, whatever it trains on); without
+        a batch, on synthetic token ids for a network whose first piece is an ``nn.Embedding``."""
         net = layout.net
+        x = _rows(inputs, 2) if inputs is not None else layout.synthetic_ids((2, 8))
+        if x is None:
+            raise ValueError(
+                f"pipeline: no batch to check the split of {type(net).__name__} on: its first piece "
+                f"({type(net.get_submodule(layout.first[0])).__name__}) does not take token ids, and the Trainer "
+                "gave no loader to read its first batch from; give the LightningModule a train_dataloader() (or "
+                "pass the loader to trainer.fit)"
+            )
+        home = next((t.device for t in net.parameters() if t.device.type != "meta"), None)
+        if home is not None:
+            x = x.to(home)
         was = net.training
         net.eval()
         try:
-            gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, layout.vocab(), (2, 8), generator=gen)
             with torch.no_grad():
-                want = _logits(net(ids))
-                h = layout.embed(ids)
+                want = _logits(net(x))
+                h = layout.embed(x)
                 ctx = layout.context(h)
                 for block in layout.block_list():
                     h = layout.call_block(block, h, ctx)
                 got = layout.head(h)
         except Exception as err:
             raise ValueError(
-                f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
-                "it with pipeline_layout()"
+                f"pipeline: running {type(net).__name__} as {layout.name} on its first batch (inputs "
+                f"{tuple(x.shape)} {x.dtype}) failed ({err!r}); describe it with pipeline_layout()"
             ) from err
         finally:
             net.train(was)
@@ -487,6 +521,38 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 f"(max |difference| {diff:.3g}): its forward does more than embed → blocks → head; "
                 "describe it with pipeline_layout()"
             )
+
+    def _sample_batch(self, trainer: pl.Trainer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(inputs, targets)`` of the first batch of the loader this run reads (the train loader for ``fit``),
+        as the user's loader gives it: what the split check and the stage-cost probe run on. ``None`` when the run
+        has no loader to read (the checks then fall back to token ids, for a network that takes them).
+
+        The loader's ``*_dataloader()`` hook is called once more for this (Lightning calls it again for the run),
+        and one batch is read from a fresh iterator, with the global random generator saved and restored around it
+        (a shuffling sampler draws its seed from it): the run's data order and random draws are unchanged."""
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.pytorch.utilities import CombinedLoader
+
+        from lightning_accel._compat import stage_data_source
+
+        source = stage_data_source(trainer)
+        if source is None or not source.is_defined():
+            return None
+        with torch.random.fork_rng(devices=[]):
+            loader = source.dataloader()
+            if loader is None:
+                return None
+            combined = CombinedLoader(
+                loader, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
+            )
+            try:
+                iter(combined)
+                batch = next(combined)[0]
+            except StopIteration:
+                return None
+            finally:
+                combined.reset()
+        return self._pipeline_batch(batch)
 
     def _broadcast_weights(self, module: nn.Module) -> None:
         import torch.distributed as dist
@@ -538,7 +604,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 )
             self._make_groups()
             self._broadcast_weights(module)
-            self._split(module)
+            self._split(module, self._sample_batch(trainer))
             self._split_module = module
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -617,10 +683,13 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         hook = getattr(module, "pipeline_batch", None)
         return hook(batch) if callable(hook) else default_pipeline_batch(batch)
 
-    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _user_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch: the module's ``pipeline_loss``, else the token cross-entropy."""
         hook = getattr(self.lightning_module, "pipeline_loss", None)
-        loss = hook(output, target) if callable(hook) else token_cross_entropy(output, target)
-        return loss / self._loss_divisor
+        return hook(output, target) if callable(hook) else token_cross_entropy(output, target)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._user_loss(output, target) / self._loss_divisor
 
     @property
     def _has_first(self) -> bool:
@@ -799,7 +868,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
             # the check is not a step: what training_step logs is not logged (Lightning also refuses logging here)
             module.log, module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
-            with torch.no_grad():
+            # like with like: the reference computes in the pipeline's precision (its autocast, on the host)
+            autocast, dtype = self._reference_precision(module)
+            with torch.no_grad(), autocast:
                 out = module.training_step(*cpu_args[0], **cpu_args[1])
         finally:
             del module.log, module.log_dict
@@ -813,7 +884,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)"
             )
         own_f = float(own)
-        if abs(own_f - piped) > 1e-4 * max(1.0, abs(own_f)):
+        rtol = _LOSS_RTOL.get(dtype, _LOSS_RTOL[torch.float32])
+        self.loss_check = {"pipeline": piped, "reference": own_f, "dtype": str(dtype), "rtol": rtol}
+        if not abs(own_f - piped) <= rtol * max(1.0, abs(own_f)):
             hooks = (
                 "your pipeline_loss / pipeline_batch"
                 if hasattr(module, "pipeline_loss")
@@ -824,10 +897,27 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             )
             raise ValueError(
                 f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
-                f"{type(module).__name__}.training_step's ({own_f:.6g}); define "
+                f"{type(module).__name__}.training_step's ({own_f:.6g}) by more than {rtol:g} (relative, both "
+                f"computed in {str(dtype).replace('torch.', '')}); define "
                 "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
                 "LightningModule so that they compute your loss"
             )
+
+    def _reference_precision(self, module: nn.Module) -> tuple[Any, torch.dtype]:
+        """The autocast the first-batch reference runs in (always on the host) and the dtype the comparison is in:
+        under mixed precision (``bf16-mixed``, ``16-mixed``) an autocast of the pipeline's own dtype, so both losses
+        come from the same arithmetic; otherwise the parameters' dtype (``32-true``, ``bf16-true``) and no autocast
+        beyond what is already active."""
+        from contextlib import nullcontext
+
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision):
+            dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+            return torch.autocast("cpu", dtype=dtype), dtype
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        return nullcontext(), dtype
 
     def _restore_offstage(self) -> dict[str, nn.Module]:
         assert self._layout is not None
@@ -891,26 +981,50 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         from lightning_accel.strategies import compression_hooks
-        from lightning_accel.strategies.ddp_compression import CommStats
 
-        self.comm_stats = CommStats()
-        if self.compression == "fp16":
-            return self._dp_group, default_hooks.fp16_compress_hook
-        if self.compression == "bf16":
-            return self._dp_group, default_hooks.bf16_compress_hook
+        if self.compression in ("fp16", "bf16"):
+            self._attach_compressor_state(None)  # no compressor state: the counters only
+            cast = default_hooks.fp16_compress_hook if self.compression == "fp16" else default_hooks.bf16_compress_hook
+            return self._dp_group, cast
+        state: Any
         if self.compression == "topk":
             from lightning_accel.strategies.ddp_compression import DEFAULT_DENSITY_WARMUP_STEPS
 
             # ddp_topk's density warm-up; its momentum correction and Adam warm-up are not applied here
             knobs: dict[str, Any] = {"density_warmup_steps": DEFAULT_DENSITY_WARMUP_STEPS, **self._compression_knobs}
-            return (
+            state, hook = (
                 compression_hooks.TopKState(process_group=self._dp_group, **knobs),
                 compression_hooks.topk_hook,
             )
-        return (
-            compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs),
-            compression_hooks.qsgd_hook,
-        )
+        else:
+            state = compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs)
+            hook = compression_hooks.qsgd_hook
+        self._attach_compressor_state(state)
+        return state, hook
+
+    def _holder(self) -> Any:
+        """A ``DDPCompressionStrategy`` of this compression, never set up: it holds the replica average's compressor
+        state so that its own ``compression_state_dict`` / ``load_compression_state_dict`` save and restore it, in
+        ``ddp_topk`` / ``ddp_qsgd``'s checkpoint format (one copy of that code)."""
+        if self._compression_holder is None:
+            from lightning_accel.strategies.ddp_compression import DDPCompressionStrategy
+
+            holder = DDPCompressionStrategy(compression=self.compression, **self._compression_knobs)  # type: ignore[arg-type]
+            holder.cluster_environment = self.cluster_environment  # its ranks are this run's
+            self._compression_holder = holder
+        return self._compression_holder
+
+    def _attach_compressor_state(self, state: Any | None) -> None:
+        """Give the new compressor state to the holder, with a mover that splits the stage's one flat bucket into
+        per-parameter pieces (the checkpoint's format), then restore a checkpoint's state into it."""
+        module = self.lightning_module
+        holder = self._holder()
+        holder.compressor_state = state
+        holder._make_mover(list(module.parameters()))  # same package: ddp_compression's per-parameter layout
+        if self._saved_compression is not None:
+            holder.load_compression_state_dict(self._saved_compression)
+            self._saved_compression = None
+        self.comm_stats = holder.comm_stats  # restored counters, or the holder's fresh ones
 
     def _reduce_compressed(self, params: list[nn.Parameter]) -> None:
         """Average the stage's gradients over the replicas through a DDP compression hook: all of them as one
@@ -920,6 +1034,10 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         state, hook = self._dp_hook
         flat = torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in params])  # type: ignore[union-attr]
         bucket = _FlatBucket(flat, params)
+        holder = self._compression_holder
+        if holder is not None and holder._mover is not None:  # the residual follows its parameters (a resume)
+            layout = [holder._param_index[id(p)] for p in params]
+            holder._mover.enter(state, 0, layout, flat.device)
         started = getattr(state, "iter", 0) >= getattr(state, "start_iter", 0)
         sent_before = getattr(state, "bytes_sent", 0)
         reduced = hook(state, bucket).wait()
@@ -975,6 +1093,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             "state_dict": cpu(checkpoint.get("state_dict", {})),
             "optimizer_states": cpu(checkpoint.get("optimizer_states", [])),
         }
+        compression = self._compression_state_dict()  # a collective (every rank's residuals), before the gather
         gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
         dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
         if not self.is_global_zero:
@@ -995,7 +1114,42 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "schedule": self.schedule_name,
             },
         }
+        if compression is not None:
+            from lightning_accel.strategies.ddp_compression import _CHECKPOINT_KEY
+
+            checkpoint[_CHECKPOINT_KEY] = compression
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _compression_state_dict(self) -> dict[str, Any] | None:
+        """``pp_ddp``'s compressor state as ``ddp_<compression>`` saves it (None without compression); a collective."""
+        if self.compression is None:
+            return None
+        if self._dp_hook is None and self._saved_compression is not None:  # restored, not yet applied: kept as is
+            return self._saved_compression
+        holder = self._holder()
+        if self.comm_stats is not None:
+            holder.comm_stats = self.comm_stats
+        return holder.compression_state_dict()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.compression is not None:
+            from lightning_accel.strategies.ddp_compression import _CHECKPOINT_KEY
+
+            saved = checkpoint.get(_CHECKPOINT_KEY)
+            if saved is None:
+                rank_zero_warn(
+                    f"pp_ddp: the checkpoint {checkpoint_path} holds no compression state (written without "
+                    "compression, or by a release that did not save it): the compressor restarts from zero (Top-K's "
+                    "error-feedback residuals and its warm-up, QSGD's random generator), so the resumed run differs "
+                    "from an uninterrupted one"
+                )
+            else:
+                self._saved_compression = saved
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -1047,6 +1201,11 @@ class _FlatBucket:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows (samples) of a batch tensor."""
+    return t[:n] if t.dim() else t
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -51,9 +51,13 @@ class _Layout:
     def block_list(self) -> nn.ModuleList:
         return self.net.get_submodule(self.blocks)  # type: ignore[return-value]
 
-    def vocab(self) -> int:
+    def synthetic_ids(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Token ids of ``shape`` (seeded) when the first piece is an ``nn.Embedding``; ``None`` for any other
+        input, whose dtype and shape only a real batch can give."""
         emb = self.net.get_submodule(self.first[0])
-        return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else 16
+        if not isinstance(emb, nn.Embedding):
+            return None
+        return torch.randint(0, int(emb.num_embeddings), shape, generator=torch.Generator().manual_seed(0))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -342,14 +346,34 @@ def measure_stage_costs(
     layout: _Layout,
     device: torch.device,
     *,
+    inputs: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     shape: tuple[int, int] = (2, 8),
     reps: int = 3,
 ) -> tuple[float, list[float], float]:
     """Forward + backward time (µs, the median of ``reps`` after one warm-up) of the embedding, of every block and
-    of the head with the token cross-entropy, on a synthetic batch of ``shape`` token ids, on ``device``. What is
-    not a block stays on the device during the measurement, the blocks go there one at a time (and everything goes
-    back after), so a model whose blocks do not fit the device together can still be measured.
+    of the head with the loss, on ``device``.
+
+    The batch is ``inputs`` / ``targets`` (what goes into the first stage and the last stage's target: the strategy
+    passes one micro-batch of the module's own first batch, so float inputs, images and any shape are measured as
+    they train) and ``loss(logits, targets)`` (default: :func:`token_cross_entropy`). Without ``inputs``, a seeded
+    batch of ``shape`` token ids (next-token targets) for a network whose first piece is an ``nn.Embedding``. What
+    is not a block stays on the device during the measurement, the blocks go there one at a time (and everything
+    goes back after), so a model whose blocks do not fit the device together can still be measured.
     """
+    if inputs is None:
+        ids = layout.synthetic_ids(shape)
+        if ids is None:
+            raise ValueError(
+                f"measure_stage_costs: {type(layout.net).__name__}'s first piece "
+                f"({type(layout.net.get_submodule(layout.first[0])).__name__}) does not take token ids; pass "
+                "inputs= and targets= (one micro-batch of a real batch)"
+            )
+        inputs, targets = ids, ids.roll(-1, dims=1)
+    if targets is None:
+        raise ValueError("measure_stage_costs: inputs= needs targets= (the last stage's target for the loss)")
+    loss_fn = loss if loss is not None else token_cross_entropy
     net = layout.net
     blocks = layout.block_list()
     in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
@@ -372,21 +396,21 @@ def measure_stage_costs(
         net.train()
         for t in rest:
             t.data = t.data.to(device)
-        ids = torch.randint(0, layout.vocab(), shape, generator=torch.Generator().manual_seed(0)).to(device)
-        first = timed(lambda: layout.embed(ids))
+        x, y = inputs.to(device), targets.to(device)
+        first = timed(lambda: layout.embed(x))
         with torch.no_grad():
-            h = layout.embed(ids)
+            h = layout.embed(x)
         ctx = layout.context(h)
         costs = []
         for block in blocks:
             home = next(iter(block.parameters()), torch.empty(0)).device
             block.to(device)
-            x = h.detach().requires_grad_(True)
-            costs.append(timed(lambda b=block, x=x: layout.call_block(b, x, ctx)))
+            hb = h.detach().requires_grad_(h.is_floating_point())
+            costs.append(timed(lambda b=block, hb=hb: layout.call_block(b, hb, ctx)))
             block.zero_grad(set_to_none=True)
             block.to(home)
-        x = h.detach().requires_grad_(True)
-        last = timed(lambda: token_cross_entropy(layout.head(x), ids.roll(-1, dims=1)))
+        hl = h.detach().requires_grad_(h.is_floating_point())
+        last = timed(lambda: loss_fn(layout.head(hl), y))
     finally:
         net.zero_grad(set_to_none=True)
         for t, data in zip(rest, homes):
