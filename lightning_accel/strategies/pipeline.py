@@ -883,10 +883,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
                 "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)"
             )
-        own_f = float(own)
+        self._compare_losses(module, piped, float(own), dtype)
+
+    def _compare_losses(self, module: nn.Module, piped: float, own: float, dtype: torch.dtype) -> None:
+        """Refuse the run unless the pipeline's first-batch loss ``piped`` is the module's own ``own``, both
+        computed in ``dtype``, within that dtype's tolerance (:data:`_LOSS_RTOL`); the numbers go to
+        :attr:`loss_check`."""
         rtol = _LOSS_RTOL.get(dtype, _LOSS_RTOL[torch.float32])
-        self.loss_check = {"pipeline": piped, "reference": own_f, "dtype": str(dtype), "rtol": rtol}
-        if not abs(own_f - piped) <= rtol * max(1.0, abs(own_f)):
+        self.loss_check = {"pipeline": piped, "reference": own, "dtype": str(dtype), "rtol": rtol}
+        if not abs(own - piped) <= rtol * max(1.0, abs(own)):
             hooks = (
                 "your pipeline_loss / pipeline_batch"
                 if hasattr(module, "pipeline_loss")
@@ -897,7 +902,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             )
             raise ValueError(
                 f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
-                f"{type(module).__name__}.training_step's ({own_f:.6g}) by more than {rtol:g} (relative, both "
+                f"{type(module).__name__}.training_step's ({own:.6g}) by more than {rtol:g} (relative, both "
                 f"computed in {str(dtype).replace('torch.', '')}); define "
                 "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
                 "LightningModule so that they compute your loss"
