@@ -963,23 +963,34 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         import torch.distributed as dist
 
         module = self.lightning_module
-        params = dict(module.named_parameters(remove_duplicate=False))
-        if self._tied and self._tie_group is not None:
-            prefix = self._net_attr + "."
-            for first, last in self._tied:
-                name = prefix + (first if self._has_first else last)
-                p = params.get(name)
-                if p is not None and (self._has_first or self._has_last):
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                    dist.all_reduce(grad, group=self._tie_group)
-                    p.grad = grad
+        self._reduce_tied(average=False)
         if self._dp_group is not None and self.compression is not None:
             self._reduce_compressed([p for p in module.parameters() if p.grad is not None])
+            if self.compression in ("topk", "qsgd"):
+                # Top-K selects and QSGD rounds over each stage's own flat bucket, so the first and the last stage
+                # would apply different updates to their copies of a tied weight, which would drift apart: both take
+                # the mean of the two compressed averages (each an estimate of the same gradient)
+                self._reduce_tied(average=True)
         elif self._dp_group is not None:
             for p in module.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(self.dp_size)
+
+    def _reduce_tied(self, *, average: bool) -> None:
+        """All-reduce the tied weights' gradients between the first and the last stage (sum, or mean)."""
+        import torch.distributed as dist
+
+        if not (self._tied and self._tie_group is not None and (self._has_first or self._has_last)):
+            return
+        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        prefix = self._net_attr + "."
+        for first, last in self._tied:
+            p = params.get(prefix + (first if self._has_first else last))
+            if p is not None:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad, group=self._tie_group)
+                p.grad = grad.div_(2) if average else grad
 
     def _make_dp_hook(self) -> tuple[Any, Callable[..., Any]]:
         """(state, hook): the hook ``ddp_<compression>`` registers with DDP, over the replica group."""
@@ -1026,9 +1037,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         holder = self._holder()
         holder.compressor_state = state
         holder._make_mover(list(module.parameters()))  # same package: ddp_compression's per-parameter layout
-        if self._saved_compression is not None:
-            holder.load_compression_state_dict(self._saved_compression)
+        saved = self._saved_compression
+        if saved is not None:
+            holder.load_compression_state_dict(saved)
             self._saved_compression = None
+            by_rank = saved.get("comm_stats_of_ranks")
+            if holder.compression == saved.get("compression") and by_rank and len(by_rank) == self.world_size:
+                from lightning_accel.strategies.ddp_compression import CommStats
+
+                holder.comm_stats = CommStats(**by_rank[self.global_rank])  # this rank's own counters
         self.comm_stats = holder.comm_stats  # restored counters, or the holder's fresh ones
 
     def _reduce_compressed(self, params: list[nn.Parameter]) -> None:
@@ -1131,10 +1148,21 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             return None
         if self._dp_hook is None and self._saved_compression is not None:  # restored, not yet applied: kept as is
             return self._saved_compression
+        from dataclasses import asdict
+
+        import torch.distributed as dist
+
         holder = self._holder()
         if self.comm_stats is not None:
             holder.comm_stats = self.comm_stats
-        return holder.compression_state_dict()
+        state = holder.compression_state_dict()
+        # the counters differ by stage (ddp_<compression>'s are rank 0's, the same on every rank there): every rank's
+        mine = asdict(holder.comm_stats)
+        ranks: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        return {**state, "comm_stats_of_ranks": ranks}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

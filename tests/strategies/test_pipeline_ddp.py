@@ -677,9 +677,14 @@ def fit(kwargs, epochs, ckpt_path=None, save=None):
     t.fit(task, ckpt_path=ckpt_path)
     if save:
         t.save_checkpoint(save)
-    state = t.strategy._dp_hook[0]
+    s = t.strategy
+    state = s._dp_hook[0]
     residual = getattr(state, "error_dict", {}).get(0)
-    return t, {"iter": state.iter, "stats": t.strategy.comm_stats.as_dict(),
+    # the tied embedding: the first stage's copy and the last stage's, whichever this rank holds
+    params = dict(task.named_parameters(remove_duplicate=False))
+    (first, last), = s._tied
+    tied = next(params[n] for n in ("model." + first, "model." + last) if n in params)
+    return t, {"iter": state.iter, "stats": s.comm_stats.as_dict(), "tied": tied.detach().double().tolist(),
                "residual": None if residual is None else float(residual.abs().sum())}, [
         p.detach().clone() for p in task.parameters()]
 
@@ -716,6 +721,9 @@ def test_pp_ddp_resumes_its_compressor_state_like_an_uninterrupted_run(ddp_scrip
             # the replica average continued with its state: the weights are the uninterrupted run's, bit for bit
             assert r[f"{name}_diff"] == 0.0, (name, r[f"{name}_diff"])
         assert r["topk_first"]["residual"] > 0 and r["topk_resumed"]["residual"] == r["topk_straight"]["residual"]
+    for name in ("topk", "qsgd"):  # each stage compresses its own bucket; the copies of the tied weight stay one
+        for d in (0, 1):  # replica d: the first stage on rank d, the last on rank 2 + d
+            assert ranks[d][f"{name}_straight"]["tied"] == ranks[2 + d][f"{name}_straight"]["tied"], (name, d)
     saved = ranks[0]["topk_saved"]
     assert saved["world"] == 4 and saved["iters"] == [steps] * 4
     assert all(pieces for pieces in saved["pieces"])  # every rank's residual, per parameter of its stage
