@@ -699,9 +699,9 @@ for name, kwargs in RUNS:
     t, out[f"{name}_straight"], straight = fit(kwargs, 2)
     out[f"{name}_diff"] = max((a - b).abs().max().item() for a, b in zip(resumed, straight))
     if t.global_rank == 0:
-        saved = torch.load(ckpt, weights_only=True)["lightning_accel_ddp_compression"]
-        out[f"{name}_saved"] = {"world": saved["world_size"], "iters": [r["iter"] for r in saved["ranks"]],
-                                "pieces": [sorted(r["pieces"].get("error_dict", {})) for r in saved["ranks"]]}
+        saved = torch.load(ckpt, weights_only=True).get("lightning_accel_ddp_compression")
+        out[f"{name}_saved"] = saved and {"world": saved["world_size"], "iters": [r["iter"] for r in saved["ranks"]],
+                                          "pieces": [sorted(r["pieces"].get("error_dict", {})) for r in saved["ranks"]]}
 with open(f"resume_rank{t.global_rank}.json", "w") as fh:
     json.dump(out, fh)
 """
