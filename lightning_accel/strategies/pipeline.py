@@ -2,8 +2,8 @@
 
 The network's repeated blocks are divided over the pipeline ranks (:func:`~lightning_accel.core.pipeline_plan.
 plan_stages`: contiguous runs balanced by parameter count, or with ``balance="time"`` by forward + backward time
-measured by :func:`measure_stage_costs` on rank 0 on a synthetic ``balance_shape`` batch, one block at a time on the
-device, every rank getting rank 0's numbers; the embedding with the first stage, the final norm, head and loss with
+measured by :func:`measure_stage_costs` on rank 0 on one micro-batch of the module's own first batch, one block at a
+time on the device, every rank getting rank 0's numbers; the embedding with the first stage, the final norm, head and loss with
 the last), each rank keeps only its stage(s), and every training step runs one
 ``torch.distributed.pipelining`` schedule over the batch cut into micro-batches:
 
@@ -19,11 +19,14 @@ schedule                what it does
 ``network="attr"``): Hugging Face decoder LMs (``LlamaForCausalLM``-shaped: ``model.embed_tokens`` →
 ``model.layers`` → ``model.norm`` → ``lm_head``, rotary position embeddings recomputed on every stage; and
 ``GPT2LMHeadModel``), litgpt ``GPT``, and nanoGPT-shaped models (token and position embeddings → an
-``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`). Before
-the first step the split is checked: the stages run in sequence in one process reproduce the network's own forward
-on a synthetic batch, or the strategy refuses with what to give instead (``pipeline_layout``, below). Tied input and
-output embeddings (GPT-2, nanoGPT, the demo GPT) stay tied: the first and last stage each hold the weight and their
-gradients are summed before every optimizer step.
+``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`); any
+other network describes itself with ``pipeline_layout()`` (below), whatever its inputs: token ids, float features,
+images. Before the first step the split is checked: the stages run in sequence in one process reproduce the
+network's own forward on the first two samples of the module's own first batch (the first batch of the loader the
+run reads, through ``pipeline_batch``: ``train_dataloader()`` is called once more for it, and the global random
+generator is restored after, so the run's data order and draws do not change), or the strategy refuses with what to
+give instead. Tied input and output embeddings (GPT-2, nanoGPT, the demo GPT) stay tied: the first and last stage
+each hold the weight and their gradients are summed before every optimizer step.
 
 **The loss.** The batch is ``(inputs, targets)`` (next-token targets already shifted), or token ids alone
 (``ids``, ``(ids,)`` or ``{"input_ids": ids}``: the targets are the ids shifted by one, as Hugging Face's
@@ -31,12 +34,23 @@ gradients are summed before every optimizer step.
 it to the device, before any callback's ``on_train_batch_start``, so MFUMonitor's count and the doctor's step time
 exclude it) the module's own ``training_step`` runs once on the whole (unsplit) network in eval mode without
 gradients, and its loss must equal the pipeline's on that batch (one schedule step in eval mode, its gradients
-discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Modules that need
-something else implement either or both hooks::
+discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Like is compared with
+like: under mixed precision the reference runs in an autocast of the pipeline's dtype (on the host, where it runs:
+the whole network may not fit the device), and the tolerance on ``|pipeline - reference| / max(1, |reference|)`` is
+the dtype's: 1e-4 in fp32 (only the order of the micro-batches' sums differs), 2e-2 in bf16 and 5e-3 in fp16 (a
+loss rounded to 8 or 11 significant bits, on kernels that may differ between the device and the host). Under bf16
+the check therefore tells apart only losses more than 2 % apart. :attr:`PipelineStrategy.loss_check` keeps the
+numbers. Modules that need something else implement any of these hooks::
 
     def pipeline_batch(self, batch) -> tuple[Tensor, Tensor]:   # (what goes into stage 0, the last stage's target)
     def pipeline_loss(self, logits, targets) -> Tensor:          # the loss of one micro-batch (a mean)
     def pipeline_layout(self) -> PipelineLayout:                 # a structure the strategy does not recognise
+
+A ``pipeline_layout()`` names three submodules of the network: ``embed`` takes what ``pipeline_batch`` gives as
+inputs (token ids, features, images), every block of ``blocks`` (an ``nn.ModuleList``) maps one hidden state to the
+next, ``head`` gives the outputs the loss reads; together they must be the network's forward. Class logits ``(B, C)``
+against integer targets ``(B,)`` need no loss hook (the token cross-entropy is then the ordinary cross-entropy);
+float targets (a regression) need ``pipeline_loss``.
 
 After the first batch ``training_step`` is not called: the step's loss (the mean over micro-batches) is what
 Lightning receives, so it reaches ``on_train_batch_end(outputs=...)`` and the progress bar; log it there.
@@ -54,7 +68,9 @@ stages' gradients are averaged over the replicas before the optimizer step. ``co
 :mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults; Top-K with ``ddp_topk``'s density
 warm-up, without its optimizer-dependent momentum correction and Adam warm-up), over the replica group, with all of
 a stage's gradients as one flat bucket; :attr:`PipelineStrategy.comm_stats` counts the bytes before and after
-(:class:`~lightning_accel.strategies.ddp_compression.CommStats`). PowerSGD is not offered here (its per-matrix
+(:class:`~lightning_accel.strategies.ddp_compression.CommStats`). Top-K selects and QSGD rounds each stage's bucket on
+its own, so a tied weight's two copies (first and last stage) then take the mean of their two compressed averages,
+or they would drift apart. PowerSGD is not offered here (its per-matrix
 state expects DDP's buckets). ``"pp_fsdp2"`` is refused with the reason (``strategies/registration.py``'s
 ``REFUSED``): the split and loss checks run the unsplit network in one process while ``fully_shard`` gathers
 parameters only through the wrapped module's own forward, and the gradient hand-back, the tied-embedding sum and
@@ -68,7 +84,12 @@ message, with a note naming the rank and stage.
 **Checkpoints.** ``trainer.save_checkpoint`` gathers every stage on rank 0 and writes one ordinary Lightning file
 whose ``state_dict`` is the whole unsplit model's (``module.load_state_dict(torch.load(path)["state_dict"])`` loads
 it into the unsplit LightningModule: that is the consolidation), and ``optimizer_states`` one list per pipeline
-rank. ``fit(ckpt_path=...)`` resumes with the same number of pipeline ranks and stages.
+rank. ``fit(ckpt_path=...)`` resumes with the same number of pipeline ranks and stages. With ``compression`` the
+compressor's state goes into the file as ``ddp_<compression>`` saves it, under the same key and through the same
+``compression_state_dict`` / ``load_compression_state_dict``: the step counter (Top-K's warm-up does not restart),
+every rank's error-feedback residual in per-parameter pieces, QSGD's generator, and each rank's
+:attr:`comm_stats`; a run resumed at an epoch boundary is the uninterrupted one, bit for bit. A checkpoint without
+that state (written by an earlier release) loads with a warning: the compressor restarts from zero.
 
 Measuring: :attr:`PipelineStrategy.stats` keeps each step's wall time and the time this rank computed in its
 stages; ``BottleneckDoctor`` reports the idle share (the bubble) against ``(P - 1) / (V·m + P - 1)``, and
@@ -82,7 +103,8 @@ Args:
     pipeline_size: ranks per pipeline (``"auto"``: world ÷ data_parallel_size).
     blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
     balance: ``"parameters"`` (default) or ``"time"`` (measured forward + backward time per block).
-    balance_shape: ``(batch, sequence length)`` of the synthetic token ids ``balance="time"`` measures on.
+    balance_shape: ``(batch, sequence length)`` of synthetic token ids for ``balance="time"`` to measure on instead
+        of one micro-batch of the module's own first batch (None, the default).
     network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
     check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
     compression: compress the data-parallel gradient average (``pp_ddp``): ``"fp16"``, ``"bf16"``, ``"topk"``,
