@@ -409,7 +409,8 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         the stages and keep this rank's."""
         attr, net = self._network(module)
         hook = getattr(module, "pipeline_layout", None)
-        layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net)
+        first_rows = _rows(sample[0], 2) if sample is not None else None
+        layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net, first_rows)
         self._layout, self._net_attr = layout, attr
         blocks = layout.block_list()
         num_stages = self._stages_arg or (self.pp_size * (2 if SCHEDULES[self.schedule_name][1] else 1))

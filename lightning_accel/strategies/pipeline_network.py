@@ -163,7 +163,7 @@ _HEAD = ("head", "lm_head", "output")
 
 
 class _NanoGPT(_Layout):
-    name = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
+    name: str = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
 
     def __init__(
         self,
@@ -225,8 +225,15 @@ def _child(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, .
     return None
 
 
-def find_layout(net: nn.Module) -> _Layout:
-    """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead."""
+def find_layout(net: nn.Module, inputs: torch.Tensor | None = None) -> _Layout:
+    """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead.
+
+    Hugging Face decoders and litgpt ``GPT`` by their types; any other network by its structure
+    (:func:`_structural_layout`: embedding(s) → an ``nn.ModuleList`` of repeated blocks → norm → head, found by type
+    and by the order the network's own forward calls them on ``inputs``, its first batch); failing that, by the
+    attribute names nanoGPT-shaped models use (``tok_emb``/``wte``, ``blocks``/``h``/``layers``, ``head``/``lm_head``),
+    a hint where the forward cannot be run.
+    """
     cls = type(net).__name__
     base = getattr(net, "model", None)
     if (
@@ -248,6 +255,9 @@ def find_layout(net: nn.Module) -> _Layout:
                 "split automatically; describe it with pipeline_layout()"
             )
         return _LitGPT(net)
+    found = _structural_layout(net, inputs)
+    if found is not None:
+        return found
     for prefix, holder in (("", net), ("transformer.", tr)):
         if not isinstance(holder, nn.Module):
             continue
@@ -267,12 +277,117 @@ def find_layout(net: nn.Module) -> _Layout:
                 head,
             )
     raise ValueError(
-        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or an "
-        f"nn.Embedding named {'/'.join(_TOKEN)} + an nn.ModuleList of blocks named {'/'.join(_BLOCKS)} + a head "
-        f"named {'/'.join(_HEAD)}, on the network or its .transformer). "
+        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or, "
+        "found by type and by the order its forward calls them on the first batch: nn.Embedding(s) → an "
+        "nn.ModuleList of blocks of one type → an optional norm → a head, on the network or one child of it). "
         "Give a `pipeline_layout(self)` method on the LightningModule returning "
         "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)"
     )
+
+
+def _repeated_blocks(net: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(holder, blocks): the ``nn.ModuleList`` of blocks of one type holding the most parameters, a direct child of
+    ``net`` or of one of its children; block names (``blocks``, ``h``, ``layers``) only break ties."""
+    found = []
+    for holder in [net, *(c for c in net.children() if not isinstance(c, nn.ModuleList))]:
+        for name, child in holder.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            if len({type(b) for b in child}) != 1 or not any(True for _ in child.parameters()):
+                continue
+            size = sum(p.numel() for p in child.parameters())
+            found.append((size, name in _BLOCKS, holder, child))
+    if not found:
+        return None
+    _, _, holder, blocks = max(found, key=lambda f: (f[0], f[1]))
+    return holder, blocks
+
+
+def _structural_layout(net: nn.Module, inputs: torch.Tensor | None) -> _Layout | None:
+    """embedding(s) → repeated blocks → norm → head, found by type and by the network's own forward on
+    ``inputs`` (token ids; without them, seeded ids over the first ``nn.Embedding``'s vocabulary), whatever the
+    attributes are called; ``None`` when the forward is not that (the caller then tries names, then refuses).
+
+    The forward must call, in this order and once each: one module on the input itself (an ``nn.Embedding`` of the
+    tokens, or a stem on features or images), at most one ``nn.Embedding`` of positions (on ``arange(T)``) and one
+    ``nn.Dropout``; every block of the list; an optional norm and a head (any modules). The split check then runs
+    the composition against the forward."""
+    found = _repeated_blocks(net)
+    if found is None:
+        return None
+    holder, blocks = found
+    if inputs is None:
+        emb = next((m for m in holder.children() if isinstance(m, nn.Embedding)), None)
+        if emb is None:
+            return None
+        inputs = torch.randint(0, int(emb.num_embeddings), (2, 8), generator=torch.Generator().manual_seed(0))
+    x = inputs.to(next((p.device for p in net.parameters() if p.device.type != "meta"), inputs.device))
+    watch = [m for m in holder.children() if not isinstance(m, nn.ModuleList)] + list(blocks)
+    if holder is not net:
+        watch += [m for m in net.children() if m is not holder]
+    calls: list[tuple[nn.Module, tuple]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args))) for m in watch]
+    was = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            net(x)
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError):
+        return None  # not a forward of these inputs: the names, then the error, say what to do
+    finally:
+        for handle in handles:
+            handle.remove()
+        net.train(was)
+    order = [m for m, _ in calls]
+    start = next((i for i, m in enumerate(order) if m is blocks[0]), None)
+    n = len(blocks)
+    if start is None or len(order) < start + n or any(a is not b for a, b in zip(order[start : start + n], blocks)):
+        return None
+    pre, post = calls[:start], order[start + n :]
+    if len({id(m) for m in order}) != len(order) or not 1 <= len(post) <= 2:
+        return None  # a piece called twice, or nothing / more than a norm and a head after the blocks
+    token = position = drop = None
+    for m, args in pre:
+        arg = args[0] if args else None
+        if token is None and _same(arg, x) and any(True for _ in m.parameters()):
+            token = m  # an nn.Embedding of token ids, or a stem on features or images (a Linear, a convolution)
+        elif isinstance(m, nn.Embedding) and position is None and _is_positions(arg, x.shape[1] if x.dim() > 1 else 0):
+            position = m
+        elif isinstance(m, nn.Dropout) and drop is None:
+            drop = m
+        else:
+            return None
+    if token is None:
+        return None
+    path = {id(m): name for name, m in net.named_modules()}
+    blocks_path = path[id(blocks)]
+    layout = _NanoGPT(
+        net,
+        "",
+        path[id(token)],
+        path[id(position)] if position is not None else None,
+        path[id(drop)] if drop is not None else None,
+        blocks_path,
+        path[id(post[0])] if len(post) == 2 else None,
+        path[id(post[-1])],
+    )
+    layout.name = (
+        f"{path[id(token)]} → {n} blocks ({blocks_path}) → "
+        + (f"{path[id(post[0])]} → " if len(post) == 2 else "")
+        + f"{path[id(post[-1])]}, found by its forward"
+    )
+    return layout
+
+
+def _same(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and (a is b or (a.shape == b.shape and bool(torch.equal(a, b))))
+
+
+def _is_positions(a: Any, length: int) -> bool:
+    """``arange(length)`` (with a leading batch dimension of 1 or not)."""
+    if not isinstance(a, torch.Tensor) or a.is_floating_point() or a.numel() != length or length == 0:
+        return False
+    return bool(torch.equal(a.reshape(-1).cpu(), torch.arange(length)))
 
 
 class _Offstage(nn.Module):

@@ -663,3 +663,93 @@ def test_an_old_pp_ddp_checkpoint_without_compression_state_loads_with_a_warning
     torch.save({"state_dict": {}, "lightning_accel_ddp_compression": saved}, path)
     strategy.load_checkpoint(path)
     assert strategy._saved_compression == saved  # kept until the first exchange makes the compressor
+
+
+# ------------------------------------------------------------------------------ the structure, found by its forward
+class _RenamedGPT(nn.Module):
+    """nanoGPT's structure under names the attribute hints do not know: tok, where, layers, final, out."""
+
+    def __init__(self, order=None, tied=True):
+        super().__init__()
+        cfg = GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16)
+        from lightning_accel.demo.model import Block
+
+        self.tok = nn.Embedding(32, 16)
+        self.where = nn.Embedding(16, 16)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(4))
+        self.final = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 32, bias=False)
+        if tied:
+            self.out.weight = self.tok.weight
+        self.order = order or [0, 1, 2, 3]
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.where(torch.arange(idx.shape[1]))
+        for i in self.order:
+            x = self.layers[i](x)
+        return self.out(self.final(x))
+
+
+class _Wrapped(nn.Module):  # the pieces one level down, in a ModuleDict, and the head on the network
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleDict(
+            {
+                "emb": nn.Embedding(32, 16),
+                "dropped": nn.Dropout(0.1),
+                "stack": nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)),
+                "post": nn.LayerNorm(16),
+            }
+        )
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        x = self.body["dropped"](self.body["emb"](idx))
+        for block in self.body["stack"]:
+            x = block(x)
+        return self.proj(self.body["post"](x))
+
+
+def _assert_splits(net, x, first, blocks, last):
+    layout = find_layout(net, x)
+    assert (layout.first, layout.blocks, layout.last) == (first, blocks, last), layout.name
+    _strategy()._check_split(layout, x)
+    n = len(layout.block_list())
+    stages = [_Stage(layout, range(0, 1), first=True, last=False), _Stage(layout, range(1, n), first=False, last=True)]
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](x)), net(x), rtol=1e-5, atol=1e-5)
+    return layout
+
+
+def test_the_structure_is_found_by_type_and_by_its_forward_whatever_the_names():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (2, 8))
+    layout = _assert_splits(_RenamedGPT(), ids, ["tok", "where"], "layers", ["final", "out"])
+    assert "tok → 4 blocks (layers) → final → out, found by its forward" == layout.name
+    _assert_splits(_Wrapped(), ids, ["body.emb"], "body.stack", ["body.post", "proj"])
+    assert find_layout(_Wrapped(), ids).drop == "body.dropped"
+    # float features: the stem is the module the forward calls on the input itself
+    x = torch.randn(2, 6)
+    _assert_splits(_FloatNet(), x, ["embed"], "trunk", ["head"])
+
+    # the split of a LightningModule holding one: planned, the tied head and embedding named
+    class Task(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _RenamedGPT()
+
+    strategy = _strategy()
+    strategy._split(Task(), (ids, ids))
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1], [2, 3]]
+    assert strategy._tied == [("tok.weight", "out.weight")]
+
+
+def test_a_forward_that_is_not_embedding_blocks_head_is_not_split():
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match=r"cannot split _RenamedGPT: no recognised structure.*pipeline_layout"):
+        find_layout(_RenamedGPT(order=[3, 2, 1, 0]), ids)  # the blocks run in another order than they are listed
+    with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_RenamedGPT(order=[0, 1, 2, 3, 0]), ids)  # a block runs twice
+    with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_FloatNet())  # float inputs and no batch: nothing to run the forward on

@@ -481,6 +481,7 @@ FEATURES, CLASSES = torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), 
 IMAGES, TARGETS = torch.randn(96, 1, 8, 8, generator=g), torch.randn(96, 2, generator=g)
 RAW = 1000 + torch.randn(96, 8, generator=g)  # unnormalised features (raw sensor values around 1000)
 NOISE = torch.randn(96, 1, generator=g)
+IDS = torch.randint(0, 64, (96, 17), generator=g)
 
 
 class MLP(nn.Module):  # float features: an nn.Linear embedding, an MLP trunk, a linear head
@@ -575,6 +576,39 @@ class Raw(Classifier):
         return TensorDataset(RAW, self.targets)
 
 
+class RenamedGPT(nn.Module):  # nanoGPT's structure under names no hint knows: found by its forward
+    def __init__(self):
+        super().__init__()
+        from lightning_accel.demo.model import Block, GPTConfig
+
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+        self.tok, self.where = nn.Embedding(64, 32), nn.Embedding(16, 32)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(4))
+        self.final, self.out = nn.LayerNorm(32), nn.Linear(32, 64, bias=False)
+        self.out.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.where(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.final(x))
+
+
+class Renamed(Classifier):  # no pipeline code at all
+    def __init__(self, batch=8):
+        super().__init__(batch)
+        self.net = RenamedGPT()
+
+    pipeline_layout = None  # not described: the strategy finds the structure
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+    def data(self):
+        return TensorDataset(IDS[:, :-1], IDS[:, 1:])
+
+
 class FirstBatch(pl.Callback):
     def on_train_batch_start(self, trainer, module, batch, i):
         if i == 0:
@@ -602,17 +636,18 @@ def max_dw(task, name):
 
 mode, out = sys.argv[1], {}
 if mode == "ref":  # one process under "ddp": the same DistributedSampler(shuffle=True) order as the pipelines
-    for name, cls, batch in (("mlp", Classifier, 8), ("cnn", Regressor, 16)):
+    for name, cls, batch in (("mlp", Classifier, 8), ("cnn", Regressor, 16), ("renamed", Renamed, 8)):
         task = build(cls, batch=batch)
         fit(task, "ddp", 1)
         torch.save(task.state_dict(), f"ref_{name}.pt")
     sys.exit(0)
 if mode == "pp":
-    for name, strategy in (("pp", "pp"), ("timed", PipelineStrategy(balance="time"))):
-        task = build(Classifier)
+    for name, cls, strategy in (("pp", Classifier, "pp"), ("timed", Classifier, PipelineStrategy(balance="time")),
+                                ("renamed", Renamed, "pp")):
+        task = build(cls)
         t = fit(task, strategy, 2)
         s = t.strategy
-        out[name] = {"dw": max_dw(task, "mlp"), "n": sum(p.numel() for p in task.parameters()),
+        out[name] = {"dw": max_dw(task, "mlp" if cls is Classifier else name), "layout": s._layout.name, "n": sum(p.numel() for p in task.parameters()),
                      "plan": [list(r) for r in s.plan.blocks], "unit": s.plan.unit, "costs": list(s.plan.costs),
                      "check": s.loss_check, "steps": t.global_step}
     first = FirstBatch()
@@ -636,17 +671,20 @@ with open(f"{mode}_rank{t.global_rank}.json", "w") as fh:
 def test_a_float_input_pipeline_layout_trains_like_one_process_ddp(ddp_script, tmp_path):
     # pipeline_layout() over float features (nn.Linear embedding + MLP trunk) and images (a CNN trunk): the split
     # check, the stage-cost probe and the first-batch check run on the module's own first batch; 6 steps under "pp"
-    # (2 processes) and "pp_ddp" (4: 2 stages x 2 replicas) give the weights of one process under "ddp"
+    # (2 processes) and "pp_ddp" (4: 2 stages x 2 replicas) give the weights of one process under "ddp"; so does a
+    # nanoGPT-shaped GPT whose pieces have names no hint knows (tok, layers, out), found by its forward
     ddp_script(FLOAT, args=["ref"], timeout=300)
     ddp_script(FLOAT, args=["pp"], timeout=500)
     ddp_script(FLOAT, args=["pp_ddp"], timeout=500)
     for rank in read_rank_json(tmp_path, "pp"):
-        for name in ("pp", "timed"):
+        for name in ("pp", "timed", "renamed"):
             run = rank[name]
             assert run["steps"] == 6 and run["n"] > 0 and run["dw"] <= 1e-5, (name, run)
             assert run["check"]["dtype"] == "torch.float32" and run["check"]["rtol"] == 1e-4
         assert rank["pp"]["plan"] == [[0, 1], [2, 3]] and rank["pp"]["unit"] == "parameters"
         assert rank["timed"]["unit"] == "µs fwd+bwd" and min(rank["timed"]["costs"]) > 0  # measured on the batch
+        assert rank["renamed"]["layout"] == "tok → 4 blocks (layers) → final → out, found by its forward"
+        assert rank["renamed"]["plan"] == [[0, 1], [2, 3]]
         # bf16-mixed: the reference ran in the pipeline's autocast and was compared at bf16's tolerance; the fp32
         # loss of the same batch and weights is further from the pipeline's than that tolerance, so a reference
         # outside the autocast would have refused the run
