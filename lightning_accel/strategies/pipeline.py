@@ -19,8 +19,9 @@ schedule                what it does
 ``network="attr"``): Hugging Face decoder LMs (``LlamaForCausalLM``-shaped: ``model.embed_tokens`` →
 ``model.layers`` → ``model.norm`` → ``lm_head``, rotary position embeddings recomputed on every stage; and
 ``GPT2LMHeadModel``), litgpt ``GPT``, and nanoGPT-shaped models (token and position embeddings → an
-``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`); any
-other network describes itself with ``pipeline_layout()`` (below), whatever its inputs: token ids, float features,
+``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`, or a
+stem on features or images in place of the embeddings), found by type and by the order the network's forward calls
+its pieces on the first batch, whatever the attributes are called; any other network describes itself with ``pipeline_layout()`` (below), whatever its inputs: token ids, float features,
 images. Before the first step the split is checked: the stages run in sequence in one process reproduce the
 network's own forward on the first two samples of the module's own first batch (the first batch of the loader the
 run reads, through ``pipeline_batch``: ``train_dataloader()`` is called once more for it, and the global random

@@ -2,8 +2,10 @@
 default batch and loss, and the measured cost of each block.
 
 :func:`find_layout` recognises Hugging Face decoder LMs (``LlamaForCausalLM``-shaped, ``GPT2LMHeadModel``), litgpt
-``GPT`` and nanoGPT-shaped models (token and position embeddings, an ``nn.ModuleList`` of blocks, a final norm and
-a head); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
+``GPT`` by their types, and any network whose forward is a stem (token and position embeddings, or a module on
+float features or images), an ``nn.ModuleList`` of blocks of one type, an optional final norm and a head, found by
+type and by the order the forward calls them on the first batch, whatever they are called (nanoGPT's attribute names
+are only a fallback hint); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
 ``pipeline_layout()``. Each recognised structure names its pieces as module paths relative to the network and says
 how each is called (the per-block context: rotary embeddings, the causal mask), so a stage can run its share of the
 network's own forward. A :class:`_Stage` is one rank's share (its blocks, with the embedding on the first and the
@@ -308,7 +310,7 @@ def _structural_layout(net: nn.Module, inputs: torch.Tensor | None) -> _Layout |
     ``inputs`` (token ids; without them, seeded ids over the first ``nn.Embedding``'s vocabulary), whatever the
     attributes are called; ``None`` when the forward is not that (the caller then tries names, then refuses).
 
-    The forward must call, in this order and once each: one module on the input itself (an ``nn.Embedding`` of the
+    The forward must call, in this order: one module on the input itself (an ``nn.Embedding`` of the
     tokens, or a stem on features or images), at most one ``nn.Embedding`` of positions (on ``arange(T)``) and one
     ``nn.Dropout``; every block of the list; an optional norm and a head (any modules). The split check then runs
     the composition against the forward."""
@@ -344,8 +346,8 @@ def _structural_layout(net: nn.Module, inputs: torch.Tensor | None) -> _Layout |
     if start is None or len(order) < start + n or any(a is not b for a, b in zip(order[start : start + n], blocks)):
         return None
     pre, post = calls[:start], order[start + n :]
-    if len({id(m) for m in order}) != len(order) or not 1 <= len(post) <= 2:
-        return None  # a piece called twice, or nothing / more than a norm and a head after the blocks
+    if not 1 <= len(post) <= 2:
+        return None  # nothing, or more than a norm and a head, after the blocks
     token = position = drop = None
     for m, args in pre:
         arg = args[0] if args else None

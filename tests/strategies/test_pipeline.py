@@ -750,6 +750,8 @@ def test_a_forward_that_is_not_embedding_blocks_head_is_not_split():
     with pytest.raises(ValueError, match=r"cannot split _RenamedGPT: no recognised structure.*pipeline_layout"):
         find_layout(_RenamedGPT(order=[3, 2, 1, 0]), ids)  # the blocks run in another order than they are listed
     with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_RenamedGPT(order=[0, 2, 1, 3]), ids)  # ... also when the first one runs first
+    with pytest.raises(ValueError, match=r"no recognised structure"):
         find_layout(_RenamedGPT(order=[0, 1, 2, 3, 0]), ids)  # a block runs twice
     with pytest.raises(ValueError, match=r"no recognised structure"):
         find_layout(_FloatNet())  # float inputs and no batch: nothing to run the forward on
