@@ -755,3 +755,44 @@ def test_a_forward_that_is_not_embedding_blocks_head_is_not_split():
         find_layout(_RenamedGPT(order=[0, 1, 2, 3, 0]), ids)  # a block runs twice
     with pytest.raises(ValueError, match=r"no recognised structure"):
         find_layout(_FloatNet())  # float inputs and no batch: nothing to run the forward on
+
+
+def test_the_first_batch_is_read_from_the_runs_own_loader_leaving_the_random_generator_alone():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+
+    class Source:  # what Lightning's fit loop holds: the train loader's source
+        def is_defined(self):
+            return True
+
+        def dataloader(self):
+            return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)  # draws its seed from torch's RNG
+
+    loop = SimpleNamespace(_data_source=Source())
+    none = SimpleNamespace(_data_source=None)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn=TrainerFn.FITTING),
+        fit_loop=loop,
+        validate_loop=none,
+        test_loop=none,
+        predict_loop=none,
+    )
+    strategy = _strategy()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    inputs, targets = strategy._sample_batch(trainer)
+    assert torch.equal(torch.get_rng_state(), before)  # the run's own draws (dropout, its sampler) are unchanged
+    assert inputs.shape == (4, 6) and targets.shape == (4, 3)
+    assert any(torch.equal(inputs[0], row) for row in x)  # a real sample, not a synthetic one
+    trainer.state.fn = TrainerFn.VALIDATING  # validate: its loop's loader, here none
+    assert strategy._sample_batch(trainer) is None
+
+    # a float network with balance_shape given: measured on token ids it cannot take, refused with the fix
+    task = _FloatTask()
+    layout = _UserLayout(task.net, task.pipeline_layout())
+    with pytest.raises(ValueError, match=r"balance_shape=\(2, 8\)\) measures on token ids.*leave balance_shape=None"):
+        _strategy(balance="time", balance_shape=(2, 8))._timed_costs(layout, (x, y))
