@@ -333,9 +333,29 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.loops.fit_loop._FitLoop",
         "_data_source",
         _L,
-        ("callbacks/_fit/loader_source.py:TrainLoaderSource", "callbacks/_fit/loader_source.py:fit_data_holder"),
+        (
+            "callbacks/_fit/loader_source.py:TrainLoaderSource",
+            "callbacks/_fit/loader_source.py:fit_data_holder",
+            "strategies/pipeline.py:PipelineStrategy._sample_batch",
+        ),
         instance=_fit_loop,
         why="where the fit's train data comes from (module, datamodule, fit() argument): no public accessor",
+    ),
+    PrivateName(
+        "lightning.pytorch.loops.evaluation_loop._EvaluationLoop",
+        "_data_source",
+        _L,
+        ("strategies/pipeline.py:PipelineStrategy._sample_batch",),
+        instance=lambda: _fit_loop().trainer.validate_loop,
+        why="where a validate / test run's data comes from (module, datamodule, argument): no public accessor",
+    ),
+    PrivateName(
+        "lightning.pytorch.loops.prediction_loop._PredictionLoop",
+        "_data_source",
+        _L,
+        ("strategies/pipeline.py:PipelineStrategy._sample_batch",),
+        instance=lambda: _fit_loop().trainer.predict_loop,
+        why="where a predict run's data comes from (module, datamodule, argument): no public accessor",
     ),
     PrivateName(
         "lightning.pytorch.utilities.data",
@@ -618,6 +638,19 @@ def module_trainer(module: Any) -> Any:
 def fit_loop_data_source(trainer: Any) -> Any:
     """Where the train dataloader comes from (datamodule, LightningModule, or ``fit(train_dataloaders=)``)."""
     return trainer.fit_loop._data_source
+
+
+def stage_data_source(trainer: Any) -> Any:
+    """Where the data of the run the Trainer is setting up comes from (``_DataLoaderSource``): the train loader
+    for ``fit``, else the validate / test / predict loop's; checked against Lightning 2.6."""
+    fn = getattr(trainer.state.fn, "value", None)
+    loop = {
+        "fit": trainer.fit_loop,
+        "validate": trainer.validate_loop,
+        "test": trainer.test_loop,
+        "predict": trainer.predict_loop,
+    }.get(fn)
+    return None if loop is None else loop._data_source
 
 
 def reset_fit_loop_loader(trainer: Any) -> None:

@@ -2,8 +2,8 @@
 
 The network's repeated blocks are divided over the pipeline ranks (:func:`~lightning_accel.core.pipeline_plan.
 plan_stages`: contiguous runs balanced by parameter count, or with ``balance="time"`` by forward + backward time
-measured by :func:`measure_stage_costs` on rank 0 on a synthetic ``balance_shape`` batch, one block at a time on the
-device, every rank getting rank 0's numbers; the embedding with the first stage, the final norm, head and loss with
+measured by :func:`measure_stage_costs` on rank 0 on one micro-batch of the module's own first batch, one block at a
+time on the device, every rank getting rank 0's numbers; the embedding with the first stage, the final norm, head and loss with
 the last), each rank keeps only its stage(s), and every training step runs one
 ``torch.distributed.pipelining`` schedule over the batch cut into micro-batches:
 
@@ -19,11 +19,15 @@ schedule                what it does
 ``network="attr"``): Hugging Face decoder LMs (``LlamaForCausalLM``-shaped: ``model.embed_tokens`` →
 ``model.layers`` → ``model.norm`` → ``lm_head``, rotary position embeddings recomputed on every stage; and
 ``GPT2LMHeadModel``), litgpt ``GPT``, and nanoGPT-shaped models (token and position embeddings → an
-``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`). Before
-the first step the split is checked: the stages run in sequence in one process reproduce the network's own forward
-on a synthetic batch, or the strategy refuses with what to give instead (``pipeline_layout``, below). Tied input and
-output embeddings (GPT-2, nanoGPT, the demo GPT) stay tied: the first and last stage each hold the weight and their
-gradients are summed before every optimizer step.
+``nn.ModuleList`` of blocks called ``block(x)`` → final norm → head, like :class:`lightning_accel.demo.GPT`, or a
+stem on features or images in place of the embeddings), found by type and by the order the network's forward calls
+its pieces on the first batch, whatever the attributes are called; any other network describes itself with ``pipeline_layout()`` (below), whatever its inputs: token ids, float features,
+images. Before the first step the split is checked: the stages run in sequence in one process reproduce the
+network's own forward on the first two samples of the module's own first batch (the first batch of the loader the
+run reads, through ``pipeline_batch``: ``train_dataloader()`` is called once more for it, and the global random
+generator is restored after, so the run's data order and draws do not change), or the strategy refuses with what to
+give instead. Tied input and output embeddings (GPT-2, nanoGPT, the demo GPT) stay tied: the first and last stage
+each hold the weight and their gradients are summed before every optimizer step.
 
 **The loss.** The batch is ``(inputs, targets)`` (next-token targets already shifted), or token ids alone
 (``ids``, ``(ids,)`` or ``{"input_ids": ids}``: the targets are the ids shifted by one, as Hugging Face's
@@ -31,12 +35,23 @@ gradients are summed before every optimizer step.
 it to the device, before any callback's ``on_train_batch_start``, so MFUMonitor's count and the doctor's step time
 exclude it) the module's own ``training_step`` runs once on the whole (unsplit) network in eval mode without
 gradients, and its loss must equal the pipeline's on that batch (one schedule step in eval mode, its gradients
-discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Modules that need
-something else implement either or both hooks::
+discarded; it also sets up the schedule's buffers), or the strategy stops with both numbers. Like is compared with
+like: under mixed precision the reference runs in an autocast of the pipeline's dtype (on the host, where it runs:
+the whole network may not fit the device), and the tolerance on ``|pipeline - reference| / max(1, |reference|)`` is
+the dtype's: 1e-4 in fp32 (only the order of the micro-batches' sums differs), 2e-2 in bf16 and 5e-3 in fp16 (a
+loss rounded to 8 or 11 significant bits, on kernels that may differ between the device and the host). Under bf16
+the check therefore tells apart only losses more than 2 % apart. :attr:`PipelineStrategy.loss_check` keeps the
+numbers. Modules that need something else implement any of these hooks::
 
     def pipeline_batch(self, batch) -> tuple[Tensor, Tensor]:   # (what goes into stage 0, the last stage's target)
     def pipeline_loss(self, logits, targets) -> Tensor:          # the loss of one micro-batch (a mean)
     def pipeline_layout(self) -> PipelineLayout:                 # a structure the strategy does not recognise
+
+A ``pipeline_layout()`` names three submodules of the network: ``embed`` takes what ``pipeline_batch`` gives as
+inputs (token ids, features, images), every block of ``blocks`` (an ``nn.ModuleList``) maps one hidden state to the
+next, ``head`` gives the outputs the loss reads; together they must be the network's forward. Class logits ``(B, C)``
+against integer targets ``(B,)`` need no loss hook (the token cross-entropy is then the ordinary cross-entropy);
+float targets (a regression) need ``pipeline_loss``.
 
 After the first batch ``training_step`` is not called: the step's loss (the mean over micro-batches) is what
 Lightning receives, so it reaches ``on_train_batch_end(outputs=...)`` and the progress bar; log it there.
@@ -54,7 +69,9 @@ stages' gradients are averaged over the replicas before the optimizer step. ``co
 :mod:`.compression_hooks`' Top-K with error feedback and QSGD, their defaults; Top-K with ``ddp_topk``'s density
 warm-up, without its optimizer-dependent momentum correction and Adam warm-up), over the replica group, with all of
 a stage's gradients as one flat bucket; :attr:`PipelineStrategy.comm_stats` counts the bytes before and after
-(:class:`~lightning_accel.strategies.ddp_compression.CommStats`). PowerSGD is not offered here (its per-matrix
+(:class:`~lightning_accel.strategies.ddp_compression.CommStats`). Top-K selects and QSGD rounds each stage's bucket on
+its own, so a tied weight's two copies (first and last stage) then take the mean of their two compressed averages,
+or they would drift apart. PowerSGD is not offered here (its per-matrix
 state expects DDP's buckets). ``"pp_fsdp2"`` is refused with the reason (``strategies/registration.py``'s
 ``REFUSED``): the split and loss checks run the unsplit network in one process while ``fully_shard`` gathers
 parameters only through the wrapped module's own forward, and the gradient hand-back, the tied-embedding sum and
@@ -68,7 +85,12 @@ message, with a note naming the rank and stage.
 **Checkpoints.** ``trainer.save_checkpoint`` gathers every stage on rank 0 and writes one ordinary Lightning file
 whose ``state_dict`` is the whole unsplit model's (``module.load_state_dict(torch.load(path)["state_dict"])`` loads
 it into the unsplit LightningModule: that is the consolidation), and ``optimizer_states`` one list per pipeline
-rank. ``fit(ckpt_path=...)`` resumes with the same number of pipeline ranks and stages.
+rank. ``fit(ckpt_path=...)`` resumes with the same number of pipeline ranks and stages. With ``compression`` the
+compressor's state goes into the file as ``ddp_<compression>`` saves it, under the same key and through the same
+``compression_state_dict`` / ``load_compression_state_dict``: the step counter (Top-K's warm-up does not restart),
+every rank's error-feedback residual in per-parameter pieces, QSGD's generator, and each rank's
+:attr:`comm_stats`; a run resumed at an epoch boundary is the uninterrupted one, bit for bit. A checkpoint without
+that state (written by an earlier release) loads with a warning: the compressor restarts from zero.
 
 Measuring: :attr:`PipelineStrategy.stats` keeps each step's wall time and the time this rank computed in its
 stages; ``BottleneckDoctor`` reports the idle share (the bubble) against ``(P - 1) / (V·m + P - 1)``, and
@@ -82,7 +104,8 @@ Args:
     pipeline_size: ranks per pipeline (``"auto"``: world ÷ data_parallel_size).
     blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
     balance: ``"parameters"`` (default) or ``"time"`` (measured forward + backward time per block).
-    balance_shape: ``(batch, sequence length)`` of the synthetic token ids ``balance="time"`` measures on.
+    balance_shape: ``(batch, sequence length)`` of synthetic token ids for ``balance="time"`` to measure on instead
+        of one micro-batch of the module's own first batch (None, the default).
     network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
     check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
     compression: compress the data-parallel gradient average (``pp_ddp``): ``"fp16"``, ``"bf16"``, ``"topk"``,
@@ -125,6 +148,11 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 _DP_COMPRESSIONS = ("fp16", "bf16", "topk", "qsgd")
+#: the first-batch check's tolerance on ``|pipeline - reference| / max(1, |reference|)``, by the dtype both losses
+#: are computed in: fp32 (and fp64) differ only by the order of the micro-batches' sums; a half-precision loss is
+#: rounded to its 8 (bf16) or 11 (fp16) significant bits and the pipeline and its reference (on the host) may run
+#: different kernels, so a few units of that rounding (bf16: 2^-8 = 0.4 %, fp16: 2^-11) are allowed
+_LOSS_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 __all__ = ["PipelineLayout", "PipelineStats", "PipelineStrategy", "measure_stage_costs", "pp", "pp_ddp"]
 
@@ -213,7 +241,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         density: float = 0.01,
         levels: int = 7,
         balance: Literal["parameters", "time"] = "parameters",
-        balance_shape: tuple[int, int] = (2, 8),
+        balance_shape: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         if schedule not in SCHEDULES:
@@ -240,13 +268,14 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             raise ValueError(f"PipelineStrategy(levels={levels!r}) must be an integer in 1..127 (7 = 4 bits per entry)")
         if balance not in ("parameters", "time"):
             raise ValueError(f"PipelineStrategy(balance={balance!r}): use 'parameters' (the default) or 'time'")
-        if (
+        if balance_shape is not None and (
             not isinstance(balance_shape, (tuple, list))
             or len(balance_shape) != 2
             or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in balance_shape)
         ):
             raise ValueError(
-                f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), two integers >= 1"
+                f"PipelineStrategy(balance_shape={balance_shape!r}) must be (batch, sequence length), two integers >= 1 "
+                "(or None, the default: one micro-batch of the module's own first batch)"
             )
         if "timeout" in kwargs and isinstance(kwargs["timeout"], (int, float)):
             kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
@@ -278,7 +307,8 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
         self._layout: _Layout | None = None
         self.compression = compression
-        self.balance, self.balance_shape = balance, tuple(balance_shape)
+        self.balance = balance
+        self.balance_shape = tuple(balance_shape) if balance_shape is not None else None
         self._compression_knobs = (
             {"density": float(density)}
             if compression == "topk"
@@ -287,6 +317,11 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         #: the data-parallel gradient exchange's counters (:class:`~.ddp_compression.CommStats`; pp_ddp only)
         self.comm_stats: Any = None
         self._dp_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: the ``ddp_<compression>`` strategy object whose state-dict methods save and restore the compressor's state
+        self._compression_holder: Any = None
+        self._saved_compression: dict[str, Any] | None = None  # from a checkpoint, until the hook is made
+        #: the first-batch loss check's numbers: pipeline, reference, the dtype compared in and its tolerance
+        self.loss_check: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- sizes and groups
     def resolve_sizes(self, world: int) -> tuple[int, int]:
@@ -326,6 +361,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         self.pp_rank, self.dp_rank = rank // self.dp_size, rank % self.dp_size
         self._pp_group = self._dp_group = None
         self._dp_hook = None  # a compression hook's state is bound to the replica group
+        self._compression_holder = None
         # every rank creates every group, in the same order (torch's new_group contract). Each group carries this
         # strategy's timeout: gloo's point-to-point waits keep the timeout their group was created with, so the
         # world group (created before this strategy, perhaps by an earlier fit) would not honour ``timeout``.
@@ -369,17 +405,20 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             )
         return children[0]
 
-    def _split(self, module: pl.LightningModule) -> None:
+    def _split(self, module: pl.LightningModule, sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Find the structure, check it on ``sample`` (the module's own first batch: ``(inputs, targets)``), plan
+        the stages and keep this rank's."""
         attr, net = self._network(module)
         hook = getattr(module, "pipeline_layout", None)
-        layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net)
+        first_rows = _rows(sample[0], 2) if sample is not None else None
+        layout = _UserLayout(net, hook()) if callable(hook) else find_layout(net, first_rows)
         self._layout, self._net_attr = layout, attr
         blocks = layout.block_list()
         num_stages = self._stages_arg or (self.pp_size * (2 if SCHEDULES[self.schedule_name][1] else 1))
         m = self._microbatches_arg or (num_stages if SCHEDULES[self.schedule_name][1] else self.pp_size)
         check_schedule(self.schedule_name, num_stages=num_stages, pipeline_ranks=self.pp_size, microbatches=m)
         self.microbatches = m
-        self._check_split(layout)
+        self._check_split(layout, sample[0] if sample is not None else None)
         # every parameter must belong to the embedding, a block or the head
         placed = {
             id(p) for path in layout.first + layout.last + [layout.blocks] for p in net.get_submodule(path).parameters()
@@ -403,7 +442,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             if id(p) in first_ids
         ]
         if self.balance == "time" and self.blocks_per_stage is None:
-            first_cost, costs, last_cost = self._timed_costs(layout)
+            first_cost, costs, last_cost = self._timed_costs(layout, sample)
             unit = "µs fwd+bwd"
         else:
             costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
@@ -443,14 +482,22 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 + (f"\n  tied across first and last stage: {self._tied}" if self._tied else "")
             )
 
-    def _timed_costs(self, layout: _Layout) -> tuple[float, list[float], float]:
-        """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) and every rank gets its numbers,
-        so all ranks build the same plan."""
+    def _timed_costs(
+        self, layout: _Layout, sample: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[float, list[float], float]:
+        """``balance="time"``: rank 0 measures (embedding, blocks, head + loss) on one micro-batch of its first
+        batch (synthetic token ids of ``balance_shape`` when that is given, or when there is no batch) and every
+        rank gets its numbers, so all ranks build the same plan."""
         import torch.distributed as dist
 
-        mine = (
-            measure_stage_costs(layout, self.root_device, shape=self.balance_shape) if self.global_rank == 0 else None
-        )
+        probe: dict[str, Any]
+        if self.balance_shape is None and sample is not None:
+            inputs, targets = sample
+            rows = max(1, inputs.shape[0] // self.microbatches) if inputs.dim() else 1
+            probe = {"inputs": _rows(inputs, rows), "targets": _rows(targets, rows), "loss": self._user_loss}
+        else:
+            probe = {"shape": self.balance_shape or (2, 8)}
+        mine = measure_stage_costs(layout, self.root_device, **probe) if self.global_rank == 0 else None
         if dist.is_available() and dist.is_initialized():
             box = [mine]
             dist.broadcast_object_list(box, src=0)
@@ -458,25 +505,36 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         assert mine is not None
         return mine
 
-    def _check_split(self, layout: _Layout) -> None:
-        """The stages in sequence must be the network's own forward (on a synthetic batch, in eval mode)."""
+    def _check_split(self, layout: _Layout, inputs: torch.Tensor | None = None) -> None:
+        """The stages in sequence must be the network's own forward, in eval mode, on the first two rows of
+        ``inputs`` (the module's own first batch: float features, images, token ids, whatever it trains on); without
+        a batch, on synthetic token ids for a network whose first piece is an ``nn.Embedding``."""
         net = layout.net
+        x = _rows(inputs, 2) if inputs is not None else layout.synthetic_ids((2, 8))
+        if x is None:
+            raise ValueError(
+                f"pipeline: no batch to check the split of {type(net).__name__} on: its first piece "
+                f"({type(net.get_submodule(layout.first[0])).__name__}) does not take token ids, and the Trainer "
+                "gave no loader to read its first batch from; give the LightningModule a train_dataloader() (or "
+                "pass the loader to trainer.fit)"
+            )
+        home = next((t.device for t in net.parameters() if t.device.type != "meta"), None)
+        if home is not None:
+            x = x.to(home)
         was = net.training
         net.eval()
         try:
-            gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, layout.vocab(), (2, 8), generator=gen)
             with torch.no_grad():
-                want = _logits(net(ids))
-                h = layout.embed(ids)
+                want = _logits(net(x))
+                h = layout.embed(x)
                 ctx = layout.context(h)
                 for block in layout.block_list():
                     h = layout.call_block(block, h, ctx)
                 got = layout.head(h)
         except Exception as err:
             raise ValueError(
-                f"pipeline: running {type(net).__name__} as {layout.name} failed ({err!r}); describe "
-                "it with pipeline_layout()"
+                f"pipeline: running {type(net).__name__} as {layout.name} on its first batch (inputs "
+                f"{tuple(x.shape)} {x.dtype}) failed ({err!r}); describe it with pipeline_layout()"
             ) from err
         finally:
             net.train(was)
@@ -487,6 +545,38 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 f"(max |difference| {diff:.3g}): its forward does more than embed → blocks → head; "
                 "describe it with pipeline_layout()"
             )
+
+    def _sample_batch(self, trainer: pl.Trainer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(inputs, targets)`` of the first batch of the loader this run reads (the train loader for ``fit``),
+        as the user's loader gives it: what the split check and the stage-cost probe run on. ``None`` when the run
+        has no loader to read (the checks then fall back to token ids, for a network that takes them).
+
+        The loader's ``*_dataloader()`` hook is called once more for this (Lightning calls it again for the run),
+        and one batch is read from a fresh iterator, with the global random generator saved and restored around it
+        (a shuffling sampler draws its seed from it): the run's data order and random draws are unchanged."""
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.pytorch.utilities import CombinedLoader
+
+        from lightning_accel._compat import stage_data_source
+
+        source = stage_data_source(trainer)
+        if source is None or not source.is_defined():
+            return None
+        with torch.random.fork_rng(devices=[]):
+            loader = source.dataloader()
+            if loader is None:
+                return None
+            combined = CombinedLoader(
+                loader, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential"
+            )
+            try:
+                iter(combined)
+                batch = next(combined)[0]
+            except StopIteration:
+                return None
+            finally:
+                combined.reset()
+        return self._pipeline_batch(batch)
 
     def _broadcast_weights(self, module: nn.Module) -> None:
         import torch.distributed as dist
@@ -538,7 +628,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 )
             self._make_groups()
             self._broadcast_weights(module)
-            self._split(module)
+            self._split(module, self._sample_batch(trainer))
             self._split_module = module
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -617,10 +707,13 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         hook = getattr(module, "pipeline_batch", None)
         return hook(batch) if callable(hook) else default_pipeline_batch(batch)
 
-    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _user_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch: the module's ``pipeline_loss``, else the token cross-entropy."""
         hook = getattr(self.lightning_module, "pipeline_loss", None)
-        loss = hook(output, target) if callable(hook) else token_cross_entropy(output, target)
-        return loss / self._loss_divisor
+        return hook(output, target) if callable(hook) else token_cross_entropy(output, target)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._user_loss(output, target) / self._loss_divisor
 
     @property
     def _has_first(self) -> bool:
@@ -799,7 +892,9 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             cpu_args = _to_cpu((args, kwargs)) if device.type != "cpu" else (args, kwargs)
             # the check is not a step: what training_step logs is not logged (Lightning also refuses logging here)
             module.log, module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
-            with torch.no_grad():
+            # like with like: the reference computes in the pipeline's precision (its autocast, on the host)
+            autocast, dtype = self._reference_precision(module)
+            with torch.no_grad(), autocast:
                 out = module.training_step(*cpu_args[0], **cpu_args[1])
         finally:
             del module.log, module.log_dict
@@ -812,8 +907,15 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "pipeline: training_step returned no loss tensor on the first batch; the pipeline's "
                 "loss cannot be checked against it (PipelineStrategy(check_loss=False) skips the check)"
             )
-        own_f = float(own)
-        if abs(own_f - piped) > 1e-4 * max(1.0, abs(own_f)):
+        self._compare_losses(module, piped, float(own), dtype)
+
+    def _compare_losses(self, module: nn.Module, piped: float, own: float, dtype: torch.dtype) -> None:
+        """Refuse the run unless the pipeline's first-batch loss ``piped`` is the module's own ``own``, both
+        computed in ``dtype``, within that dtype's tolerance (:data:`_LOSS_RTOL`); the numbers go to
+        :attr:`loss_check`."""
+        rtol = _LOSS_RTOL.get(dtype, _LOSS_RTOL[torch.float32])
+        self.loss_check = {"pipeline": piped, "reference": own, "dtype": str(dtype), "rtol": rtol}
+        if not abs(own - piped) <= rtol * max(1.0, abs(own)):
             hooks = (
                 "your pipeline_loss / pipeline_batch"
                 if hasattr(module, "pipeline_loss")
@@ -824,10 +926,27 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             )
             raise ValueError(
                 f"pipeline: on the first batch the pipeline's loss ({piped:.6g}: {hooks}) differs from "
-                f"{type(module).__name__}.training_step's ({own_f:.6g}); define "
+                f"{type(module).__name__}.training_step's ({own:.6g}) by more than {rtol:g} (relative, both "
+                f"computed in {str(dtype).replace('torch.', '')}); define "
                 "`pipeline_loss(self, logits, targets)` and/or `pipeline_batch(self, batch)` on the "
                 "LightningModule so that they compute your loss"
             )
+
+    def _reference_precision(self, module: nn.Module) -> tuple[Any, torch.dtype]:
+        """The autocast the first-batch reference runs in (always on the host) and the dtype the comparison is in:
+        under mixed precision (``bf16-mixed``, ``16-mixed``) an autocast of the pipeline's own dtype, so both losses
+        come from the same arithmetic; otherwise the parameters' dtype (``32-true``, ``bf16-true``) and no autocast
+        beyond what is already active."""
+        from contextlib import nullcontext
+
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision):
+            dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+            return torch.autocast("cpu", dtype=dtype), dtype
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        return nullcontext(), dtype
 
     def _restore_offstage(self) -> dict[str, nn.Module]:
         assert self._layout is not None
@@ -868,49 +987,90 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         import torch.distributed as dist
 
         module = self.lightning_module
-        params = dict(module.named_parameters(remove_duplicate=False))
-        if self._tied and self._tie_group is not None:
-            prefix = self._net_attr + "."
-            for first, last in self._tied:
-                name = prefix + (first if self._has_first else last)
-                p = params.get(name)
-                if p is not None and (self._has_first or self._has_last):
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                    dist.all_reduce(grad, group=self._tie_group)
-                    p.grad = grad
+        self._reduce_tied(average=False)
         if self._dp_group is not None and self.compression is not None:
             self._reduce_compressed([p for p in module.parameters() if p.grad is not None])
+            if self.compression in ("topk", "qsgd"):
+                # Top-K selects and QSGD rounds over each stage's own flat bucket, so the first and the last stage
+                # would apply different updates to their copies of a tied weight, which would drift apart: both take
+                # the mean of the two compressed averages (each an estimate of the same gradient)
+                self._reduce_tied(average=True)
         elif self._dp_group is not None:
             for p in module.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(self.dp_size)
 
+    def _reduce_tied(self, *, average: bool) -> None:
+        """All-reduce the tied weights' gradients between the first and the last stage (sum, or mean)."""
+        import torch.distributed as dist
+
+        if not (self._tied and self._tie_group is not None and (self._has_first or self._has_last)):
+            return
+        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        prefix = self._net_attr + "."
+        for first, last in self._tied:
+            p = params.get(prefix + (first if self._has_first else last))
+            if p is not None:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad, group=self._tie_group)
+                p.grad = grad.div_(2) if average else grad
+
     def _make_dp_hook(self) -> tuple[Any, Callable[..., Any]]:
         """(state, hook): the hook ``ddp_<compression>`` registers with DDP, over the replica group."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         from lightning_accel.strategies import compression_hooks
-        from lightning_accel.strategies.ddp_compression import CommStats
 
-        self.comm_stats = CommStats()
-        if self.compression == "fp16":
-            return self._dp_group, default_hooks.fp16_compress_hook
-        if self.compression == "bf16":
-            return self._dp_group, default_hooks.bf16_compress_hook
+        if self.compression in ("fp16", "bf16"):
+            self._attach_compressor_state(None)  # no compressor state: the counters only
+            cast = default_hooks.fp16_compress_hook if self.compression == "fp16" else default_hooks.bf16_compress_hook
+            return self._dp_group, cast
+        state: Any
         if self.compression == "topk":
             from lightning_accel.strategies.ddp_compression import DEFAULT_DENSITY_WARMUP_STEPS
 
             # ddp_topk's density warm-up; its momentum correction and Adam warm-up are not applied here
             knobs: dict[str, Any] = {"density_warmup_steps": DEFAULT_DENSITY_WARMUP_STEPS, **self._compression_knobs}
-            return (
+            state, hook = (
                 compression_hooks.TopKState(process_group=self._dp_group, **knobs),
                 compression_hooks.topk_hook,
             )
-        return (
-            compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs),
-            compression_hooks.qsgd_hook,
-        )
+        else:
+            state = compression_hooks.QSGDState(process_group=self._dp_group, **self._compression_knobs)
+            hook = compression_hooks.qsgd_hook
+        self._attach_compressor_state(state)
+        return state, hook
+
+    def _holder(self) -> Any:
+        """A ``DDPCompressionStrategy`` of this compression, never set up: it holds the replica average's compressor
+        state so that its own ``compression_state_dict`` / ``load_compression_state_dict`` save and restore it, in
+        ``ddp_topk`` / ``ddp_qsgd``'s checkpoint format (one copy of that code)."""
+        if self._compression_holder is None:
+            from lightning_accel.strategies.ddp_compression import DDPCompressionStrategy
+
+            holder = DDPCompressionStrategy(compression=self.compression, **self._compression_knobs)  # type: ignore[arg-type]
+            holder.cluster_environment = self.cluster_environment  # its ranks are this run's
+            self._compression_holder = holder
+        return self._compression_holder
+
+    def _attach_compressor_state(self, state: Any | None) -> None:
+        """Give the new compressor state to the holder, with a mover that splits the stage's one flat bucket into
+        per-parameter pieces (the checkpoint's format), then restore a checkpoint's state into it."""
+        module = self.lightning_module
+        holder = self._holder()
+        holder.compressor_state = state
+        holder._make_mover(list(module.parameters()))  # same package: ddp_compression's per-parameter layout
+        saved = self._saved_compression
+        if saved is not None:
+            holder.load_compression_state_dict(saved)
+            self._saved_compression = None
+            by_rank = saved.get("comm_stats_of_ranks")
+            if holder.compression == saved.get("compression") and by_rank and len(by_rank) == self.world_size:
+                from lightning_accel.strategies.ddp_compression import CommStats
+
+                holder.comm_stats = CommStats(**by_rank[self.global_rank])  # this rank's own counters
+        self.comm_stats = holder.comm_stats  # restored counters, or the holder's fresh ones
 
     def _reduce_compressed(self, params: list[nn.Parameter]) -> None:
         """Average the stage's gradients over the replicas through a DDP compression hook: all of them as one
@@ -920,6 +1080,10 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
         state, hook = self._dp_hook
         flat = torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in params])  # type: ignore[union-attr]
         bucket = _FlatBucket(flat, params)
+        holder = self._compression_holder
+        if holder is not None and holder._mover is not None:  # the residual follows its parameters (a resume)
+            layout = [holder._param_index[id(p)] for p in params]
+            holder._mover.enter(state, 0, layout, flat.device)
         started = getattr(state, "iter", 0) >= getattr(state, "start_iter", 0)
         sent_before = getattr(state, "bytes_sent", 0)
         reduced = hook(state, bucket).wait()
@@ -975,6 +1139,7 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             "state_dict": cpu(checkpoint.get("state_dict", {})),
             "optimizer_states": cpu(checkpoint.get("optimizer_states", [])),
         }
+        compression = self._compression_state_dict()  # a collective (every rank's residuals), before the gather
         gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
         dist.gather_object(mine, gathered if self.is_global_zero else None, dst=0)
         if not self.is_global_zero:
@@ -995,7 +1160,53 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
                 "schedule": self.schedule_name,
             },
         }
+        if compression is not None:
+            from lightning_accel.strategies.ddp_compression import _CHECKPOINT_KEY
+
+            checkpoint[_CHECKPOINT_KEY] = compression
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _compression_state_dict(self) -> dict[str, Any] | None:
+        """``pp_ddp``'s compressor state as ``ddp_<compression>`` saves it (None without compression); a collective."""
+        if self.compression is None:
+            return None
+        if self._dp_hook is None and self._saved_compression is not None:  # restored, not yet applied: kept as is
+            return self._saved_compression
+        from dataclasses import asdict
+
+        import torch.distributed as dist
+
+        holder = self._holder()
+        if self.comm_stats is not None:
+            holder.comm_stats = self.comm_stats
+        state = holder.compression_state_dict()
+        # the counters differ by stage (ddp_<compression>'s are rank 0's, the same on every rank there): every rank's
+        mine = asdict(holder.comm_stats)
+        ranks: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        return {**state, "comm_stats_of_ranks": ranks}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.compression is not None:
+            from lightning_accel.strategies.ddp_compression import _CHECKPOINT_KEY
+
+            saved = checkpoint.get(_CHECKPOINT_KEY)
+            if saved is None:
+                rank_zero_warn(
+                    f"pp_ddp: the checkpoint {checkpoint_path} holds no compression state (written without "
+                    "compression, or by a release that did not save it): the compressor restarts from zero (Top-K's "
+                    "error-feedback residuals and its warm-up, QSGD's random generator), so the resumed run differs "
+                    "from an uninterrupted one"
+                )
+            else:
+                self._saved_compression = saved
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -1047,6 +1258,11 @@ class _FlatBucket:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows (samples) of a batch tensor."""
+    return t[:n] if t.dim() else t
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -2,8 +2,10 @@
 default batch and loss, and the measured cost of each block.
 
 :func:`find_layout` recognises Hugging Face decoder LMs (``LlamaForCausalLM``-shaped, ``GPT2LMHeadModel``), litgpt
-``GPT`` and nanoGPT-shaped models (token and position embeddings, an ``nn.ModuleList`` of blocks, a final norm and
-a head); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
+``GPT`` by their types, and any network whose forward is a stem (token and position embeddings, or a module on
+float features or images), an ``nn.ModuleList`` of blocks of one type, an optional final norm and a head, found by
+type and by the order the forward calls them on the first batch, whatever they are called (nanoGPT's attribute names
+are only a fallback hint); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
 ``pipeline_layout()``. Each recognised structure names its pieces as module paths relative to the network and says
 how each is called (the per-block context: rotary embeddings, the causal mask), so a stage can run its share of the
 network's own forward. A :class:`_Stage` is one rank's share (its blocks, with the embedding on the first and the
@@ -51,9 +53,13 @@ class _Layout:
     def block_list(self) -> nn.ModuleList:
         return self.net.get_submodule(self.blocks)  # type: ignore[return-value]
 
-    def vocab(self) -> int:
+    def synthetic_ids(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Token ids of ``shape`` (seeded) when the first piece is an ``nn.Embedding``; ``None`` for any other
+        input, whose dtype and shape only a real batch can give."""
         emb = self.net.get_submodule(self.first[0])
-        return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else 16
+        if not isinstance(emb, nn.Embedding):
+            return None
+        return torch.randint(0, int(emb.num_embeddings), shape, generator=torch.Generator().manual_seed(0))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -159,7 +165,7 @@ _HEAD = ("head", "lm_head", "output")
 
 
 class _NanoGPT(_Layout):
-    name = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
+    name: str = "nanoGPT-shaped (token + position embedding → blocks → norm → head)"
 
     def __init__(
         self,
@@ -221,8 +227,15 @@ def _child(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, .
     return None
 
 
-def find_layout(net: nn.Module) -> _Layout:
-    """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead."""
+def find_layout(net: nn.Module, inputs: torch.Tensor | None = None) -> _Layout:
+    """The recognised structure of ``net``; ``ValueError`` naming what is supported and what to give instead.
+
+    Hugging Face decoders and litgpt ``GPT`` by their types; any other network by its structure
+    (:func:`_structural_layout`: embedding(s) → an ``nn.ModuleList`` of repeated blocks → norm → head, found by type
+    and by the order the network's own forward calls them on ``inputs``, its first batch); failing that, by the
+    attribute names nanoGPT-shaped models use (``tok_emb``/``wte``, ``blocks``/``h``/``layers``, ``head``/``lm_head``),
+    a hint where the forward cannot be run.
+    """
     cls = type(net).__name__
     base = getattr(net, "model", None)
     if (
@@ -244,6 +257,9 @@ def find_layout(net: nn.Module) -> _Layout:
                 "split automatically; describe it with pipeline_layout()"
             )
         return _LitGPT(net)
+    found = _structural_layout(net, inputs)
+    if found is not None:
+        return found
     for prefix, holder in (("", net), ("transformer.", tr)):
         if not isinstance(holder, nn.Module):
             continue
@@ -263,12 +279,117 @@ def find_layout(net: nn.Module) -> _Layout:
                 head,
             )
     raise ValueError(
-        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or an "
-        f"nn.Embedding named {'/'.join(_TOKEN)} + an nn.ModuleList of blocks named {'/'.join(_BLOCKS)} + a head "
-        f"named {'/'.join(_HEAD)}, on the network or its .transformer). "
+        f"pipeline: cannot split {cls}: no recognised structure (Hugging Face decoder LM, GPT-2, litgpt GPT, or, "
+        "found by type and by the order its forward calls them on the first batch: nn.Embedding(s) → an "
+        "nn.ModuleList of blocks of one type → an optional norm → a head, on the network or one child of it). "
         "Give a `pipeline_layout(self)` method on the LightningModule returning "
         "lightning_accel.strategies.pipeline.PipelineLayout(embed=..., blocks=..., head=...)"
     )
+
+
+def _repeated_blocks(net: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(holder, blocks): the ``nn.ModuleList`` of blocks of one type holding the most parameters, a direct child of
+    ``net`` or of one of its children; block names (``blocks``, ``h``, ``layers``) only break ties."""
+    found = []
+    for holder in [net, *(c for c in net.children() if not isinstance(c, nn.ModuleList))]:
+        for name, child in holder.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            if len({type(b) for b in child}) != 1 or not any(True for _ in child.parameters()):
+                continue
+            size = sum(p.numel() for p in child.parameters())
+            found.append((size, name in _BLOCKS, holder, child))
+    if not found:
+        return None
+    _, _, holder, blocks = max(found, key=lambda f: (f[0], f[1]))
+    return holder, blocks
+
+
+def _structural_layout(net: nn.Module, inputs: torch.Tensor | None) -> _Layout | None:
+    """embedding(s) → repeated blocks → norm → head, found by type and by the network's own forward on
+    ``inputs`` (token ids; without them, seeded ids over the first ``nn.Embedding``'s vocabulary), whatever the
+    attributes are called; ``None`` when the forward is not that (the caller then tries names, then refuses).
+
+    The forward must call, in this order: one module on the input itself (an ``nn.Embedding`` of the
+    tokens, or a stem on features or images), at most one ``nn.Embedding`` of positions (on ``arange(T)``) and one
+    ``nn.Dropout``; every block of the list; an optional norm and a head (any modules). The split check then runs
+    the composition against the forward."""
+    found = _repeated_blocks(net)
+    if found is None:
+        return None
+    holder, blocks = found
+    if inputs is None:
+        emb = next((m for m in holder.children() if isinstance(m, nn.Embedding)), None)
+        if emb is None:
+            return None
+        inputs = torch.randint(0, int(emb.num_embeddings), (2, 8), generator=torch.Generator().manual_seed(0))
+    x = inputs.to(next((p.device for p in net.parameters() if p.device.type != "meta"), inputs.device))
+    watch = [m for m in holder.children() if not isinstance(m, nn.ModuleList)] + list(blocks)
+    if holder is not net:
+        watch += [m for m in net.children() if m is not holder]
+    calls: list[tuple[nn.Module, tuple]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args))) for m in watch]
+    was = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            net(x)
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError):
+        return None  # not a forward of these inputs: the names, then the error, say what to do
+    finally:
+        for handle in handles:
+            handle.remove()
+        net.train(was)
+    order = [m for m, _ in calls]
+    start = next((i for i, m in enumerate(order) if m is blocks[0]), None)
+    n = len(blocks)
+    if start is None or len(order) < start + n or any(a is not b for a, b in zip(order[start : start + n], blocks)):
+        return None
+    pre, post = calls[:start], order[start + n :]
+    if not 1 <= len(post) <= 2:
+        return None  # nothing, or more than a norm and a head, after the blocks
+    token = position = drop = None
+    for m, args in pre:
+        arg = args[0] if args else None
+        if token is None and _same(arg, x) and any(True for _ in m.parameters()):
+            token = m  # an nn.Embedding of token ids, or a stem on features or images (a Linear, a convolution)
+        elif isinstance(m, nn.Embedding) and position is None and _is_positions(arg, x.shape[1] if x.dim() > 1 else 0):
+            position = m
+        elif isinstance(m, nn.Dropout) and drop is None:
+            drop = m
+        else:
+            return None
+    if token is None:
+        return None
+    path = {id(m): name for name, m in net.named_modules()}
+    blocks_path = path[id(blocks)]
+    layout = _NanoGPT(
+        net,
+        "",
+        path[id(token)],
+        path[id(position)] if position is not None else None,
+        path[id(drop)] if drop is not None else None,
+        blocks_path,
+        path[id(post[0])] if len(post) == 2 else None,
+        path[id(post[-1])],
+    )
+    layout.name = (
+        f"{path[id(token)]} → {n} blocks ({blocks_path}) → "
+        + (f"{path[id(post[0])]} → " if len(post) == 2 else "")
+        + f"{path[id(post[-1])]}, found by its forward"
+    )
+    return layout
+
+
+def _same(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and (a is b or (a.shape == b.shape and bool(torch.equal(a, b))))
+
+
+def _is_positions(a: Any, length: int) -> bool:
+    """``arange(length)`` (with a leading batch dimension of 1 or not)."""
+    if not isinstance(a, torch.Tensor) or a.is_floating_point() or a.numel() != length or length == 0:
+        return False
+    return bool(torch.equal(a.reshape(-1).cpu(), torch.arange(length)))
 
 
 class _Offstage(nn.Module):
@@ -342,14 +463,34 @@ def measure_stage_costs(
     layout: _Layout,
     device: torch.device,
     *,
+    inputs: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     shape: tuple[int, int] = (2, 8),
     reps: int = 3,
 ) -> tuple[float, list[float], float]:
     """Forward + backward time (µs, the median of ``reps`` after one warm-up) of the embedding, of every block and
-    of the head with the token cross-entropy, on a synthetic batch of ``shape`` token ids, on ``device``. What is
-    not a block stays on the device during the measurement, the blocks go there one at a time (and everything goes
-    back after), so a model whose blocks do not fit the device together can still be measured.
+    of the head with the loss, on ``device``.
+
+    The batch is ``inputs`` / ``targets`` (what goes into the first stage and the last stage's target: the strategy
+    passes one micro-batch of the module's own first batch, so float inputs, images and any shape are measured as
+    they train) and ``loss(logits, targets)`` (default: :func:`token_cross_entropy`). Without ``inputs``, a seeded
+    batch of ``shape`` token ids (next-token targets) for a network whose first piece is an ``nn.Embedding``. What
+    is not a block stays on the device during the measurement, the blocks go there one at a time (and everything
+    goes back after), so a model whose blocks do not fit the device together can still be measured.
     """
+    if inputs is None:
+        ids = layout.synthetic_ids(shape)
+        if ids is None:
+            raise ValueError(
+                f"measure_stage_costs: {type(layout.net).__name__}'s first piece "
+                f"({type(layout.net.get_submodule(layout.first[0])).__name__}) does not take token ids; pass "
+                "inputs= and targets= (one micro-batch of a real batch)"
+            )
+        inputs, targets = ids, ids.roll(-1, dims=1)
+    if targets is None:
+        raise ValueError("measure_stage_costs: inputs= needs targets= (the last stage's target for the loss)")
+    loss_fn = loss if loss is not None else token_cross_entropy
     net = layout.net
     blocks = layout.block_list()
     in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
@@ -372,21 +513,21 @@ def measure_stage_costs(
         net.train()
         for t in rest:
             t.data = t.data.to(device)
-        ids = torch.randint(0, layout.vocab(), shape, generator=torch.Generator().manual_seed(0)).to(device)
-        first = timed(lambda: layout.embed(ids))
+        x, y = inputs.to(device), targets.to(device)
+        first = timed(lambda: layout.embed(x))
         with torch.no_grad():
-            h = layout.embed(ids)
+            h = layout.embed(x)
         ctx = layout.context(h)
         costs = []
         for block in blocks:
             home = next(iter(block.parameters()), torch.empty(0)).device
             block.to(device)
-            x = h.detach().requires_grad_(True)
-            costs.append(timed(lambda b=block, x=x: layout.call_block(b, x, ctx)))
+            hb = h.detach().requires_grad_(h.is_floating_point())
+            costs.append(timed(lambda b=block, hb=hb: layout.call_block(b, hb, ctx)))
             block.zero_grad(set_to_none=True)
             block.to(home)
-        x = h.detach().requires_grad_(True)
-        last = timed(lambda: token_cross_entropy(layout.head(x), ids.roll(-1, dims=1)))
+        hl = h.detach().requires_grad_(h.is_floating_point())
+        last = timed(lambda: loss_fn(layout.head(hl), y))
     finally:
         net.zero_grad(set_to_none=True)
         for t, data in zip(rest, homes):

@@ -336,7 +336,9 @@ def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
             self.model = GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16))
 
     # the last block measured 5x slower than the others: 3 blocks on stage 0, the slow one alone on stage 1
-    monkeypatch.setattr(pipeline, "measure_stage_costs", lambda layout, device, shape: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0))
+    monkeypatch.setattr(
+        pipeline, "measure_stage_costs", lambda layout, device, **probe: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0)
+    )
     strategy = PipelineStrategy(balance="time", print_plan=False)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.pp_size = 2
@@ -520,3 +522,277 @@ def test_a_peer_that_stopped_answering_is_named_as_such(message):
         RuntimeError, match=r"pipeline rank 0 \(stage 1 of \?\).*stopped answering.*" + re.escape(message[:20])
     ):
         strategy._run(torch.zeros(1), torch.zeros(1), train=True)
+
+
+# --------------------------------------------------------------------------------------- float inputs, precision
+class _FloatNet(nn.Module):  # float features: an nn.Linear embedding, an MLP trunk, a head
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.trunk = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.trunk:
+            h = block(h)
+        return self.head(h)
+
+
+class _FloatTask(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = _FloatNet()
+
+    def pipeline_layout(self):
+        return PipelineLayout(embed=self.net.embed, blocks=self.net.trunk, head=self.net.head)
+
+    def pipeline_loss(self, out, y):
+        return nn.functional.mse_loss(out, y)
+
+
+def test_the_split_of_a_float_network_is_checked_on_its_own_batch():
+    task = _FloatTask()
+    layout = _UserLayout(task.net, task.pipeline_layout())
+    x = torch.randn(8, 6)
+    _strategy()._check_split(layout, x)  # float features in: the composed forward equals the network's own
+    # without a batch there is nothing a Linear embedding can be checked on (token ids would not fit it)
+    with pytest.raises(ValueError, match=r"no batch to check the split of _FloatNet on.*\(Linear\).*train_dataloader"):
+        _strategy()._check_split(layout)
+
+    class Doubled(_FloatNet):  # a forward that does more than embed -> trunk -> head, seen on the float batch
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    net = Doubled()
+    with pytest.raises(ValueError, match=r"does not reproduce its own forward"):
+        _strategy()._check_split(_UserLayout(net, PipelineLayout(embed=net.embed, blocks=net.trunk, head=net.head)), x)
+
+
+def test_the_stage_cost_probe_times_a_micro_batch_of_the_modules_own_batch(monkeypatch):
+    import lightning_accel.strategies.pipeline as pipeline
+    from lightning_accel.strategies.pipeline import measure_stage_costs
+
+    task = _FloatTask()
+    layout = _UserLayout(task.net, task.pipeline_layout())
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    first, blocks, last = measure_stage_costs(
+        layout, torch.device("cpu"), inputs=x, targets=y, loss=task.pipeline_loss, reps=2
+    )
+    assert len(blocks) == 4 and min(blocks) > 0 and first > 0 and last > 0
+    assert all(p.grad is None for p in task.parameters())
+    with pytest.raises(ValueError, match=r"first piece \(Linear\) does not take token ids; pass inputs= and targets="):
+        measure_stage_costs(layout, torch.device("cpu"))
+
+    # balance="time" hands the probe one micro-batch of the first batch and the module's own loss
+    seen = {}
+
+    def probe(layout, device, **kwargs):
+        seen.update(kwargs)
+        return 0.0, [1.0, 1.0, 1.0, 3.0], 0.0
+
+    monkeypatch.setattr(pipeline, "measure_stage_costs", probe)
+    strategy = _strategy(balance="time", microbatches=4)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy._lightning_module = task
+    sample = (torch.randn(8, 6), torch.randn(8, 3))
+    strategy._split(task, sample)
+    assert torch.equal(seen["inputs"], sample[0][:2]) and torch.equal(seen["targets"], sample[1][:2])
+    assert seen["loss"] == strategy._user_loss and "shape" not in seen
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1, 2], [3]]
+    assert strategy._user_loss(torch.ones(2, 3), torch.zeros(2, 3)).item() == 1.0  # the module's mse_loss
+    # an explicit balance_shape measures synthetic token ids of that shape instead
+    seen.clear()
+    strategy = _strategy(balance="time", balance_shape=(2, 16))
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy._timed_costs(find_layout(_gpt()), sample)
+    assert seen == {"shape": (2, 16)}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "relative", "ok"),
+    [
+        (torch.float32, 5e-5, True),
+        (torch.float32, 4e-3, False),  # one bf16 rounding step: far outside fp32's arithmetic
+        (torch.bfloat16, 4e-3, True),  # ... and inside bf16's (8 significant bits)
+        (torch.bfloat16, 1e-2, True),
+        (torch.bfloat16, 5e-2, False),  # a different loss, not rounding
+        (torch.float16, 2e-3, True),
+        (torch.float16, 2e-2, False),
+    ],
+)
+def test_the_first_batch_tolerance_is_the_dtypes(dtype, relative, ok):
+    strategy, own = _strategy(), 2.0
+    piped = own * (1 + relative)
+    if ok:
+        strategy._compare_losses(_FloatTask(), piped, own, dtype)
+    else:
+        with pytest.raises(
+            ValueError, match=r"differs from _FloatTask.training_step's \(2\) by more than .*computed in"
+        ):
+            strategy._compare_losses(_FloatTask(), piped, own, dtype)
+    assert strategy.loss_check["dtype"] == str(dtype) and strategy.loss_check["pipeline"] == piped
+
+
+def test_the_reference_runs_in_the_pipelines_precision():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = _strategy()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    autocast, dtype = strategy._reference_precision(_FloatTask())
+    assert dtype == torch.bfloat16
+    with autocast:
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    strategy = _strategy()
+    task = _FloatTask().to(torch.bfloat16)  # bf16-true: the parameters' dtype, no autocast added
+    autocast, dtype = strategy._reference_precision(task)
+    assert dtype == torch.bfloat16
+    with autocast:
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_an_old_pp_ddp_checkpoint_without_compression_state_loads_with_a_warning(tmp_path):
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}, "pipeline": {"pipeline_ranks": 2, "stages": 2}}, path)
+    strategy = PipelineStrategy(compression="topk", density=0.1, data_parallel_size="auto", print_plan=False)
+    with pytest.warns(UserWarning, match=r"holds no compression state.*restarts from zero.*differs from an uninterr"):
+        checkpoint = strategy.load_checkpoint(path)
+    assert checkpoint["pipeline"]["stages"] == 2 and strategy._saved_compression is None
+    saved = {"compression": "topk", "comm_stats": {}}
+    torch.save({"state_dict": {}, "lightning_accel_ddp_compression": saved}, path)
+    strategy.load_checkpoint(path)
+    assert strategy._saved_compression == saved  # kept until the first exchange makes the compressor
+
+
+# ------------------------------------------------------------------------------ the structure, found by its forward
+class _RenamedGPT(nn.Module):
+    """nanoGPT's structure under names the attribute hints do not know: tok, where, layers, final, out."""
+
+    def __init__(self, order=None, tied=True):
+        super().__init__()
+        cfg = GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=2, d_model=16)
+        from lightning_accel.demo.model import Block
+
+        self.tok = nn.Embedding(32, 16)
+        self.where = nn.Embedding(16, 16)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(4))
+        self.final = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 32, bias=False)
+        if tied:
+            self.out.weight = self.tok.weight
+        self.order = order or [0, 1, 2, 3]
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.where(torch.arange(idx.shape[1]))
+        for i in self.order:
+            x = self.layers[i](x)
+        return self.out(self.final(x))
+
+
+class _Wrapped(nn.Module):  # the pieces one level down, in a ModuleDict, and the head on the network
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleDict(
+            {
+                "emb": nn.Embedding(32, 16),
+                "dropped": nn.Dropout(0.1),
+                "stack": nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)),
+                "post": nn.LayerNorm(16),
+            }
+        )
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        x = self.body["dropped"](self.body["emb"](idx))
+        for block in self.body["stack"]:
+            x = block(x)
+        return self.proj(self.body["post"](x))
+
+
+def _assert_splits(net, x, first, blocks, last):
+    layout = find_layout(net, x)
+    assert (layout.first, layout.blocks, layout.last) == (first, blocks, last), layout.name
+    _strategy()._check_split(layout, x)
+    n = len(layout.block_list())
+    stages = [_Stage(layout, range(0, 1), first=True, last=False), _Stage(layout, range(1, n), first=False, last=True)]
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](x)), net(x), rtol=1e-5, atol=1e-5)
+    return layout
+
+
+def test_the_structure_is_found_by_type_and_by_its_forward_whatever_the_names():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (2, 8))
+    layout = _assert_splits(_RenamedGPT(), ids, ["tok", "where"], "layers", ["final", "out"])
+    assert "tok → 4 blocks (layers) → final → out, found by its forward" == layout.name
+    _assert_splits(_Wrapped(), ids, ["body.emb"], "body.stack", ["body.post", "proj"])
+    assert find_layout(_Wrapped(), ids).drop == "body.dropped"
+    # float features: the stem is the module the forward calls on the input itself
+    x = torch.randn(2, 6)
+    _assert_splits(_FloatNet(), x, ["embed"], "trunk", ["head"])
+
+    # the split of a LightningModule holding one: planned, the tied head and embedding named
+    class Task(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _RenamedGPT()
+
+    strategy = _strategy()
+    strategy._split(Task(), (ids, ids))
+    assert [list(r) for r in strategy.plan.blocks] == [[0, 1], [2, 3]]
+    assert strategy._tied == [("tok.weight", "out.weight")]
+
+
+def test_a_forward_that_is_not_embedding_blocks_head_is_not_split():
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match=r"cannot split _RenamedGPT: no recognised structure.*pipeline_layout"):
+        find_layout(_RenamedGPT(order=[3, 2, 1, 0]), ids)  # the blocks run in another order than they are listed
+    with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_RenamedGPT(order=[0, 2, 1, 3]), ids)  # ... also when the first one runs first
+    with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_RenamedGPT(order=[0, 1, 2, 3, 0]), ids)  # a block runs twice
+    with pytest.raises(ValueError, match=r"no recognised structure"):
+        find_layout(_FloatNet())  # float inputs and no batch: nothing to run the forward on
+
+
+def test_the_first_batch_is_read_from_the_runs_own_loader_leaving_the_random_generator_alone():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+
+    class Source:  # what Lightning's fit loop holds: the train loader's source
+        def is_defined(self):
+            return True
+
+        def dataloader(self):
+            return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)  # draws its seed from torch's RNG
+
+    loop = SimpleNamespace(_data_source=Source())
+    none = SimpleNamespace(_data_source=None)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn=TrainerFn.FITTING),
+        fit_loop=loop,
+        validate_loop=none,
+        test_loop=none,
+        predict_loop=none,
+    )
+    strategy = _strategy()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    inputs, targets = strategy._sample_batch(trainer)
+    assert torch.equal(torch.get_rng_state(), before)  # the run's own draws (dropout, its sampler) are unchanged
+    assert inputs.shape == (4, 6) and targets.shape == (4, 3)
+    assert any(torch.equal(inputs[0], row) for row in x)  # a real sample, not a synthetic one
+    trainer.state.fn = TrainerFn.VALIDATING  # validate: its loop's loader, here none
+    assert strategy._sample_batch(trainer) is None
+
+    # a float network with balance_shape given: measured on token ids it cannot take, refused with the fix
+    task = _FloatTask()
+    layout = _UserLayout(task.net, task.pipeline_layout())
+    with pytest.raises(ValueError, match=r"balance_shape=\(2, 8\)\) measures on token ids.*leave balance_shape=None"):
+        _strategy(balance="time", balance_shape=(2, 8))._timed_costs(layout, (x, y))

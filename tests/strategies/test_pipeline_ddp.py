@@ -461,3 +461,307 @@ def test_the_measured_bubble_follows_the_schedules_formula(ddp_script, tmp_path)
         for m, expected in (("1", 0.5), ("2", 1 / 3)):
             assert rank[m]["expected"] == pytest.approx(expected)
             assert expected - 0.12 <= rank[m]["bubble"] <= expected + 0.2, (m, rank[m])
+
+
+FLOAT = r"""
+import json, os, sys
+import torch
+import torch.nn.functional as F
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_accel  # registers "pp" and "pp_ddp"
+from lightning_accel.strategies.pipeline import PipelineLayout, PipelineStrategy
+
+torch.set_num_threads(1)
+STEPS = 6
+g = torch.Generator().manual_seed(1)
+FEATURES, CLASSES = torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g)
+IMAGES, TARGETS = torch.randn(96, 1, 8, 8, generator=g), torch.randn(96, 2, generator=g)
+RAW = 1000 + torch.randn(96, 8, generator=g)  # unnormalised features (raw sensor values around 1000)
+NOISE = torch.randn(96, 1, generator=g)
+IDS = torch.randint(0, 64, (96, 17), generator=g)
+
+
+class MLP(nn.Module):  # float features: an nn.Linear embedding, an MLP trunk, a linear head
+    def __init__(self, out=4):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.trunk = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4))
+        self.classify = nn.Linear(32, out)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.trunk:
+            h = block(h)
+        return self.classify(h)
+
+
+class CNN(nn.Module):  # images: a convolution stem, a trunk of convolution blocks, a pooled linear head
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.trunk = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(4))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.trunk:
+            h = block(h)
+        return self.head(h)
+
+
+class Classifier(pl.LightningModule):  # its only pipeline code: pipeline_layout() (the default loss is the CE)
+    def __init__(self, batch=8):
+        super().__init__()
+        self.batch = batch
+        self.net = MLP()
+
+    def pipeline_layout(self):
+        return PipelineLayout(embed=self.net.embed, blocks=self.net.trunk, head=self.net.classify)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def data(self):
+        return TensorDataset(FEATURES, CLASSES)
+
+    def train_dataloader(self):  # Lightning puts in a DistributedSampler(shuffle=True) under any distributed strategy
+        return DataLoader(self.data(), batch_size=self.batch, shuffle=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Regressor(Classifier):  # images in, float targets out: pipeline_loss says what the loss is
+    def __init__(self, batch=8):
+        super().__init__(batch)
+        self.net = CNN()
+
+    def pipeline_layout(self):
+        return PipelineLayout(embed=self.net.stem, blocks=self.net.trunk, head=self.net.head)
+
+    def pipeline_loss(self, out, y):
+        return F.mse_loss(out, y)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return self.pipeline_loss(self.net(x), y)
+
+    def data(self):
+        return TensorDataset(IMAGES, TARGETS)
+
+
+class Raw(Classifier):
+    # inputs around 1000 and outputs in the tens; the targets are the network's own fp32 prediction plus unit noise.
+    # bf16 keeps 8 significant bits of each, so the loss in bf16 is far from the loss in fp32, while the pipeline
+    # and its reference in the same autocast agree; the loss is computed in the outputs' dtype
+    def __init__(self):
+        super().__init__()
+        self.net = MLP(out=1)
+        with torch.no_grad():
+            self.net.classify.weight.mul_(30)
+            self.targets = self.net(RAW) + NOISE
+
+    def pipeline_loss(self, out, y):
+        return ((out - y.to(out.dtype)) ** 2).mean()
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return self.pipeline_loss(self.net(x), y)
+
+    def data(self):
+        return TensorDataset(RAW, self.targets)
+
+
+class RenamedGPT(nn.Module):  # nanoGPT's structure under names no hint knows: found by its forward
+    def __init__(self):
+        super().__init__()
+        from lightning_accel.demo.model import Block, GPTConfig
+
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+        self.tok, self.where = nn.Embedding(64, 32), nn.Embedding(16, 32)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(4))
+        self.final, self.out = nn.LayerNorm(32), nn.Linear(32, 64, bias=False)
+        self.out.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.where(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.final(x))
+
+
+class Renamed(Classifier):  # no pipeline code at all
+    def __init__(self, batch=8):
+        super().__init__(batch)
+        self.net = RenamedGPT()
+
+    pipeline_layout = None  # not described: the strategy finds the structure
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+    def data(self):
+        return TensorDataset(IDS[:, :-1], IDS[:, 1:])
+
+
+class FirstBatch(pl.Callback):
+    def on_train_batch_start(self, trainer, module, batch, i):
+        if i == 0:
+            self.batch = batch
+
+
+def fit(task, strategy, devices, precision="32-true", callbacks=()):
+    t = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   precision=precision, callbacks=list(callbacks))
+    t.fit(task)
+    return t
+
+
+def build(cls, **kwargs):
+    pl.seed_everything(0, verbose=False)  # the same weights, and the samplers' seed, in every run
+    return cls(**kwargs)
+
+
+def max_dw(task, name):
+    # this rank's parameters (their original names) against the one-process run's
+    want = torch.load(f"ref_{name}.pt")
+    return max((p.detach() - want[n]).abs().max().item() for n, p in task.named_parameters())
+
+
+mode, out = sys.argv[1], {}
+if mode == "ref":  # one process under "ddp": the same DistributedSampler(shuffle=True) order as the pipelines
+    for name, cls, batch in (("mlp", Classifier, 8), ("cnn", Regressor, 16), ("renamed", Renamed, 8)):
+        task = build(cls, batch=batch)
+        fit(task, "ddp", 1)
+        torch.save(task.state_dict(), f"ref_{name}.pt")
+    sys.exit(0)
+if mode == "pp":
+    for name, cls, strategy in (("pp", Classifier, "pp"), ("timed", Classifier, PipelineStrategy(balance="time")),
+                                ("renamed", Renamed, "pp")):
+        task = build(cls)
+        t = fit(task, strategy, 2)
+        s = t.strategy
+        out[name] = {"dw": max_dw(task, "mlp" if cls is Classifier else name), "layout": s._layout.name, "n": sum(p.numel() for p in task.parameters()),
+                     "plan": [list(r) for r in s.plan.blocks], "unit": s.plan.unit, "costs": list(s.plan.costs),
+                     "check": s.loss_check, "steps": t.global_step}
+    first = FirstBatch()
+    t = fit(build(Raw), "pp", 2, precision="bf16-mixed", callbacks=[first])
+    fresh = build(Raw)  # the same initial weights: the loss on the first batch in fp32, outside any autocast
+    with torch.no_grad():
+        x, y = first.batch
+        fp32 = float(fresh.training_step((x, y), 0))
+    out["bf16"] = {"check": t.strategy.loss_check, "fp32": fp32, "steps": t.global_step}
+else:  # pp_ddp: 2 stages x 2 replicas, each replica half of the one-process run's batch of 16
+    task = build(Regressor)
+    t = fit(task, "pp_ddp", 4)
+    out["pp_ddp"] = {"dw": max_dw(task, "cnn"), "sizes": [t.strategy.pp_size, t.strategy.dp_size],
+                     "check": t.strategy.loss_check, "steps": t.global_step}
+with open(f"{mode}_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.distributed
+def test_a_float_input_pipeline_layout_trains_like_one_process_ddp(ddp_script, tmp_path):
+    # pipeline_layout() over float features (nn.Linear embedding + MLP trunk) and images (a CNN trunk): the split
+    # check, the stage-cost probe and the first-batch check run on the module's own first batch; 6 steps under "pp"
+    # (2 processes) and "pp_ddp" (4: 2 stages x 2 replicas) give the weights of one process under "ddp"; so does a
+    # nanoGPT-shaped GPT whose pieces have names no hint knows (tok, layers, out), found by its forward
+    ddp_script(FLOAT, args=["ref"], timeout=300)
+    ddp_script(FLOAT, args=["pp"], timeout=500)
+    ddp_script(FLOAT, args=["pp_ddp"], timeout=500)
+    for rank in read_rank_json(tmp_path, "pp"):
+        for name in ("pp", "timed", "renamed"):
+            run = rank[name]
+            assert run["steps"] == 6 and run["n"] > 0 and run["dw"] <= 1e-5, (name, run)
+            assert run["check"]["dtype"] == "torch.float32" and run["check"]["rtol"] == 1e-4
+        assert rank["pp"]["plan"] == [[0, 1], [2, 3]] and rank["pp"]["unit"] == "parameters"
+        assert rank["timed"]["unit"] == "µs fwd+bwd" and min(rank["timed"]["costs"]) > 0  # measured on the batch
+        assert rank["renamed"]["layout"] == "tok → 4 blocks (layers) → final → out, found by its forward"
+        assert rank["renamed"]["plan"] == [[0, 1], [2, 3]]
+        # bf16-mixed: the reference ran in the pipeline's autocast and was compared at bf16's tolerance; the fp32
+        # loss of the same batch and weights is further from the pipeline's than that tolerance, so a reference
+        # outside the autocast would have refused the run
+        bf16 = rank["bf16"]
+        check = bf16["check"]
+        assert bf16["steps"] == 6 and check["dtype"] == "torch.bfloat16" and check["rtol"] == 2e-2, bf16
+        scale = max(1.0, abs(check["reference"]))
+        assert abs(check["pipeline"] - check["reference"]) <= check["rtol"] * scale
+        assert abs(bf16["fp32"] - check["pipeline"]) > 2 * check["rtol"] * scale, bf16
+    ranks = read_rank_json(tmp_path, "pp_ddp", world_size=4)
+    for rank in ranks:
+        run = rank["pp_ddp"]
+        assert run["sizes"] == [2, 2] and run["steps"] == 6 and run["dw"] <= 1e-5, run
+        assert run["check"]["dtype"] == "torch.float32"
+
+
+PP_DDP_RESUME = (
+    COMMON
+    + r"""
+# the replica average compressed: Top-K's residuals and step counter, QSGD's generator go into the checkpoint and
+# come back, so a run resumed at an epoch boundary is the uninterrupted one
+def fit(kwargs, epochs, ckpt_path=None, save=None):
+    pl.seed_everything(0, verbose=False)
+    task = Task("demo")
+    t = pl.Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(data_parallel_size="auto", **kwargs),
+                   max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, use_distributed_sampler=False)
+    t.fit(task, ckpt_path=ckpt_path)
+    if save:
+        t.save_checkpoint(save)
+    s = t.strategy
+    state = s._dp_hook[0]
+    residual = getattr(state, "error_dict", {}).get(0)
+    # the tied embedding: the first stage's copy and the last stage's, whichever this rank holds
+    params = dict(task.named_parameters(remove_duplicate=False))
+    (first, last), = s._tied
+    tied = next(params[n] for n in ("model." + first, "model." + last) if n in params)
+    return t, {"iter": state.iter, "stats": s.comm_stats.as_dict(), "tied": tied.detach().double().tolist(),
+               "residual": None if residual is None else float(residual.abs().sum())}, [
+        p.detach().clone() for p in task.parameters()]
+
+
+out = {}
+RUNS = (("topk", {"compression": "topk", "density": 0.25}),
+        ("qsgd", {"compression": "qsgd", "levels": 3}))
+for name, kwargs in RUNS:
+    ckpt = f"{name}.ckpt"
+    _, out[f"{name}_first"], _ = fit(kwargs, 1, save=ckpt)
+    _, out[f"{name}_resumed"], resumed = fit(kwargs, 2, ckpt_path=ckpt)
+    t, out[f"{name}_straight"], straight = fit(kwargs, 2)
+    out[f"{name}_diff"] = max((a - b).abs().max().item() for a, b in zip(resumed, straight))
+    if t.global_rank == 0:
+        saved = torch.load(ckpt, weights_only=True).get("lightning_accel_ddp_compression")
+        out[f"{name}_saved"] = saved and {"world": saved["world_size"], "iters": [r["iter"] for r in saved["ranks"]],
+                                          "pieces": [sorted(r["pieces"].get("error_dict", {})) for r in saved["ranks"]]}
+with open(f"resume_rank{t.global_rank}.json", "w") as fh:
+    json.dump(out, fh)
+"""
+)
+
+
+@pytest.mark.distributed
+def test_pp_ddp_resumes_its_compressor_state_like_an_uninterrupted_run(ddp_script, tmp_path):
+    ddp_script(PP_DDP_RESUME, timeout=600)
+    ranks = read_rank_json(tmp_path, "resume", world_size=4)
+    steps = 96 // (2 * 4)  # per epoch: 96 sequences, 2 replicas of batches of 4
+    for r in ranks:
+        for name in ("topk", "qsgd"):
+            first, resumed, straight = r[f"{name}_first"], r[f"{name}_resumed"], r[f"{name}_straight"]
+            assert first["iter"] == steps and resumed["iter"] == straight["iter"] == 2 * steps, name
+            assert resumed["stats"] == straight["stats"], name
+            # the replica average continued with its state: the weights are the uninterrupted run's, bit for bit
+            assert r[f"{name}_diff"] == 0.0, (name, r[f"{name}_diff"])
+        assert r["topk_first"]["residual"] > 0 and r["topk_resumed"]["residual"] == r["topk_straight"]["residual"]
+    for name in ("topk", "qsgd"):  # each stage compresses its own bucket; the copies of the tied weight stay one
+        for d in (0, 1):  # replica d: the first stage on rank d, the last on rank 2 + d
+            assert ranks[d][f"{name}_straight"]["tied"] == ranks[2 + d][f"{name}_straight"]["tied"], (name, d)
+    saved = ranks[0]["topk_saved"]
+    assert saved["world"] == 4 and saved["iters"] == [steps] * 4
+    assert all(pieces for pieces in saved["pieces"])  # every rank's residual, per parameter of its stage
