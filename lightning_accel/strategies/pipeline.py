@@ -105,7 +105,8 @@ Args:
     blocks_per_stage: an explicit split instead of the balancing (block counts per stage).
     balance: ``"parameters"`` (default) or ``"time"`` (measured forward + backward time per block).
     balance_shape: ``(batch, sequence length)`` of synthetic token ids for ``balance="time"`` to measure on instead
-        of one micro-batch of the module's own first batch (None, the default).
+        of one micro-batch of the module's own first batch (None, the default); refused for a network whose first
+        piece does not take token ids.
     network: the attribute of the LightningModule that holds the network (default: its one child with parameters).
     check_loss: compare the pipeline's loss with ``training_step`` on the first batch (see above).
     compression: compress the data-parallel gradient average (``pp_ddp``): ``"fp16"``, ``"bf16"``, ``"topk"``,
@@ -496,7 +497,16 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             rows = max(1, inputs.shape[0] // self.microbatches) if inputs.dim() else 1
             probe = {"inputs": _rows(inputs, rows), "targets": _rows(targets, rows), "loss": self._user_loss}
         else:
-            probe = {"shape": self.balance_shape or (2, 8)}
+            shape = self.balance_shape or (2, 8)
+            if layout.synthetic_ids((1, 1)) is None:
+                first = type(layout.net.get_submodule(layout.first[0])).__name__
+                raise ValueError(
+                    f"PipelineStrategy(balance='time', balance_shape={shape!r}) measures on token ids, and "
+                    f"{type(layout.net).__name__}'s first piece ({first}) does not take them: leave "
+                    "balance_shape=None to measure on one micro-batch of the module's own first batch"
+                    + ("" if sample is not None else " (and give the Trainer a train loader to read it from)")
+                )
+            probe = {"shape": shape}
         mine = measure_stage_costs(layout, self.root_device, **probe) if self.global_rank == 0 else None
         if dist.is_available() and dist.is_initialized():
             box = [mine]
