@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -676,14 +676,26 @@ def reinstantiate_dataloader(loader: Any, *args: Any, **kwargs: Any) -> Any:
     return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
 
 
-def profiler_records_dtypes() -> bool:
-    """Whether ``torch.profiler``'s events carry their inputs' dtypes (``FunctionEvent.input_dtypes``; older torch
-    records shapes only, and the doctor's dtype rules then find nothing)."""
-    import inspect
+def profiler_event_dtypes(profiler: Any, events: Sequence[Any]) -> None:
+    """Give each CPU operation of a stopped ``torch.profiler.profile`` its inputs' dtypes as ``input_dtypes``.
 
-    from torch.autograd.profiler_util import FunctionEvent
+    A newer torch's ``FunctionEvent`` carries them; an older one (torch 2.11 and before) drops them on the way from
+    the profiler's own ``KinetoEvent`` (which has had ``dtypes()`` since torch 1.9) to ``events()``: they are read
+    back here, matched by the id ``events()`` gives each operation (its correlation id). Without them the doctor's
+    dtype rules (``fp32_matmul``, ``nchw_convolution``) would find nothing on exactly the GPUs they are for.
+    """
+    if not events or getattr(events[0], "input_dtypes", None) is not None:
+        return
+    results = getattr(getattr(profiler, "profiler", profiler), "kineto_results", None)
+    if results is None:
+        return
+    from torch.autograd import DeviceType
 
-    return "input_dtypes" in inspect.signature(FunctionEvent.__init__).parameters
+    dtypes = {e.correlation_id(): list(e.dtypes()) for e in results.events() if e.device_type() == DeviceType.CPU}
+    for event in events:
+        found = dtypes.get(event.id)
+        if found and getattr(event, "device_type", None) == DeviceType.CPU:
+            event.input_dtypes = found
 
 
 def profiler_recording() -> bool:

@@ -111,8 +111,9 @@ class OpTable:
         stage_seconds: ``forward`` / ``backward`` seconds of the recorded steps as the profiler's stage ranges
             measured them (the sum over the steps).
         device_type: ``"cpu"`` (host time) or ``"cuda"`` (device time).
-        measured_seconds: the same stages timed by the host clock around the profiled steps, when known: the
-            check that the records add up to what was measured.
+        measured_seconds: the same stages timed around the profiled steps, when known: by the host clock on the
+            CPU, by CUDA events on the stream on CUDA (the kernels' time then adds up to at most this: the device
+            idles while the host launches). The check that the records add up to what was measured.
     """
 
     records: list[OpRecord] = field(default_factory=list)
@@ -172,7 +173,8 @@ class Attribution:
             sub-modules), then the pseudo rows (:data:`PSEUDO_MODULES`), each with its costliest operations.
         leaves: the modules with the most *own* time (their operations, not their sub-modules').
         steps / device_type: from the :class:`OpTable`.
-        stage_seconds / measured_seconds: per step, the stage ranges' and the host clock's forward/backward.
+        stage_seconds / measured_seconds: per step, the stage ranges' and the stage clock's forward/backward
+            (host clock on the CPU, CUDA events on CUDA).
         ranks: per rank, ``forward_s`` / ``backward_s`` per step (rank 0 first), when several ranks recorded.
         window / overhead / notes: where the window ran and what it cost (filled by the caller).
     """

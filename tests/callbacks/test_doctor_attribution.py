@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accel._compat import profiler_records_dtypes
 from lightning_accel.callbacks import BottleneckDoctor
 from lightning_accel.core.attribution import ENGINE, PSEUDO_MODULES, STEP, attribute
 from lightning_accel.core.compute_causes import find_compute_causes
@@ -236,11 +235,6 @@ def mlp_task():
     return Task(MLP(), lambda: (torch.randn(256, 256), torch.randint(0, 256, (256,))))
 
 
-#: the dtype rules read the profiler's input dtypes, which older torch (2.6) does not record
-needs_dtypes = pytest.mark.skipif(not profiler_records_dtypes(), reason="this torch's profiler records no input dtypes")
-
-
-@needs_dtypes
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_fp32_matmuls_on_a_tensor_core_gpu_are_named_with_mixed_precision(precision, monkeypatch):
     # The GPU is mocked: the run facts say an A100 in fp32 (or bf16); the window is this CPU's. CPU autocast runs
@@ -280,7 +274,6 @@ class ConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-@needs_dtypes
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_nchw_convolutions_in_mixed_precision_on_a_tensor_core_gpu_are_named_with_channels_last(
     channels_last, monkeypatch
@@ -559,12 +552,94 @@ def test_ranks_that_hold_different_modules_send_their_totals_only():
     assert all("rank_ms" not in r for r in result["modules"])  # no module row pretends to be both ranks'
 
 
-def test_without_the_profilers_dtypes_a_gpu_report_says_the_dtype_rules_were_skipped(monkeypatch):
+def strip_event_dtypes(monkeypatch, *, read_back):
+    """Events as an older torch's ``events()`` gives them (no ``input_dtypes``); ``read_back``: the window's
+    fallback then reads them from the profiler's own events, as it does there."""
     import lightning_accel._compat as compat
+
+    original = compat.profiler_event_dtypes
+
+    def events_without_dtypes(profiler, events):
+        for event in events:
+            event.input_dtypes = None
+        if read_back:
+            original(profiler, events)
+
+    monkeypatch.setattr(compat, "profiler_event_dtypes", events_without_dtypes)
+
+
+def test_a_torch_whose_profiler_events_carry_no_dtypes_still_gets_the_dtype_rules(monkeypatch):
+    # torch 2.11 and before: FunctionEvent has no input_dtypes; the profiler's KinetoEvents have them
+    import lightning_accel.callbacks.doctor.bottleneck_doctor as bd
+
+    gpu = RunContext(device_type="cuda", device_capability=(9, 0), compute_dtype="fp32", world_size=1)
+    monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
+    strip_event_dtypes(monkeypatch, read_back=True)
+    doctor, _ = fit(mlp_task())
+    assert "fp32_matmul" in [f.rule for f in compute_findings(doctor.report)]
+    assert not any("rules were skipped" in n for n in doctor.report.notes)
+
+
+def test_profiler_event_dtypes_reads_each_operations_dtypes_back_from_the_profilers_own_events():
+    from lightning_accel._compat import profiler_event_dtypes
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8, dtype=torch.float64)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        torch.mm(a, a)
+        torch.add(b, b)
+    events = prof.events()
+    for event in events:
+        event.input_dtypes = None
+    profiler_event_dtypes(prof, events)
+    by_name = {e.name: e.input_dtypes for e in events}
+    assert by_name["aten::mm"][:2] == ["float", "float"]
+    assert by_name["aten::add"][:2] == ["double", "double"]
+
+
+def test_without_the_profilers_dtypes_a_gpu_report_says_the_dtype_rules_were_skipped(monkeypatch):
     import lightning_accel.callbacks.doctor.bottleneck_doctor as bd
 
     gpu = RunContext(device_type="cuda", device_capability=(8, 0), compute_dtype="fp32", world_size=1)
     monkeypatch.setattr(bd, "static_context", lambda trainer, device: gpu)
-    monkeypatch.setattr(compat, "profiler_records_dtypes", lambda: False)
+    strip_event_dtypes(monkeypatch, read_back=False)
     doctor, _ = fit(mlp_task())
     assert any("fp32_matmul and nchw_convolution compute rules were skipped" in n for n in doctor.report.notes)
+    assert "fp32_matmul" not in [f.rule for f in compute_findings(doctor.report)]
+
+
+def test_on_cuda_the_window_times_its_stages_with_events_on_the_stream_not_the_host_clock(monkeypatch):
+    # An asynchronous launch returns before its kernels run: the host clock around it measures the launching.
+    from lightning_accel.callbacks.doctor.attribution import AttributionWindow
+
+    device_ms = iter([0.0, 7.0, 20.0])  # forward 7 ms, backward 13 ms on the stream
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.ms = next(device_ms)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    class StoppedProfiler:
+        def stop(self):
+            pass
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    host = iter(range(100))
+    window = AttributionWindow(nn.Linear(2, 2), steps=1, device_type="cuda", clock=lambda: float(next(host)))
+    window.step = window.warmup  # the recorded step
+    window._profiler = StoppedProfiler()
+    window.stage("forward")
+    window.stage("backward")
+    window.stage(None)
+    table = window.close()
+    assert table.measured_seconds == pytest.approx({"forward": 0.007, "backward": 0.013})

@@ -62,7 +62,8 @@ class AttributionWindow:
         module: the LightningModule; paths are relative to it (``model.blocks.3.attn``).
         steps: recorded steps.
         device_type: ``"cuda"`` records the kernels and charges device time; anything else host time.
-        clock: the host clock the stages are also timed with (the check that the records add up).
+        clock: the host clock the stages are also timed with on the CPU (the check that the records add up); on
+            CUDA they are timed with events on the current stream, as the kernels are.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class AttributionWindow:
         self.clock = clock
         self.step = 0  # steps ended in this window, warm-up included
         self.measured: dict[str, float] = {"forward": 0.0, "backward": 0.0}
+        self._spans: list[tuple[str, Any, Any]] = []  # CUDA: (stage, start event, end event), read at close
         self._profiler: Any = None
         self._handles: list[Any] = []
         self._stack: list[Any] = []
@@ -126,19 +128,31 @@ class AttributionWindow:
 
     def stage(self, name: str | None) -> None:
         """Close the open stage range and open ``name`` (``forward``/``backward``), or none."""
-        now = self.clock()
+        now = self._mark()
         if self._stage is not None:
             stage, rf, start = self._stage
             self._stage = None
             rf.__exit__(None, None, None)
             if self.step >= self.warmup:
-                self.measured[stage] += now - start
+                if self.device_type == "cuda":
+                    self._spans.append((stage, start, now))
+                else:
+                    self.measured[stage] += now - start
         if name is not None:
             from torch.autograd.profiler import record_function
 
             rf = record_function(f"{_STAGE}{name}#{self.step - self.warmup}")
             rf.__enter__()
-            self._stage = (name, rf, self.clock())
+            self._stage = (name, rf, now)  # one point ends a stage and starts the next
+
+    def _mark(self) -> Any:
+        """A point of the stage clock. On CUDA an event on the current stream: the kernels are charged in device
+        time, and the host clock around an asynchronous launch measures the launching, not the work."""
+        if self.device_type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.clock()
 
     def step_end(self) -> bool:
         """A training step ended; ``True`` when the window is complete."""
@@ -150,12 +164,21 @@ class AttributionWindow:
 
     def close(self) -> OpTable:
         """Stop, drop the hooks and the profiler, and read the recorded steps."""
+        from lightning_accel._compat import profiler_event_dtypes
+
         profiler = self._remove()
         if profiler is None:
             return OpTable(device_type=self.device_type)
         profiler.stop()
         recorded = max(0, min(self.steps, self.step - self.warmup))
-        table = table_from_events(profiler.events() or [], steps=recorded, device_type=self.device_type)
+        events = profiler.events() or []
+        profiler_event_dtypes(profiler, events)
+        table = table_from_events(events, steps=recorded, device_type=self.device_type)
+        if self._spans:
+            self._spans[-1][2].synchronize()
+            for stage, start, end in self._spans:
+                self.measured[stage] += start.elapsed_time(end) / 1e3
+            self._spans = []
         table.measured_seconds = dict(self.measured)
         return table
 

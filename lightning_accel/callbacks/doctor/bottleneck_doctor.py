@@ -751,12 +751,10 @@ class BottleneckDoctor(Callback):
             "extra_s": None if step is None else max(0.0, attr.window_s - attr.held_batches * step) + attr.analysis_s,
         }
         report.attribution = result.to_dict()
-        from lightning_accel._compat import profiler_records_dtypes
-
-        if report.context.device_type == "cuda" and not profiler_records_dtypes():
+        if report.context.device_type == "cuda" and not any(r.dtype for r in attr.table.records):
             report.notes.append(
-                "the fp32_matmul and nchw_convolution compute rules were skipped: this torch's profiler does not "
-                "record its operations' input dtypes (a newer torch does)"
+                "the fp32_matmul and nchw_convolution compute rules were skipped: the profiler recorded no input "
+                "dtypes for the window's operations"
             )
         compute = report.shares.get("forward", 0.0) + report.shares.get("backward", 0.0) if report.shares else 1.0
         findings = find_compute_causes(attr.table, context=report.context, compute_share=compute)
