@@ -172,6 +172,20 @@ def build_data(config: dict[str, Any]):
     return MLP(dim=256, depth=3), loader, {"callbacks": _callbacks(config)}
 
 
+def build_short_noisy(config: dict[str, Any]):
+    workers = config.get("num_workers", 0)
+    loader = DataLoader(
+        Sleepy(4096, 2048, 0.0001),
+        batch_size=16,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=config.get("prefetch_factor") if workers else None,
+    )
+    return MLP(dim=2048, depth=3), loader, {"callbacks": _callbacks(config)}
+
+
 def build_micro_batch(config: dict[str, Any]):
     micro, accum = config["micro"]
     n = 8192
@@ -291,6 +305,15 @@ SCENARIOS = {
         {"num_workers": 0, "prefetch": False},
         steps=160,
         heldout=_heldout_mlp(256),
+    ),
+    "short_noisy": Scenario(
+        "short_noisy",
+        "~20 ms steps (MLP of width 2048, SGD), a loader whose ~0.2 ms per sample is a small share of the step",
+        build_short_noisy,
+        {"num_workers": [0, 1], "prefetch": [False, True]},
+        {"num_workers": 0, "prefetch": False},
+        steps=300,
+        heldout=_heldout_mlp(2048),
     ),
     "compute": Scenario(
         "compute",

@@ -16,7 +16,10 @@
 
 Batches come out identical and in the same order as from the wrapped loader. ``iter()`` of the wrapped loader and
 the first batch are fetched in the calling thread (where an un-wrapped loop would fetch them), so a sampler's seed
-drawn from the global RNG is drawn at the same point; later randomness a ``num_workers=0`` loader draws from the
+drawn from the global RNG is drawn at the same point. A sized loader is read ahead up to its ``len()`` only: the
+``next()`` past it, which finds the end, is made in the calling thread when the caller asks for it (Lightning's
+loop stops at the length and never does), because it has effects: a ``RandomSampler`` draws the next permutation
+from the DataLoader's ``generator`` there, and the next epoch's order would change; later randomness a ``num_workers=0`` loader draws from the
 *global* torch RNG (per-sample augmentation) interleaves with the training step's draws in another order, so for
 bitwise-reproducible augmentation use worker processes or a generator of the dataset's own.
 
@@ -48,7 +51,7 @@ from lightning_accel.core.batch import map_tensors
 
 __all__ = ["CudaTransfer", "PrefetchIterator", "PrefetchingLoader"]
 
-_BATCH, _END, _ERROR = "batch", "end", "error"
+_BATCH, _END, _ERROR, _LENGTH = "batch", "end", "error", "length"
 _POLL_S = 0.05  # how often a blocked producer re-checks the stop flag
 # A stateful loader's (torchdata StatefulDataLoader) state counts the batches fetched ahead as consumed; forwarding
 # it would make a mid-epoch resume skip them. Without these, Lightning treats the loader as not stateful. A loader
@@ -107,6 +110,10 @@ class CudaTransfer:
         return moved
 
 
+class _AtLength(Exception):
+    """The loader's length is 0: no batch is fetched ahead."""
+
+
 def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
@@ -118,13 +125,22 @@ def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading
 
 
 def _produce(
-    source: Iterator[Any], q: queue.Queue[tuple[str, Any]], stop: threading.Event, transfer: CudaTransfer | None
+    source: Iterator[Any],
+    q: queue.Queue[tuple[str, Any]],
+    stop: threading.Event,
+    transfer: CudaTransfer | None,
+    remaining: int | None,
 ) -> None:
     # Holds no reference to the PrefetchIterator, so dropping that object stops this thread (via __del__).
     try:
         while not stop.is_set():
+            if remaining is not None and remaining <= 0:
+                # the loader's length reached: the next() that would find the end is the consumer's to make
+                _put(q, (_LENGTH, None), stop)
+                return
             try:
                 batch = next(source)
+                remaining = None if remaining is None else remaining - 1
             except StopIteration:
                 _put(q, (_END, None), stop)
                 return
@@ -140,8 +156,11 @@ def _produce(
 class PrefetchIterator(Iterator[Any]):
     """One pass over a :class:`PrefetchingLoader`; see the module docstring."""
 
-    def __init__(self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None) -> None:
+    def __init__(
+        self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None, length: int | None = None
+    ) -> None:
         self._transfer = transfer
+        self._source: Iterator[Any] | None = None
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,9 +168,15 @@ class PrefetchIterator(Iterator[Any]):
         self._first: tuple[str, Any] | None
         # iter() and the first batch in the caller's thread: see the module docstring (RNG draw order)
         source = iter(iterable)
+        self._source = source
         try:
+            if length is not None and length <= 0:
+                raise _AtLength
             first = next(source)
             self._first = (_BATCH, transfer.copy(first) if transfer is not None else first)
+        except _AtLength:
+            self._first = (_LENGTH, None)
+            return
         except StopIteration:
             self._first = (_END, None)
             return
@@ -160,7 +185,7 @@ class PrefetchIterator(Iterator[Any]):
             return
         self._thread = threading.Thread(
             target=_produce,
-            args=(source, self._queue, self._stop, transfer),
+            args=(source, self._queue, self._stop, transfer, None if length is None else length - 1),
             name="lightning-accel-prefetch",
             daemon=True,
         )
@@ -186,6 +211,20 @@ class PrefetchIterator(Iterator[Any]):
         if self._done:
             raise StopIteration
         kind, value = self._get()
+        if kind == _LENGTH:
+            # Past the loader's length the wrapped iterator is asked here, in the caller's thread, only when the
+            # caller asks: a loop that stops at len() (Lightning's does) never makes that call, and the sampler's
+            # exhausting step (a DataLoader's RandomSampler draws the next permutation from its generator there)
+            # happens exactly where an un-wrapped loop would make it.
+            self._first = (_LENGTH, None)
+            try:
+                batch = next(cast(Iterator[Any], self._source))
+            except StopIteration:
+                kind, value = _END, None
+            except Exception as err:  # noqa: BLE001 - the loader's own, as from an un-wrapped loader
+                kind, value = _ERROR, err
+            else:
+                return self._transfer.ready(*self._transfer.copy(batch)) if self._transfer is not None else batch
         if kind == _BATCH:
             return self._transfer.ready(*value) if self._transfer is not None else value
         self.close()
@@ -197,6 +236,7 @@ class PrefetchIterator(Iterator[Any]):
         """Stop the producer thread and drop the batches it had fetched ahead."""
         self._done = True
         self._first = None
+        self._source = None
         self._stop.set()
         while True:  # unblock a producer waiting on a full queue and free the batches held
             try:
@@ -289,7 +329,11 @@ class PrefetchingLoader:
             if self._prefetch_transfer is None:  # one side stream per loader, created lazily (no CUDA at init)
                 object.__setattr__(self, "_prefetch_transfer", CudaTransfer(self.device, pin_memory=self._prefetch_pin))
             transfer = self._prefetch_transfer
-        iterator = PrefetchIterator(self._prefetch_loader, self._prefetch_depth, transfer)
+        try:  # as Lightning reads it (``sized_len``): a loop over a sized loader stops at its length
+            length: int | None = len(self._prefetch_loader)
+        except (TypeError, NotImplementedError):
+            length = None
+        iterator = PrefetchIterator(self._prefetch_loader, self._prefetch_depth, transfer, length)
         self._prefetch_iterators.add(iterator)
         # threads of passes abandoned without close() (e.g. Lightning's limit_train_batches) end on their own
         # after garbage collection; keep them too, so close() can wait for them

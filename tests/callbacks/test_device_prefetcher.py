@@ -119,6 +119,36 @@ def test_same_batches_in_same_order_and_sampler_epochs():
     assert not prefetch_threads()
 
 
+def test_a_seeded_shuffled_loader_gives_every_epoch_the_order_it_gives_without_the_prefetcher():
+    # The common reproducible setup: DataLoader(shuffle=True, generator=...). Lightning stops each epoch at the
+    # loader's length; a prefetcher that read past it would draw the next permutation from that generator.
+    class Plain(Model):
+        def train_dataloader(self):
+            return DataLoader(
+                Samples(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5), collate_fn=collate
+            )
+
+    def seen(callbacks):
+        torch.manual_seed(0)
+        model = Plain()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=callbacks,
+        )
+        trainer.fit(model)
+        return [idx for idx, _, _ in model.seen]
+
+    plain = seen([])
+    assert seen([DevicePrefetcher(depth=4)]) == plain
+    assert plain[6] != plain[0] and plain[12] != plain[6]  # each epoch's order differs: the check has teeth
+
+
 def test_stopping_mid_epoch_leaves_no_thread_and_val_opt_in():
     prefetcher = DevicePrefetcher(loaders=("train", "val"))
     trainer, model = fit([prefetcher], max_epochs=1, max_steps=2)

@@ -107,6 +107,50 @@ def test_same_batches_same_order_any_structure_over_epochs():
     assert wait_for(lambda: not prefetch_threads())
 
 
+def seeded_shuffled_loader():
+    data = TensorDataset(torch.arange(24.0))
+    return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+
+def epochs_stopping_at_len(loader, epochs=3):
+    """Lightning's loop over a sized loader: ``len()`` batches per epoch, no ``next()`` after the last."""
+    out = []
+    for _ in range(epochs):
+        it = iter(loader)
+        out.append([next(it)[0].tolist() for _ in range(len(loader))])
+    return out
+
+
+def test_a_loop_that_stops_at_len_sees_every_epochs_order_as_without_the_wrapper():
+    # A RandomSampler draws its next permutation from the DataLoader's generator on the next() that finds the end;
+    # read ahead past the length, the wrapper would make that draw and every later epoch's order would change.
+    plain = epochs_stopping_at_len(seeded_shuffled_loader())
+    wrapped = epochs_stopping_at_len(PrefetchingLoader(seeded_shuffled_loader(), depth=8))
+    assert wrapped == plain
+    assert plain[1] != plain[0]  # the epochs are shuffled differently: the check can tell them apart
+
+
+def test_a_plain_for_loop_sees_every_epochs_order_as_without_the_wrapper():
+    def epochs(loader):
+        return [[b[0].tolist() for b in loader] for _ in range(3)]
+
+    assert epochs(PrefetchingLoader(seeded_shuffled_loader(), depth=8)) == epochs(seeded_shuffled_loader())
+    assert wait_for(lambda: not prefetch_threads())
+
+
+def test_a_loader_longer_than_its_len_still_delivers_every_batch():
+    class Lying:
+        def __iter__(self):
+            return iter(range(5))
+
+        def __len__(self):
+            return 3
+
+    assert list(PrefetchingLoader(Lying(), depth=2)) == [0, 1, 2, 3, 4]
+    assert list(PrefetchingLoader(type("Zero", (Lying,), {"__len__": lambda self: 0})())) == [0, 1, 2, 3, 4]
+    assert wait_for(lambda: not prefetch_threads())
+
+
 def test_dataloader_attributes_and_len_are_the_inner_loaders():
     dl = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=3, shuffle=True)
     loader = PrefetchingLoader(dl)
