@@ -374,6 +374,39 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
+def claims_table(real: list[dict[str, Any]]) -> list[str]:
+    """Per script: each search's claimed speed-up (its final paired check, with its 90 % interval) against what its
+    training then measured, ÷ the median of the script's vanilla runs (run beside it, before and after)."""
+    lines = [
+        "| script | kept | claimed [90 % interval], each search | measured ÷ vanilla median | claimed ÷ measured |",
+        "|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["script"] for r in real):
+        vanilla = [r["samples_per_sec"] for r in real if r["script"] == name and r["variant"] == "vanilla"]
+        auto = [r for r in real if r["script"] == name and r["variant"] == "autopilot"]
+        if not vanilla or not auto:
+            continue
+        base = statistics.median(vanilla)
+        claims = [r.get("claimed_speedup") or 1.0 for r in auto]
+        measured = [r["samples_per_sec"] / base for r in auto]
+
+        def interval(r: dict[str, Any]) -> str:
+            low, high = r.get("claimed_low"), r.get("claimed_high")
+            return f" [{low:.2f}–{high:.2f}]" if low is not None and high is not None else ""
+
+        kept: dict[str, int] = {}
+        for r in auto:
+            key = "; ".join(r["kept"]) or "nothing"
+            kept[key] = kept.get(key, 0) + 1
+        lines.append(
+            f"| {name} | {'<br>'.join(f'{k} ({n})' for k, n in kept.items())} | "
+            f"{', '.join(f'{c:.2f}{interval(r)}' for c, r in zip(claims, auto))} | "
+            f"{', '.join(f'{m:.2f}' for m in measured)} (vanilla {', '.join(f'{v:.0f}' for v in vanilla)}) | "
+            f"{_spread([c / m for c, m in zip(claims, measured)])} |"
+        )
+    return lines
+
+
 def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None = None) -> str:
     """The tables (markdown) from result rows: per script, and per short-fit scenario."""
     if commit:  # the Autopilot's rows of that commit; vanilla and hand-tuned runs do not depend on its code
@@ -423,6 +456,7 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                 f"{_spread([100 * s / PLANNED_SECONDS for s in search])} % | "
                 f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |"
             )
+        lines += ["", *claims_table(real)]
     short = [r for r in rows if r.get("kind") == "short"]
     if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
         lines += [

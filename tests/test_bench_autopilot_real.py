@@ -87,3 +87,22 @@ def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
     assert cells[7] == "0.93 (0.90–0.95)"  # ÷ the bf16 hand-tuned run, the better one
     assert cells[10] == "1.50 (1.00–2.00) %"  # of a 600 s fit
     assert cells[11] == "a (2)"  # the old commit's search is not counted
+
+
+def test_claims_are_divided_by_what_training_measured_against_the_vanilla_median():
+    def r(variant, sps, **extra):
+        return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
+
+    rows = [
+        r("vanilla", 90.0),
+        r("vanilla", 110.0),
+        r("vanilla", 100.0),
+        r("autopilot", 150.0, kept=["a"], claimed_speedup=1.65, claimed_low=1.5, claimed_high=1.8),
+        r("autopilot", 100.0, kept=[], claimed_speedup=None),  # nothing kept: the claim is 1x
+    ]
+    lines = real.claims_table(rows)
+    cells = [c.strip() for c in lines[-1].split("|")]
+    assert cells[2] == "a (1)<br>nothing (1)"
+    assert cells[3] == "1.65 [1.50–1.80], 1.00"
+    assert cells[4] == "1.50, 1.00 (vanilla 90, 110, 100)"
+    assert cells[5] == "1.05 (1.00–1.10)"  # claimed ÷ measured: 1.10 and 1.00
