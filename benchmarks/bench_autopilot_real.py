@@ -321,8 +321,9 @@ def drive_real(
     for name in scripts:
         for r in range(rounds):
             order = variants if r % 2 == 0 else list(reversed(variants))
-            if name not in planned and "vanilla" in order:  # the vanilla run measures the planned length first
-                order = ["vanilla"] + [v for v in order if v != "vanilla"]
+            if name not in planned and "vanilla" in order:  # a vanilla run measures the planned length first
+                first = order.index("vanilla")
+                order = ["vanilla", *order[:first], *order[first + 1 :]]
             for variant in order:
                 spec = {
                     "kind": "real",

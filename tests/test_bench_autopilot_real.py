@@ -106,3 +106,11 @@ def test_claims_are_divided_by_what_training_measured_against_the_vanilla_median
     assert cells[3] == "1.65 [1.50–1.80], 1.00"
     assert cells[4] == "1.50, 1.00 (vanilla 90, 110, 100)"
     assert cells[5] == "1.05 (1.00–1.10)"  # claimed ÷ measured: 1.10 and 1.00
+
+
+def test_every_vanilla_run_asked_for_runs_and_the_first_comes_first(monkeypatch):
+    ran = []
+    monkeypatch.setattr(real, "_child", lambda spec, out, timeout: ran.append(spec["variant"]) or {"variant": "x"})
+    monkeypatch.setattr(real, "_say", lambda row: None)
+    real.drive_real(["demo"], 1, 4, 1, None, {}, ["autopilot", "vanilla", "autopilot", "vanilla"])
+    assert ran == ["vanilla", "autopilot", "autopilot", "vanilla"]
