@@ -17,7 +17,9 @@ Scenarios: ``data`` (a ``__getitem__`` that sleeps like network storage, ``num_w
 straight to ``fit``), ``compute`` (the demo GPT on memory-mapped tokens: nothing to fix),
 ``micro_batch`` (a per-call cost with batch 4 × accumulation 8; 400 optimizer steps, so that 32 × 1's ~0.4 s fit
 is measured over more than a few dozen 1 ms batches), ``attention`` (hand-written attention),
-``optimizer`` (Adam over many small tensors with the for-loop step).
+``optimizer`` (Adam over many small tensors with the for-loop step), ``short_noisy`` (~20 ms steps of a wide MLP
+with momentum SGD and a loader whose per-sample work is a small share of the step: the claimed speed-up against what
+training measures where windows are short and the machine's noise is of the order of the gain).
 
     python benchmarks/bench_autopilot.py                 # all scenarios (~10 minutes on 2 cores)
     python benchmarks/bench_autopilot.py --scenarios data micro_batch --rounds 1
