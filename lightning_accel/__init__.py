@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # callbacks
     "Autopilot": "lightning_accel.callbacks.autopilot",
-    "Intervention": "lightning_accel.callbacks.interventions",
+    "Intervention": "lightning_accel.callbacks.autopilot.fixes",
     "AutopilotPlan": "lightning_accel.core.autopilot",
     "Tolerance": "lightning_accel.core.autopilot",
     "MFUMonitor": "lightning_accel.callbacks.mfu_monitor",

@@ -246,14 +246,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch.nn.Module",
         "_compiled_call_impl",
         _T,
-        ("callbacks/torch_compile.py:setup", "callbacks/interventions/compile.py:Compile"),
+        ("callbacks/torch_compile.py:setup", "callbacks/autopilot/fixes/compile.py:Compile"),
         why="nn.Module.compile installs the compiled call here and has no public way to remove it",
     ),
     PrivateName(
         "torch.utils._foreach_utils",
         "_get_fused_kernels_supported_devices",
         _T,
-        ("callbacks/interventions/optimizer.py:OptimizerImplementation", "core/smells.py:_candidate"),
+        ("callbacks/autopilot/fixes/optimizer.py:OptimizerImplementation", "core/smells.py:_candidate"),
         why="torch.optim has no public list of the devices with fused kernels",
     ),
     PrivateName(

@@ -180,3 +180,12 @@ def test_comments_say_why_not_when():
         if pattern.search(line)
     ]
     assert not hits, "\n".join(hits)
+
+
+def test_the_autopilot_packages_keep_one_concern_per_small_module():
+    # the search loop and its Lightning side were two files of 1,200 and 700 lines; one concern per module keeps
+    # each readable in one sitting
+    for package in ("core/autopilot", "callbacks/autopilot", "callbacks/autopilot/fixes"):
+        for path in sorted((PACKAGE / package).glob("*.py")):
+            lines = len(path.read_text().splitlines())
+            assert lines <= 400, f"{path.relative_to(PACKAGE.parent)} has {lines} lines: split it by concern"

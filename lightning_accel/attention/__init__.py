@@ -15,7 +15,7 @@ One feature per module:
   modules the user names into one ``F.scaled_dot_product_attention`` call (:mod:`.rewrite` over the lazy
   placeholders of :mod:`._lazy`); a rewrite that never fires says which op broke the pattern. It returns a
   :class:`FusedAttentionChanges` (the Autopilot's intervention is
-  :class:`lightning_accel.callbacks.interventions.FusedAttention`).
+  :class:`lightning_accel.callbacks.autopilot.fixes.FusedAttention`).
 
 Why it matters: ``need_weights=True`` (``nn.MultiheadAttention``'s default!) and hand-written attention both
 materialise the ``L x S`` score matrix in memory and run softmax as separate kernels; FlashAttention-style kernels

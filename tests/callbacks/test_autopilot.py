@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_accel.callbacks.autopilot import Autopilot
-from lightning_accel.callbacks.interventions import Intervention
+from lightning_accel.callbacks.autopilot.fixes import Intervention
 
 FAST = {"warmup_steps": 2, "measure_steps": 8, "budget_seconds": 120.0, "freeze": ["compile"]}
 
@@ -485,7 +485,7 @@ def scripted_speed(monkeypatch):
     keep/revert decision becomes exact, so a test of either branch can fail."""
 
     def install(speed) -> None:
-        from lightning_accel.callbacks import _autopilot_backend
+        from lightning_accel.callbacks.autopilot import backend as _autopilot_backend
 
         real = _autopilot_backend.LightningSearchBackend.measure
 
@@ -520,7 +520,7 @@ def test_hand_written_attention_is_fused_and_checked(scripted_speed, faster) -> 
 
 def test_compile_is_judged_against_its_compile_time(scripted_speed) -> None:
     from lightning_accel._compat import compiled_call
-    from lightning_accel.callbacks.interventions import Compile
+    from lightning_accel.callbacks.autopilot.fixes import Compile
 
     model = Model(sleep_s=0.0)
     scripted_speed(lambda run: 1.5 if compiled_call(run.module.layer) is not None else 1.0)
@@ -599,7 +599,7 @@ def test_freeze_precision_keeps_lightnings_default() -> None:
 def test_tf32_is_offered_only_for_fp32_on_ampere_and_sets_the_matmul_precision(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks.interventions import Tf32Matmul
+    from lightning_accel.callbacks.autopilot.fixes import Tf32Matmul
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     plain = SimpleNamespace(precision="32-true")
@@ -728,7 +728,7 @@ class Blocks(pl.LightningModule):
 
 
 def test_activation_checkpointing_with_a_larger_micro_batch_is_checked_and_undone() -> None:
-    from lightning_accel.callbacks.interventions import ActivationCheckpointingWithLargerBatch
+    from lightning_accel.callbacks.autopilot.fixes import ActivationCheckpointingWithLargerBatch
 
     model = Blocks()
     change = ActivationCheckpointingWithLargerBatch()
@@ -867,7 +867,7 @@ class LoopLossModel(pl.LightningModule):
 
 @pytest.mark.parametrize("attributed", [True, False])
 def test_the_attribution_orders_the_compute_fixes(monkeypatch, attributed) -> None:
-    from lightning_accel.callbacks import _autopilot_backend
+    from lightning_accel.callbacks.autopilot import backend as _autopilot_backend
 
     offered: list[list[tuple[str, float | None]]] = []
     real = _autopilot_backend.LightningSearchBackend.offers

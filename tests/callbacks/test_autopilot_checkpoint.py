@@ -151,7 +151,7 @@ def _fit(tmp_path: Path, callbacks: list, io: SlowDiskIO, every: int = 10, max_s
 def slow_disk_bound(monkeypatch):
     """The no-measurement bound sees a tiny model's checkpoint as costly (the planted slow disk is slower than
     any real one), so the measured save decides."""
-    import lightning_accel.callbacks._autopilot_checkpoint as trial
+    import lightning_accel.callbacks.autopilot.checkpoint_trial as trial
 
     monkeypatch.setattr(trial, "SLOW_DISK_BYTES_PER_S", 1e2)
 

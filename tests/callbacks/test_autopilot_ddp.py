@@ -71,7 +71,7 @@ import json, os
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-from lightning_accel.callbacks.interventions import compression  # the module whose names Compression calls
+from lightning_accel.callbacks.autopilot.fixes import compression  # the module whose names Compression calls
 from lightning_accel.callbacks.autopilot import Autopilot
 from lightning_accel.core.scaling import Interconnect
 
@@ -134,7 +134,7 @@ with open(f"compression_rank{trainer.global_rank}.json", "w") as fh:
 @pytest.mark.distributed
 @pytest.mark.parametrize("link", ["measured", "slow", "qsgd"])
 def test_ddp_compression_is_trialled_with_its_numerics_through_the_all_reduce(ddp_script, tmp_path, link):
-    from lightning_accel.callbacks.interventions import COMPRESSION_STRATEGIES
+    from lightning_accel.callbacks.autopilot.fixes import COMPRESSION_STRATEGIES
 
     ddp_script(COMPRESSION, timeout=300, env={"COMPRESSION_LINK": link})
     rank0, rank1 = read_rank_json(tmp_path, "compression")
@@ -172,7 +172,7 @@ import json
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-from lightning_accel.callbacks import _autopilot_backend
+from lightning_accel.callbacks.autopilot import backend as _autopilot_backend
 from lightning_accel.callbacks.autopilot import Autopilot
 from lightning_accel.precision.auto_mixed_precision import AutoMixedPrecision
 
@@ -250,7 +250,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
-import lightning_accel.callbacks._autopilot_checkpoint as trial
+import lightning_accel.callbacks.autopilot.checkpoint_trial as trial
 from lightning_accel.callbacks.autopilot import Autopilot
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_accel.callbacks.autopilot import Autopilot
-from lightning_accel.callbacks.interventions import Intervention
+from lightning_accel.callbacks.autopilot.fixes import Intervention
 from tests.callbacks.test_autopilot import FAST, Model, _loader
 
 
@@ -33,7 +33,8 @@ class Slower(Intervention):
 @pytest.fixture
 def measured(monkeypatch):
     """Scripted rates (``faster`` 1.5x, ``slower`` 0.8x) and a flag that is set while a window is being timed."""
-    from lightning_accel.callbacks import _autopilot_backend, _autopilot_trials
+    from lightning_accel.callbacks.autopilot import backend as _autopilot_backend
+    from lightning_accel.callbacks.autopilot import windows as _autopilot_trials
 
     inside = {"now": False, "printed_inside": 0}
     real_measure = _autopilot_trials.TrialRunner.measure
@@ -61,7 +62,7 @@ def measured(monkeypatch):
         return window
 
     monkeypatch.setattr(_autopilot_backend.LightningSearchBackend, "measure", measure)
-    from lightning_accel.callbacks import _autopilot_display
+    from lightning_accel.callbacks.autopilot import display as _autopilot_display
 
     for name in ("phase", "record"):
         original = getattr(_autopilot_display.SearchDisplay, name)
@@ -124,7 +125,7 @@ def test_plain_lines_when_not_a_terminal_show_the_phases_and_rows_in_order(measu
 
 
 def test_a_terminal_gets_a_live_line_and_the_rows_above_it(measured, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("lightning_accel.callbacks.autopilot._is_terminal", lambda: True)
+    monkeypatch.setattr("lightning_accel.callbacks.autopilot.callback._is_terminal", lambda: True)
     autopilot = Autopilot(**FAST, only=[], interventions=[Faster(), Slower()], save_plan=False)
     _fit(autopilot, progress_bar=True)
     out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", capsys.readouterr().out)

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.callbacks.interventions import INTERVENTIONS, SwitchableCompression
-from lightning_accel.core.autopilot_search import Undo
+from lightning_accel.callbacks.autopilot.fixes import INTERVENTIONS, SwitchableCompression
+from lightning_accel.core.autopilot import Undo
 from tests.callbacks.test_autopilot import Attention
 
 PARAMS = {
@@ -120,9 +120,9 @@ class Sweep(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
-        from lightning_accel.callbacks.autopilot import Autopilot
+        from lightning_accel.callbacks.autopilot.fit_run import make_run
 
-        run = Autopilot()._make_run(trainer, pl_module, TrainLoaderSource(trainer, pl_module))
+        run = make_run(trainer, pl_module, TrainLoaderSource(trainer, pl_module), warmup_steps=5)
         run.extras["comm_switch"] = SwitchableCompression()  # as if registered on a DDP model (one process here)
         self.body(run)
 
@@ -143,7 +143,7 @@ def _fit(body, accumulate: int = 4) -> None:
 
 
 def test_the_micro_batch_jumps_to_one_micro_batch_first_and_falls_back_to_doubling() -> None:
-    from lightning_accel.callbacks.interventions import MicroBatch
+    from lightning_accel.callbacks.autopilot.fixes import MicroBatch
 
     seen: dict[str, object] = {}
 
@@ -258,7 +258,7 @@ def test_activation_checkpointing_failing_inside_the_wrap_leaves_the_micro_batch
 
 
 def test_compression_mode_comes_from_the_scaling_projection() -> None:
-    from lightning_accel.callbacks.interventions import choose_compression
+    from lightning_accel.callbacks.autopilot.fixes import choose_compression
 
     # a 125 M-parameter model, 10 ms steps: Top-K's all-gather pays on a slow link with few ranks ...
     mode, why = choose_compression(n=2, link="25gbe", params=125_000_000, step_s=0.01)
@@ -271,7 +271,7 @@ def test_compression_mode_comes_from_the_scaling_projection() -> None:
 
 
 def test_compression_names_the_matching_strategy_string_and_refuses_bad_modes() -> None:
-    from lightning_accel.callbacks.interventions import Compression
+    from lightning_accel.callbacks.autopilot.fixes import Compression
 
     for mode, name in (("topk", "ddp_topk"), ("qsgd", "ddp_qsgd"), ("bf16", "ddp_bf16_compress")):
         change = Compression(compression=mode)
@@ -285,7 +285,7 @@ def test_compression_names_the_matching_strategy_string_and_refuses_bad_modes() 
 
 
 def test_a_projected_topk_falls_back_to_bf16_and_a_replayed_mode_does_not() -> None:
-    from lightning_accel.callbacks.interventions import Compression
+    from lightning_accel.callbacks.autopilot.fixes import Compression
 
     chosen = Compression()
     chosen.params, chosen.why = {"compression": "topk"}, "projected step (ms) ..."  # as _choose leaves it
@@ -296,8 +296,8 @@ def test_a_projected_topk_falls_back_to_bf16_and_a_replayed_mode_does_not() -> N
 
 
 def test_the_worker_search_skips_counts_that_cannot_feed_the_step_from_the_measured_load_time() -> None:
-    from lightning_accel.callbacks._autopilot_trials import Window
-    from lightning_accel.callbacks.interventions.data import feasible_worker_counts
+    from lightning_accel.callbacks.autopilot.windows import Window
+    from lightning_accel.core.autopilot.budget import feasible_worker_counts
 
     # 10 steps of 33 ms, 24 ms of each the main process loading its batch: the step consumes 1 / 9 ms = 111 batches/s
     window = Window(samples=160, seconds=0.33, steps=10, stage_seconds={"data": 0.24, "forward": 0.09})
@@ -316,9 +316,9 @@ def test_the_worker_search_skips_counts_that_cannot_feed_the_step_from_the_measu
 def test_the_worker_search_is_costed_from_the_measured_load_time() -> None:
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks._autopilot_trials import Window
-    from lightning_accel.callbacks.interventions import DataLoaderSettings
-    from lightning_accel.callbacks.interventions.data import WORKER_START_SECONDS, worker_search_seconds
+    from lightning_accel.callbacks.autopilot.fixes import DataLoaderSettings
+    from lightning_accel.callbacks.autopilot.windows import Window
+    from lightning_accel.core.autopilot.budget import WORKER_START_SECONDS, worker_search_seconds
 
     # 24 ms a batch in the main process, a step consuming 111 batches/s: 2 workers load 83/s, neither setting feeds,
     # both are measured once: their workers' start, then 23 batches + the queue, two at a time
@@ -348,7 +348,7 @@ def test_the_worker_search_is_costed_from_the_measured_load_time() -> None:
 def _conv_run(device: str = "cuda", world_size: int = 1):
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks.interventions import Run
+    from lightning_accel.callbacks.autopilot.fixes import Run
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.LazyLinear(4))
@@ -358,7 +358,7 @@ def _conv_run(device: str = "cuda", world_size: int = 1):
 
 
 def test_channels_last_converts_the_nchw_convolutions_and_its_undo_returns_exactly_those() -> None:
-    from lightning_accel.callbacks.interventions import ChannelsLast
+    from lightning_accel.callbacks.autopilot.fixes import ChannelsLast
 
     run = _conv_run()
     model = run.module
@@ -380,7 +380,7 @@ def test_channels_last_converts_the_nchw_convolutions_and_its_undo_returns_exact
 
 
 def test_channels_last_is_offered_on_one_cuda_process_with_an_nchw_convolution_only() -> None:
-    from lightning_accel.callbacks.interventions import ChannelsLast
+    from lightning_accel.callbacks.autopilot.fixes import ChannelsLast
 
     assert "on cpu" in ChannelsLast().unavailable(_conv_run("cpu"))
     assert "under DDP" in ChannelsLast().unavailable(_conv_run(world_size=2))

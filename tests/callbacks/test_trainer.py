@@ -50,7 +50,7 @@ def test_agree_across_ranks_raises_the_own_error_first_then_names_the_failed_ran
 
 
 def test_the_autopilot_backends_agree_keeps_its_messages(other_rank: Any) -> None:
-    from lightning_accel.callbacks._autopilot_backend import LightningSearchBackend
+    from lightning_accel.callbacks.autopilot.backend import LightningSearchBackend
 
     backend = object.__new__(LightningSearchBackend)
     backend.run = SimpleNamespace(trainer=TRAINER)

@@ -13,13 +13,11 @@ from lightning_accel.core.autopilot import (
     DEFAULT_TOLERANCES,
     AutopilotPlan,
     ProbeResult,
-    SearchBudget,
     Tolerance,
     batch_digest,
     compare_probes,
     compile_pays_back,
     cosine,
-    decide,
     propose,
     relative_noise,
     render_python,
@@ -32,19 +30,6 @@ def test_relative_noise_is_the_spread_over_the_median() -> None:
     assert relative_noise([100.0, 90.0, 110.0]) == pytest.approx(20 / 100)
     assert relative_noise([100.0]) == 0.0
     assert relative_noise([]) == 0.0
-
-
-def test_decide_keeps_only_above_threshold_and_noise() -> None:
-    assert decide([100.0, 100.0], [106.0], 0.05).keep
-    assert not decide([100.0, 100.0], [104.0], 0.05).keep
-    # 20 % A/A spread: a 15 % gain is noise even though it beats the 5 % threshold
-    noisy = decide([90.0, 110.0], [115.0], 0.05)
-    assert not noisy.keep and noisy.gate == pytest.approx(0.2) and "noise" in noisy.reason
-    assert decide([90.0, 110.0], [121.0, 125.0], 0.05).keep
-    slower = decide([100.0], [80.0], 0.05)
-    assert not slower.keep and slower.ratio == pytest.approx(0.8)
-    with pytest.raises(ValueError, match="at least one window"):
-        decide([], [1.0], 0.05)
 
 
 def test_compile_pays_back_only_within_the_steps_left() -> None:
@@ -136,15 +121,6 @@ def test_propose_orders_findings_then_the_bottleneck_stage() -> None:
     ]
     # a stage under 4.8 % of the step cannot yield a 5 % gain
     assert propose([], "forward", ["dataloader", "compile"], (), {"forward": 0.97, "data": 0.03}) == ["compile"]
-
-
-def test_budget_counts_from_its_start() -> None:
-    now = [100.0]
-    budget = SearchBudget(10.0, clock=lambda: now[0], started=95.0)
-    assert budget.spent() == 5.0 and budget.left() == 5.0
-    assert budget.affords(4.0) and not budget.affords(6.0)
-    with pytest.raises(ValueError, match=">= 0"):
-        SearchBudget(-1)
 
 
 def test_plan_round_trip_and_bad_files(tmp_path) -> None:

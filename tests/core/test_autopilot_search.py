@@ -9,18 +9,20 @@ import math
 
 import pytest
 
-from lightning_accel.core.autopilot import NumericsCheck, expected_gain, rank_by_expected_gain
-from lightning_accel.core.autopilot_search import (
+from lightning_accel.core.autopilot import (
     AutopilotSearch,
     Bundle,
     Measurement,
+    NumericsCheck,
     Offer,
     SearchStatus,
     Undo,
     claimed_speedup,
     decide_paired,
+    expected_gain,
     needs_third_pair,
     paired_bar,
+    rank_by_expected_gain,
 )
 
 SAMPLES_PER_STEP = 10
@@ -37,11 +39,24 @@ class Change:
         expected: float | None = None,
         fails_apply: bool = False,
         repeatable: bool = False,
+        setup: float = 0.0,
     ) -> None:
         self.name, self.gain, self.kind, self.numerics_ok = name, gain, kind, numerics_ok
         self.expected, self.fails_apply, self.repeatable = expected, fails_apply, repeatable
         self.warmup_steps = 0
         self.probe_through_strategy = False
+        self.knobs: tuple[str, ...] = ()
+        self.setup = setup
+
+    # the candidate protocol
+    def describe(self) -> str:
+        return self.name
+
+    def setup_seconds(self) -> float:
+        return self.setup
+
+    def judge(self, before, after):
+        return None
 
     def __repr__(self) -> str:
         return self.name
@@ -77,12 +92,6 @@ class Scripted:
         self.log.append(("measure", tuple(c.name for c in self.applied)))
         return Measurement(rate, step, steps * step, warmup_steps * step, self.shares)
 
-    def reference(self) -> None:
-        self.log.append(("reference", tuple(c.name for c in self.applied)))
-
-    def prepare(self, candidate) -> None:
-        pass
-
     def apply(self, candidate):
         if candidate.fails_apply:
             raise RuntimeError(f"{candidate.name} exploded")
@@ -96,26 +105,17 @@ class Scripted:
         self.log.append(("check", tuple(sorted(names))))
         return NumericsCheck(ok, candidate.kind, "same numbers" if ok else "numerics guard: loss differs")
 
-    def changed_nothing(self, candidate) -> str | None:
-        return None
-
-    def judge(self, candidate, before, after):
-        return None
-
     def agree(self, ok: bool, error: BaseException | None):
         return ok and error is None, (f"{type(error).__name__}: {error}" if error is not None else None)
 
     def offers(self, shares, tried):
         return [Offer(c, None, c.expected) for c in self.changes if c.name not in tried]
 
-    def describe(self, candidate) -> str:
-        return candidate.name
-
-    def renew(self, candidate) -> bool:
+    def follow_up(self, candidate, kept: bool) -> bool:
         return False
 
     def adopt(self, current, baseline) -> None:
-        pass
+        self.log.append(("reference", tuple(c.name for c in self.applied)))
 
     def restore(self) -> None:
         self.restores += 1
@@ -372,15 +372,10 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
 
-class WithSetup(Scripted):
-    def setup_seconds(self, candidate) -> float:
-        return 60.0 if candidate.name == "compile" else 0.0
-
-
 def test_a_fix_whose_one_off_work_exceeds_its_saving_is_no_reason_to_search() -> None:
     balanced = {"forward": 0.45, "backward": 0.45, "optimizer": 0.1}
-    changes = [Change("compile", 1.3, expected=0.19), Change("precision", 1.1, expected=0.09)]
-    backend = WithSetup(changes, shares=balanced)
+    changes = [Change("compile", 1.3, expected=0.19, setup=60.0), Change("precision", 1.1, expected=0.09)]
+    backend = Scripted(changes, shares=balanced)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
     # a 30 s fit: the compile's ~5.7 s less its 60 s first compile saves nothing; precision's ~2.7 s does not repay
     # twice a baseline and a confirmed trial even in short windows (5.2 x 0.5 s)
@@ -483,9 +478,9 @@ def test_the_budget_follows_the_baselines_step_time_not_the_estimates() -> None:
 
 
 class SlowProbe(Scripted):
-    def reference(self) -> None:
+    def adopt(self, current, baseline) -> None:  # the numerics reference probe of the configuration adopted
         self.t += 1.0
-        super().reference()
+        super().adopt(current, baseline)
 
 
 def test_a_trial_is_costed_with_its_numerics_probes() -> None:
@@ -536,9 +531,9 @@ def test_trials_are_costed_at_the_window_length_of_the_configuration_kept() -> N
 
 
 def test_a_trial_longer_than_the_time_left_is_passed_over_for_a_cheaper_one() -> None:
-    # a first compile (100 warm-up steps, costed at 10 steps each: ~100 s) cannot fit a 30 s budget; the optimizer
-    # fix after it can, and is trialled instead of the search ending on the compile
-    compile_ = Change("compile", 1.3, expected=0.2)
+    # a first compile (100 warm-up steps of 0.1 s and 90 s of one-off work: ~100 s) cannot fit a 30 s budget; the
+    # optimizer fix after it can, and is trialled instead of the search ending on the compile
+    compile_ = Change("compile", 1.3, expected=0.2, setup=90.0)
     compile_.warmup_steps = 100
     backend = Scripted([compile_, Change("foreach", 1.2, expected=0.15)])
     result = _search(backend, budget_seconds=30.0).run()
@@ -552,7 +547,7 @@ def test_a_trial_longer_than_the_time_left_is_passed_over_for_a_cheaper_one() ->
 
 
 def test_the_search_stops_on_the_budget_when_no_trial_fits() -> None:
-    compile_ = Change("compile", 1.3, expected=0.2)
+    compile_ = Change("compile", 1.3, expected=0.2, setup=90.0)
     compile_.warmup_steps = 100
     result = _search(Scripted([compile_]), budget_seconds=30.0).run()
     assert result.stopped.startswith("time budget spent (5.0 of 30.0 s; the next trial needs ~")
@@ -659,8 +654,8 @@ def test_the_budget_keeps_the_time_to_confirm_held_gains() -> None:
 class FallingBack(Scripted):
     """A backend whose refused ``compression:topk`` falls back to ``compression:bf16`` (one fall-back only)."""
 
-    def fall_back(self, candidate) -> bool:
-        if candidate.name == "compression" and candidate.mode == "topk":
+    def follow_up(self, candidate, kept: bool) -> bool:
+        if not kept and candidate.name == "compression" and candidate.mode == "topk":
             bf16 = Change("compression", 1.5, kind="low_precision")
             bf16.mode = "bf16"
             self.changes = [bf16 if c is candidate else c for c in self.changes]
@@ -678,7 +673,7 @@ def test_a_refused_change_with_a_fall_back_is_tried_once_more_and_a_backend_with
     result = _search(backend).run()
     assert [(r.name, r.kept) for r in result.records[1:]] == [("compression", False), ("compression", True)]
     assert [c.mode for c in result.kept] == ["bf16"]
-    plain = Scripted([topk()])  # no fall_back method: the protocol's optional part
+    plain = Scripted([topk()])  # a backend whose refused change has nothing to follow up with
     assert not _search(plain).run().kept and len(_search(Scripted([topk()])).run().records) == 2
 
 

@@ -126,7 +126,7 @@ def test_nanogpt_manual_path_fused_in_every_block():
 def test_the_autopilot_does_not_offer_fused_attention_to_blocks_that_call_sdpa_already(name):
     from types import SimpleNamespace
 
-    from lightning_accel.callbacks.interventions.attention import FusedAttention
+    from lightning_accel.callbacks.autopilot.fixes.attention import FusedAttention
     from lightning_accel.demo.model import GPT, GPTConfig
 
     models = {

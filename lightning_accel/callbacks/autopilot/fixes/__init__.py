@@ -1,7 +1,7 @@
 """The fixes the Autopilot can apply and undo, each built on the existing component that implements it.
 
 An :class:`Intervention` is one machine-applicable change: ``unavailable(run)`` says why it cannot apply (or
-``None``), ``apply(run)`` changes the run in place and returns its :class:`~lightning_accel.core.autopilot_search.Undo`
+``None``), ``apply(run)`` changes the run in place and returns its :class:`~lightning_accel.core.autopilot.Undo`
 (built-ins implement ``change(run, undo)``, pushing the undo of each part as they make it, so an apply that raises
 halfway leaves nothing applied; ``revert(run)`` runs the last undo), ``describe(run)`` names the change
 for the table, ``config(run)`` gives its LightningCLI keys and Python lines, and ``params`` are what a plan stores to
@@ -13,7 +13,7 @@ One concern per module: ``base`` (:class:`Run`, :class:`Intervention`), ``data``
 ``compression`` (with its link measurement and the projection's choice) and ``checkpoint_io`` (the background
 checkpoint writer, trialled after the step search); this package holds the registry
 (:data:`INTERVENTIONS`, :func:`knob_names`) and re-exports every name, so imports from
-``lightning_accel.callbacks.interventions`` need not know the module.
+``lightning_accel.callbacks.autopilot.fixes`` need not know the module.
 
 ============================  ===========================================  ==============================  =============
 name                          change                                       built on                        kind
@@ -50,13 +50,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_accel.callbacks.interventions.activation_checkpointing import ActivationCheckpointingWithLargerBatch
-from lightning_accel.callbacks.interventions.attention import FusedAttention
-from lightning_accel.callbacks.interventions.base import Intervention, Run
-from lightning_accel.callbacks.interventions.batch import MicroBatch
-from lightning_accel.callbacks.interventions.checkpoint_io import AsyncCheckpoint
-from lightning_accel.callbacks.interventions.compile import MAX_COMPILE_GAIN, TYPICAL_COMPILE_SECONDS, Compile
-from lightning_accel.callbacks.interventions.compression import (
+from lightning_accel.callbacks.autopilot.fixes.activation_checkpointing import ActivationCheckpointingWithLargerBatch
+from lightning_accel.callbacks.autopilot.fixes.attention import FusedAttention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention, Run
+from lightning_accel.callbacks.autopilot.fixes.batch import MicroBatch
+from lightning_accel.callbacks.autopilot.fixes.checkpoint_io import AsyncCheckpoint
+from lightning_accel.callbacks.autopilot.fixes.compile import Compile
+from lightning_accel.callbacks.autopilot.fixes.compression import (
     COMPRESSION_STRATEGIES,
     MIN_PROJECTED_GAIN,
     Compression,
@@ -64,17 +64,19 @@ from lightning_accel.callbacks.interventions.compression import (
     choose_compression,
     measure_link,
 )
-from lightning_accel.callbacks.interventions.data import DataLoaderSettings, PinMemory, Prefetch
-from lightning_accel.callbacks.interventions.memory_format import ChannelsLast
-from lightning_accel.callbacks.interventions.optimizer import ForeachOptimizer, FusedOptimizer, OptimizerImplementation
-from lightning_accel.callbacks.interventions.precision import MixedPrecisionDtype, Tf32Matmul
+from lightning_accel.callbacks.autopilot.fixes.data import DataLoaderSettings, PinMemory, Prefetch
+from lightning_accel.callbacks.autopilot.fixes.memory_format import ChannelsLast
+from lightning_accel.callbacks.autopilot.fixes.optimizer import (
+    ForeachOptimizer,
+    FusedOptimizer,
+    OptimizerImplementation,
+)
+from lightning_accel.callbacks.autopilot.fixes.precision import MixedPrecisionDtype, Tf32Matmul
 
 __all__ = [
     "COMPRESSION_STRATEGIES",
     "INTERVENTIONS",
-    "MAX_COMPILE_GAIN",
     "MIN_PROJECTED_GAIN",
-    "TYPICAL_COMPILE_SECONDS",
     "ActivationCheckpointingWithLargerBatch",
     "AsyncCheckpoint",
     "ChannelsLast",

@@ -54,6 +54,8 @@ class Window:
     steps: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     warmup_seconds: float = 0.0
+    #: micro-batches per optimizer step (``accumulate_grad_batches``) when it was measured
+    micro_batches: int = 1
 
     @property
     def samples_per_sec(self) -> float:

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_accel.callbacks.interventions.base import Intervention
-from lightning_accel.callbacks.interventions.batch import MicroBatch
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.batch import MicroBatch
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
 __all__ = ["ActivationCheckpointingWithLargerBatch"]
 

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
+from lightning_accel.core.autopilot.budget import TYPICAL_COMPILE_SECONDS, compile_cannot_pay_back, compile_verdict
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks._autopilot_trials import Window
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.callbacks.autopilot.windows import Window
+    from lightning_accel.core.autopilot import Undo
 
-__all__ = ["MAX_COMPILE_GAIN", "TYPICAL_COMPILE_SECONDS", "Compile"]
-
-#: the method's upper end of torch.compile's gain on compute-heavy models ("typically 10-30 %")
-MAX_COMPILE_GAIN = 0.30
-#: seconds a first inductor compile of a small model typically takes (CPU: C++ codegen on few cores — the 2-layer HF
-#: GPT-2 script of benchmarks/bench_autopilot_real.py takes 61.7 s on a 2-core CPU; CUDA: triton); used to skip a
-#: trial that could not pay back even at MAX_COMPILE_GAIN and to cost a trial against the search's budget — a real
-#: trial measures its own
-TYPICAL_COMPILE_SECONDS = {False: 60.0, True: 20.0}
+__all__ = ["Compile"]
 
 
 class Compile(Intervention):
@@ -42,14 +35,7 @@ class Compile(Intervention):
             return "the model is already compiled"
         window = run.current or run.baseline
         if run.steps_left is not None and window is not None and "backend" not in self.params:
-            # even the method's best case (30 % faster steps) cannot repay a typical first compile in this fit
-            saved = MAX_COMPILE_GAIN * window.step_seconds * run.steps_left
-            if saved < TYPICAL_COMPILE_SECONDS[run.device.type == "cuda"]:
-                return (
-                    f"cannot pay back: the {run.steps_left} steps left take ~{window.step_seconds * run.steps_left:.0f} s, "
-                    f"so even {MAX_COMPILE_GAIN:.0%} faster steps save ~{saved:.0f} s, less than a typical "
-                    f"first compile (~{TYPICAL_COMPILE_SECONDS[run.device.type == 'cuda']:.0f} s)"
-                )
+            return compile_cannot_pay_back(window.step_seconds, run.steps_left, run.device.type == "cuda")
         return None
 
     def setup_seconds(self, run: Run) -> float:
@@ -67,14 +53,10 @@ class Compile(Intervention):
             raise RuntimeError(callback.fallback_reason)
 
     def judge(self, run: Run, before: Window, after: Window) -> tuple[bool, str] | None:
-        from lightning_accel.core.autopilot import compile_pays_back
-
         if self._callback.fallback_reason:
             return False, self._callback.fallback_reason
         # the trial's first window warmed up with the compile: its warm-up time beyond that of compiled steps
-        warmup_steps = run.extras.get("warmup_steps", 0) + self.warmup_steps
-        compile_seconds = max(0.0, after.warmup_seconds - warmup_steps * after.step_seconds)
-        return compile_pays_back(compile_seconds, before.step_seconds, after.step_seconds, run.steps_left)
+        return compile_verdict(before, after, run.extras.get("warmup_steps", 0) + self.warmup_steps, run.steps_left)
 
     def describe(self, run: Run) -> str:
         return "TorchCompile()" if not self.params else f"TorchCompile({self.params})"

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
 __all__ = [
     "COMPRESSION_STRATEGIES",

@@ -6,9 +6,9 @@ speed (no measurement; most fits stop here), then from one measured save. Where 
 and enough saves are left, the trial measures *periods* — one ``trainer.save_checkpoint`` (the real one: the same
 hooks and contents, written next to the user's checkpoints and removed afterwards) plus ``k`` training steps, and
 for the background write until the write is done — in the order A B B A (synchronous, background, background,
-synchronous; an untimed background period before the first B starts the writer thread), the slowest rank's time
-each; the background write is kept when both paired ratios exceed 1 and their
-mean clears the search's noise gate. How often the user checkpoints is never changed.
+synchronous; an untimed background period before the first B starts the writer thread; the search's own paired
+routine, ``measure_pairs``), the slowest rank's time each; the background write is kept when both paired ratios
+exceed 1 and their mean clears the search's noise gate. How often the user checkpoints is never changed.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
-from lightning_accel.callbacks.interventions import AsyncCheckpoint, Run
-from lightning_accel.core.autopilot import TrialRecord
+from lightning_accel.callbacks.autopilot.fixes import AsyncCheckpoint, Run
+from lightning_accel.core.autopilot import Outcome, TrialRecord
 
 __all__ = ["trial_async_checkpoint"]
 
@@ -115,7 +115,7 @@ def trial_async_checkpoint(
     saves cost too little to ask (no row: most fits) or nothing was measured to say (``step_seconds`` of the
     current configuration: the search's last window, or its estimate when the fit was too short to search).
     ``candidate`` stays applied when the row says kept."""
-    from lightning_accel.core.autopilot_search import decide_paired
+    from lightning_accel.core.autopilot import measure_pairs
     from lightning_accel.core.checkpoint_cost import checkpoint_share, why_not_trial
 
     if candidate.unavailable(run) is not None:
@@ -144,24 +144,47 @@ def trial_async_checkpoint(
         share = checkpoint_share(save_s, between, step_s)
         why = why_not_trial(save_s, between, step_s, steps_left, k)
         if why is not None:
+            record.outcome = Outcome.NOT_TRIALLED
             record.reason = f"not trialled: one save measured {save_s:.2f} s; {why}"
             return record
         undo = candidate.apply(run)
-        # untimed: the writer thread starts and makes its first save (on a loaded machine the first background period
-        # took 4x the next one, 1.0 s against 0.15 s, and the pair came out 0.27x for a real 1.8x gain)
-        _period(run, file, k, weights_only)
-        async_b, _ = _period(run, file, k, weights_only)
-        async_b2, _ = _period(run, file, k, weights_only)
-        undo()
-        undo = None
-        sync_a2, _ = _period(run, file, k, weights_only)
-        ratios = [sync_a / max(async_b, 1e-12), sync_a2 / max(async_b2, 1e-12)]
-        keep, reason = decide_paired(ratios, gate)
+
+        def background(first: bool) -> float:
+            if first:
+                # untimed: the writer thread starts and makes its first save (on a loaded machine the first
+                # background period took 4x the next one, 1.0 s against 0.15 s, and the pair came out 0.27x for a
+                # real 1.8x gain)
+                _period(run, file, k, weights_only)
+            return _period(run, file, k, weights_only)[0]
+
+        def switch(on: bool) -> str | None:
+            nonlocal undo
+            if on:
+                undo = candidate.apply(run)
+            elif undo is not None:
+                undo()
+                undo = None
+            return None
+
+        # periods are seconds: a pair's speed-up is the synchronous period over the background one
+        pairs = measure_pairs(
+            sync_a,
+            b=background,
+            a=lambda: _period(run, file, k, weights_only)[0],
+            switch=switch,
+            ratio=lambda async_s, sync_s: sync_s / max(async_s, 1e-12),
+            gate=gate,
+            confirm=lambda ratio: True,  # always both pairs: a save's period is too noisy for one
+            third=lambda: False,
+        )
+        switch(False)
+        keep, reason, ratios = pairs.keep, pairs.reason, pairs.ratios
         record.ratio = sum(ratios) / len(ratios)
+        sync_s = (sync_a + (pairs.again or sync_a)) / 2
         detail = (
             f"saving measured {100 * share:.1f} % of the fit (one save {save_s:.2f} s every {between} "
-            f"steps); one save + {k} steps: {(sync_a + sync_a2) / 2:.2f} s written on the training thread, "
-            f"{(async_b + async_b2) / 2:.2f} s in the background"
+            f"steps); one save + {k} steps: {sync_s:.2f} s written on the training thread, "
+            f"{sum(pairs.windows) / len(pairs.windows):.2f} s in the background"
         )
         if keep:  # back on for the training (its undo stays with the candidate, as for every kept change)
             candidate.apply(run)
@@ -169,7 +192,7 @@ def trial_async_checkpoint(
         record.reason = f"{reason}; {detail}"
         return record
     except Exception as err:  # noqa: BLE001 - the trial must not cost the user the training
-        record.reason = f"failed during the trial: {type(err).__name__}: {err}"
+        record.outcome, record.reason = Outcome.FAILED, f"failed during the trial: {type(err).__name__}: {err}"
         record.kept = False
         return record
     finally:

@@ -12,8 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from lightning_accel.core.autopilot import TrialRecord
-from lightning_accel.core.autopilot_search import SearchStatus
+from lightning_accel.core.autopilot import SearchStatus, TrialRecord
 
 __all__ = ["SearchDisplay", "format_row", "format_status"]
 

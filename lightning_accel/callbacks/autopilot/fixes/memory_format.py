@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
 from lightning_accel.core.compute_causes import nchw_convolutions
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
 __all__ = ["ChannelsLast"]
 

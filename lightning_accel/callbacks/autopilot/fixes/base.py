@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lightning_accel.core.autopilot_search import Undo
+from lightning_accel.core.autopilot import Undo
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_accel.callbacks._autopilot_trials import RunConfig, TrialRunner, Window
     from lightning_accel.callbacks._fit.loader_source import TrainLoaderSource
+    from lightning_accel.callbacks.autopilot.windows import RunConfig, TrialRunner, Window
 
 __all__ = ["Intervention", "Run"]
 

@@ -1,6 +1,6 @@
 """Checkpoints written in a background thread (:class:`AsyncCheckpoint`): the Autopilot's fix outside the step.
 
-Trialled after the step search by ``callbacks/_autopilot_checkpoint.py`` (its periods are one save plus steps),
+Trialled after the step search by ``callbacks/autopilot/checkpoint_trial.py`` (its periods are one save plus steps),
 never by the search itself; replayed from a plan like every other change.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
 __all__ = ["AsyncCheckpoint"]
 
@@ -28,7 +28,7 @@ def _saves_through_checkpoint_io(strategy: Any) -> bool:
 class AsyncCheckpoint(Intervention):
     """Checkpoints written by :class:`~lightning_accel.checkpoint_io.OrderedAsyncCheckpointIO` (a background
     thread) instead of on the training thread; same files, same cadence. Trialled after the step search, by
-    ``callbacks/_autopilot_checkpoint.py`` (its windows are a save plus steps), never by the search itself."""
+    ``callbacks/autopilot/checkpoint_trial.py`` (its windows are a save plus steps), never by the search itself."""
 
     name = "async_checkpoint"
     kind = "exact"

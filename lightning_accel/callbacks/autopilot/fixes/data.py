@@ -5,74 +5,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
+from lightning_accel.core.autopilot.budget import (
+    FEED_MARGIN,
+    feasible_worker_counts,
+    main_process_load_seconds,
+    step_consumption,
+    worker_search_seconds,
+)
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
-__all__ = [
-    "DataLoaderSettings",
-    "PinMemory",
-    "Prefetch",
-    "feasible_worker_counts",
-    "main_process_load_seconds",
-    "worker_search_seconds",
-]
-
-
-#: A loader worker is taken to load a batch at most this many times faster than the main process did when it
-#: loaded alone (``num_workers=0``, its data wait): on a 2-core CPU a worker of the sleeping dataset of
-#: ``bench_autopilot.py`` takes 29 ms a batch against 24 ms in the main process (it shares the cores with the step).
-WORKER_SPEEDUP_BOUND = 2.0
-#: prior seconds to start one loader worker (a fork of the training process and its first batch); each setting the
-#: worker search measures starts a fresh loader
-WORKER_START_SECONDS = 0.2
-#: batches each measured setting iterates beyond its workers' queue: ``loader_batches_per_sec(loader, 2, 20, ...)``
-#: (2 untimed + 21 stamps)
-SEARCH_BATCHES = 23
-#: the rate a setting must exceed the step's consumption by to feed it (``choose_loader_setting``'s margin)
-FEED_MARGIN = 0.2
-
-
-def main_process_load_seconds(window: Any, accumulate: int) -> float:
-    """Seconds the training process took to load one batch, from a window of a loader without workers (its data
-    wait per optimizer step spread over the step's micro-batches)."""
-    return window.stage_seconds.get("data", 0.0) / (window.steps * max(1, accumulate))
-
-
-def feasible_worker_counts(
-    counts: list[int], window: Any, accumulate: int, consumption: float, current_workers: int
-) -> list[int]:
-    """The worker counts worth measuring: from a loader without workers, whose data wait per batch is the load time
-    of one batch, a count that could not feed ``consumption`` batches/s even at :data:`WORKER_SPEEDUP_BOUND` times
-    that speed is left out (at least the largest count stays). On the 300-step data-bound fit of
-    ``bench_autopilot_real.py --short`` the walk measured one worker twice (prefetch 2 and 4) before two: 1.2 s of
-    a 3.7 s search, for a count that loads 41 batches/s where the step takes 111."""
-    if current_workers != 0 or window is None or not window.steps:
-        return counts
-    per_batch = main_process_load_seconds(window, accumulate)
-    if per_batch <= 0:
-        return counts
-    return [w for w in counts if w * WORKER_SPEEDUP_BOUND / per_batch >= consumption] or counts[-1:]
-
-
-def worker_search_seconds(grid: list[tuple[int, int]], per_batch: float, consumption: float, cores: int) -> float:
-    """Seconds the worker search (``choose_loader_setting`` over ``grid``, (workers, prefetch) cheapest first) is
-    expected to take when the main process loads a batch in ``per_batch`` seconds: each setting starts its workers
-    and iterates :data:`SEARCH_BATCHES` + its queue with up to ``cores`` of them loading at once; the first setting
-    expected to feed ``consumption`` batches/s is measured twice and ends the walk. On the real-model scripts of
-    ``bench_autopilot_real.py`` the walk takes 4-11 s, against ~3-4 s for the trial's windows alone."""
-    from lightning_accel.callbacks.dataloader_tuner import loader_feeds
-
-    total = 0.0
-    for workers, prefetch in grid:
-        parallel = max(1, min(workers, cores))
-        one = workers * WORKER_START_SECONDS + (SEARCH_BATCHES + workers * prefetch) * per_batch / parallel
-        if loader_feeds(workers, parallel / max(per_batch, 1e-12), consumption, FEED_MARGIN):
-            return total + 2 * one
-        total += one
-    return total
+__all__ = ["DataLoaderSettings", "PinMemory", "Prefetch"]
 
 
 class DataLoaderSettings(Intervention):
@@ -102,8 +48,7 @@ class DataLoaderSettings(Intervention):
 
         window = run.current or run.baseline
         assert window is not None
-        busy = max(window.step_seconds - window.stage_seconds.get("data", 0.0) / max(window.steps, 1), 1e-9)
-        consumption = run.config.accumulate / busy
+        consumption = step_consumption(window, run.config.accumulate)
         current = run.source.current()["num_workers"]
         counts = [w for w in default_worker_counts(usable_cores_per_rank(run.trainer.num_devices)) if w > current]
         if not counts:

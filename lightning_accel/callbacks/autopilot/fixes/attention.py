@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_accel.callbacks.interventions.base import Intervention
+from lightning_accel.callbacks.autopilot.fixes.base import Intervention
 
 if TYPE_CHECKING:
-    from lightning_accel.callbacks.interventions.base import Run
-    from lightning_accel.core.autopilot_search import Undo
+    from lightning_accel.callbacks.autopilot.fixes.base import Run
+    from lightning_accel.core.autopilot import Undo
 
 __all__ = ["FusedAttention"]
 
