@@ -160,10 +160,11 @@ def _callbacks(config: dict[str, Any]) -> list[Any]:
     return [DevicePrefetcher()] if config.get("prefetch") else []
 
 
-def build_data(config: dict[str, Any]):
+def _sleepy_mlp(config: dict[str, Any], dim: int, sleep_s: float):
+    """An MLP of width ``dim`` over a dataset whose every sample sleeps ``sleep_s``, with the config's loader knobs."""
     workers = config.get("num_workers", 0)
     loader = DataLoader(
-        Sleepy(4096, 256, 0.0015),
+        Sleepy(4096, dim, sleep_s),
         batch_size=16,
         shuffle=True,
         generator=torch.Generator().manual_seed(1),
@@ -171,21 +172,15 @@ def build_data(config: dict[str, Any]):
         persistent_workers=workers > 0,
         prefetch_factor=config.get("prefetch_factor") if workers else None,
     )
-    return MLP(dim=256, depth=3), loader, {"callbacks": _callbacks(config)}
+    return MLP(dim=dim, depth=3), loader, {"callbacks": _callbacks(config)}
+
+
+def build_data(config: dict[str, Any]):
+    return _sleepy_mlp(config, 256, 0.0015)
 
 
 def build_short_noisy(config: dict[str, Any]):
-    workers = config.get("num_workers", 0)
-    loader = DataLoader(
-        Sleepy(4096, 2048, 0.0001),
-        batch_size=16,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(1),
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        prefetch_factor=config.get("prefetch_factor") if workers else None,
-    )
-    return MLP(dim=2048, depth=3), loader, {"callbacks": _callbacks(config)}
+    return _sleepy_mlp(config, 2048, 0.0001)
 
 
 def build_micro_batch(config: dict[str, Any]):

@@ -68,10 +68,12 @@ def test_an_autopilot_run_in_process_carries_its_search():
     assert row["stopped"]  # a 3-step fit cannot repay a search: it says why
 
 
-def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
-    def r(variant, sps, **extra):
-        return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
+def r(variant, sps, **extra):
+    """A result row of script ``s``."""
+    return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
 
+
+def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
     rows = [
         r("vanilla", 100.0),
         r("hand_fp32", 150.0),
@@ -90,9 +92,6 @@ def test_report_divides_by_vanilla_and_by_the_better_hand_tuned_precision():
 
 
 def test_claims_are_divided_by_what_training_measured_against_the_vanilla_median():
-    def r(variant, sps, **extra):
-        return {"kind": "real", "script": "s", "variant": variant, "samples_per_sec": sps, "loss": 1.0, **extra}
-
     rows = [
         r("vanilla", 90.0),
         r("vanilla", 110.0),

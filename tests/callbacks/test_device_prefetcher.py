@@ -77,9 +77,9 @@ class Model(pl.LightningModule):
         return DataLoader(Samples(), batch_size=8, collate_fn=collate)
 
 
-def fit(callbacks, **kwargs):
+def fit(callbacks, model_class=None, **kwargs):
     torch.manual_seed(0)
-    model = Model()
+    model = (model_class or Model)()
     args = dict(
         accelerator="cpu",
         devices=1,
@@ -129,19 +129,7 @@ def test_a_seeded_shuffled_loader_gives_every_epoch_the_order_it_gives_without_t
             )
 
     def seen(callbacks):
-        torch.manual_seed(0)
-        model = Plain()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=callbacks,
-        )
-        trainer.fit(model)
+        _, model = fit(callbacks, Plain, max_epochs=3, limit_val_batches=0, num_sanity_val_steps=0)
         return [idx for idx, _, _ in model.seen]
 
     plain = seen([])
