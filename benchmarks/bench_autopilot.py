@@ -26,12 +26,12 @@ training measures where windows are short and the machine's noise is of the orde
     python benchmarks/bench_autopilot.py --scenarios attention --verbose   # + every trial of every round
 
 Naive real-model scripts (HF GPT-2 / Llama, litgpt, the demo GPT, several causes at once) against hand-tuned fp32
-and bf16, and the 300-step whole-fit comparison, live in ``bench_autopilot_real.py``; ``--real ARGS`` hands ARGS to
-it (every run in its own process):
+and bf16, and the 300-step whole-fit comparison, live in ``bench_autopilot_real.py`` (every run in its own process;
+it builds its short fits from this file's scenarios):
 
-    python benchmarks/bench_autopilot.py --real --scripts gpt2 llama --rounds 5 --out results.jsonl
-    python benchmarks/bench_autopilot.py --real --short --rounds 3 --out results.jsonl
-    python benchmarks/bench_autopilot.py --real --report results.jsonl --verbose
+    python benchmarks/bench_autopilot_real.py --scripts gpt2 llama --rounds 5 --out results.jsonl
+    python benchmarks/bench_autopilot_real.py --short --rounds 3 --out results.jsonl
+    python benchmarks/bench_autopilot_real.py --report results.jsonl --verbose
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -448,14 +447,6 @@ def run_scenario(scenario: Scenario, rounds: int, skip: int, budget: float, verb
 
 
 def main() -> None:
-    import sys
-
-    if "--real" in sys.argv[1:]:  # the real-script benchmark: its own driver, one process per run
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_autopilot_real import main as real_main
-
-        real_main([a for a in sys.argv[1:] if a != "--real"])
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--verbose", action="store_true", help="print the Autopilot's trials of every round")

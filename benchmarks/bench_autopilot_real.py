@@ -1,6 +1,6 @@
 """The Autopilot on naive real-model scripts and on short fits, every run in its own process.
 
-Two parts (both reached through ``benchmarks/bench_autopilot.py --real`` / ``--short``, or this file directly):
+Two parts:
 
 **Real scripts** (:mod:`autopilot_scripts`: HF GPT-2 and HF Llama on eager attention, litgpt's GPT, the demo GPT;
 each with Lightning's default fp32, ``AdamW(foreach=False)``, micro-batch 4 × ``accumulate_grad_batches=8`` and a

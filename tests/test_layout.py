@@ -157,6 +157,35 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def every_import(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Every module ``tree`` names in an import, wherever it stands (in a function, under ``TYPE_CHECKING``)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        out.update(imported(node, module, is_package))
+    return out
+
+
+def test_no_two_modules_import_each_other_even_lazily_or_only_for_types():
+    # a lazy or type-only import back is still a loop a reader has to hold in mind: one of the two holds what both
+    # need, or a third module does
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {n for n in every_import(ast.parse(path.read_text()), name, path.name == "__init__.py") if n in modules}
+        - {name}
+        for name, path in modules.items()
+    }
+    # the package's __init__ modules hand names on: an arrow into one is an arrow into what it re-exports
+    cycle = find_cycle({k: {n for n in v if not modules[n].name == "__init__.py"} for k, v in graph.items()})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    scripts = {p.stem: p for p in (PACKAGE.parent / "benchmarks").glob("*.py")}
+    graph = {
+        name: every_import(ast.parse(path.read_text()), name, False) & set(scripts) - {name}
+        for name, path in scripts.items()
+    }
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between benchmark scripts: " + " -> ".join(cycle or [])
+
+
 def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

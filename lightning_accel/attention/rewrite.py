@@ -34,7 +34,7 @@ from lightning_accel.attention._lazy import (
 from lightning_accel.attention._tree import _flatten
 
 if TYPE_CHECKING:
-    from lightning_accel.attention.fused import FusedAttentionChanges
+    from lightning_accel.attention.changes import FusedAttentionChanges
 
 __all__ = ["ATTENTION_FIX"]
 
