@@ -19,9 +19,10 @@ the first batch are fetched in the calling thread (where an un-wrapped loop woul
 drawn from the global RNG is drawn at the same point. A sized loader is read ahead up to its ``len()`` only: the
 ``next()`` past it, which finds the end, is made in the calling thread when the caller asks for it (Lightning's
 loop stops at the length and never does), because it has effects: a ``RandomSampler`` draws the next permutation
-from the DataLoader's ``generator`` there, and the next epoch's order would change; later randomness a ``num_workers=0`` loader draws from the
-*global* torch RNG (per-sample augmentation) interleaves with the training step's draws in another order, so for
-bitwise-reproducible augmentation use worker processes or a generator of the dataset's own.
+from the DataLoader's ``generator`` there, and the next epoch's order would change. Later randomness a
+``num_workers=0`` loader draws from the *global* torch RNG (per-sample augmentation) interleaves with the training
+step's draws in another order, so for bitwise-reproducible augmentation use worker processes or a generator of the
+dataset's own.
 
 Exceptions raised by the loader are re-raised by ``next()`` in the consumer with their original traceback. The
 thread ends when the loader is exhausted, when the iterator is closed (:meth:`PrefetchIterator.close`,
@@ -110,10 +111,6 @@ class CudaTransfer:
         return moved
 
 
-class _AtLength(Exception):
-    """The loader's length is 0: no batch is fetched ahead."""
-
-
 def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
@@ -160,7 +157,6 @@ class PrefetchIterator(Iterator[Any]):
         self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None, length: int | None = None
     ) -> None:
         self._transfer = transfer
-        self._source: Iterator[Any] | None = None
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,15 +164,13 @@ class PrefetchIterator(Iterator[Any]):
         self._first: tuple[str, Any] | None
         # iter() and the first batch in the caller's thread: see the module docstring (RNG draw order)
         source = iter(iterable)
-        self._source = source
-        try:
-            if length is not None and length <= 0:
-                raise _AtLength
-            first = next(source)
-            self._first = (_BATCH, transfer.copy(first) if transfer is not None else first)
-        except _AtLength:
+        self._source: Iterator[Any] | None = source
+        if length is not None and length <= 0:  # nothing to read ahead: the caller's next() looks for the end
             self._first = (_LENGTH, None)
             return
+        try:
+            first = next(source)
+            self._first = (_BATCH, transfer.copy(first) if transfer is not None else first)
         except StopIteration:
             self._first = (_END, None)
             return
