@@ -205,7 +205,12 @@ def variability_finding(
         stage = "data"
         evidence += f", {100 * data_frac:.0f} % of it waiting for data: bursty data stalls."
         steps = []
-        if ctx.num_workers == 0:
+        if ctx.loader == "DALIImageDataModule":  # a DALI pipeline has its own queue and threads, no workers
+            steps.append(
+                "deepen DALI's queue so it absorbs slow batches: "
+                f"DALIImageDataModule(prefetch_queue_depth={max(3, (ctx.prefetch_queue_depth or 2) + 1)})"
+            )
+        elif ctx.num_workers == 0:
             steps.append(
                 "load in background workers: DataLoader(num_workers=4, persistent_workers=True, prefetch_factor=4)"
             )

@@ -46,6 +46,11 @@ def test_spikes_made_of_data_wait_are_bursty_data_stalls():
     )
     assert finding.stage == "data" and "bursty data stalls" in finding.evidence
     assert "prefetch_factor=4" in finding.fix and "persistent_workers=True" in finding.fix
+    # a DALI pipeline has no DataLoader workers: its own queue is the knob
+    dali = variability_finding(
+        stats, RunContext(loader="DALIImageDataModule", prefetch_queue_depth=2), Thresholds(variability=1.5)
+    )
+    assert "prefetch_queue_depth=3" in dali.fix and "num_workers" not in dali.fix
 
 
 def test_rare_periodic_spikes_leave_p95_alone_but_are_found():
