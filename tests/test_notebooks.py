@@ -1,5 +1,6 @@
 """Every walkthrough in notebooks/ executes top to bottom (shortened with LIGHTNING_ACCEL_FAST=1) and shows a plot."""
 
+import json
 import os
 
 import pytest
@@ -11,6 +12,17 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 def test_the_six_walkthroughs_exist():
     assert [p.stem[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_cell_has_its_own_id(path):
+    # nbformat 4.5 requires a cell id: readers fill in a missing one with a warning today, and nbformat says it
+    # will become an error; Jupyter's links and diffs between versions of a walkthrough rely on ids that stay put
+    notebook = json.loads(path.read_text())
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) >= (4, 5)
+    ids = [cell.get("id") for cell in notebook["cells"]]
+    assert None not in ids, f"{path.name}: cell {ids.index(None)} has no id"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
 
 
 @pytest.mark.notebooks
