@@ -65,6 +65,7 @@ TIMING_SENSITIVE = (
     "tests/callbacks/test_batch_size_tuner.py",
     "tests/callbacks/test_device_prefetcher.py",
     "tests/callbacks/test_bottleneck_doctor",
+    "tests/callbacks/test_doctor_attribution.py",
     "tests/callbacks/test_mfu_monitor.py",
     "tests/core/test_smells.py",
     "tests/core/test_prefetch.py",

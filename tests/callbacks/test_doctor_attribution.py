@@ -328,13 +328,21 @@ def test_a_balanced_model_gets_no_compute_finding_and_its_shares_add_up():
     # against the host clock around the same steps: within 5 % (the stated tolerance)
     for phase in ("forward", "backward"):
         assert attr[f"{phase}_ms"] == pytest.approx(attr["measured_ms"][phase], rel=0.05)
-    # most of the time is in the modules, not in the step's own Python or the engine; each module's backward is
-    # its own (linked to its forward operations), not the step's
+    # most of the time is in the modules, not in the step's own Python or the engine
     assert sum(r["share"] for r in top) > 0.6
     assert all(r["backward_ms"] > 0 for r in top)
-    assert {r["module"] for r in top if r["backward_ms"] > 0.2 * r["forward_ms"]} >= {"model.attn", "model.mlp"}
-    mlp = next(r for r in attr["modules"] if r["module"] == "model.mlp")
-    assert mlp["ops"][0]["name"] == "aten::linear"
+    # each module's backward is its own: every forward operation with a gradient has its backward listed under it
+    # (linked by the profiler's sequence number), not under the step or the engine; this holds however the machine's
+    # load spreads the times, unlike a ratio of one module's backward to its forward
+    rows = {r["module"]: r for r in attr["modules"]}
+    for module, op in (
+        ("model.attn", "aten::linear"),
+        ("model.attn", "aten::scaled_dot_product_attention"),
+        ("model.mlp", "aten::linear"),
+    ):
+        ops = [o for o in rows[module]["ops"] if o["name"] == op]
+        assert ops and all(o["backward_ms"] > 0 for o in ops), (module, rows[module]["ops"])
+    mlp = rows["model.mlp"]
     assert {o["shapes"] for o in mlp["ops"] if o["name"] == "aten::linear"} == {
         "[8, 64, 128], [512, 128], [512]",  # up
         "[8, 64, 512], [128, 512], [128]",  # down
