@@ -739,9 +739,16 @@ def test_activation_checkpointing_with_a_larger_micro_batch_is_checked_and_undon
     # recomputation gives the same gradients; the doubled micro-batch only reorders the sums
     assert record.numerics["ok"] and record.numerics["grad_cosine"] > 0.9999, record
     assert "Sequential" in record.change and "batch_size=8" in record.change
+    # what stays on is the final state: kept by its trial, unless the claim's final A/B (fresh pairs against the
+    # untouched configuration) then measured it slower and reverted it, as a lucky trial window on this noisy
+    # machine can make it
+    final = [r for r in autopilot.records if r.name == "final A/B"]
+    reverted = any(not r.kept and "reverted" in r.reason for r in final)
+    kept = change in autopilot.kept
+    assert kept == (record.kept and not reverted), (record.reason, [r.reason for r in final])
     wrapped = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
-    assert wrapped == record.kept
-    assert (model.batch_size, trainer.accumulate_grad_batches) == ((8, 2) if record.kept else (4, 4))
+    assert wrapped == kept
+    assert (model.batch_size, trainer.accumulate_grad_batches) == ((8, 2) if kept else (4, 4))
 
 
 def test_the_autopilot_keys_are_logged_once_and_each_trial_when_decided() -> None:
