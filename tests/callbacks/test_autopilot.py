@@ -740,7 +740,7 @@ def test_activation_checkpointing_with_a_larger_micro_batch_is_checked_and_undon
     assert record.numerics["ok"] and record.numerics["grad_cosine"] > 0.9999, record
     assert "Sequential" in record.change and "batch_size=8" in record.change
     # what stays on is the final state: kept by its trial, unless the claim's final A/B (fresh pairs against the
-    # untouched configuration) then measured it slower and reverted it, as a lucky trial window on this noisy
+    # untouched configuration) then measured it slower and reverted it, as a lucky trial window on a noisy
     # machine can make it
     final = [r for r in autopilot.records if r.name == "final A/B"]
     reverted = any(not r.kept and "reverted" in r.reason for r in final)
