@@ -468,6 +468,22 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         why="older transformers expose the tensor-parallel plan only as this class attribute",
     ),
     PrivateName(
+        "lightning.pytorch.trainer.connectors.callback_connector",
+        "_CallbackConnector",
+        _L,
+        ("attach.py:callbacks_factory",),
+        why="Lightning calls the callbacks_factory entry points with no argument from "
+        "_CallbackConnector.on_trainer_init; the callbacks the user passed are found on that frame, so an "
+        "attached callback never duplicates one of theirs",
+    ),
+    PrivateName(
+        "lightning.pytorch.trainer.connectors.callback_connector._CallbackConnector",
+        "on_trainer_init",
+        _L,
+        ("attach.py:callbacks_factory",),
+        why="the frame callbacks_being_configured looks for (see _CallbackConnector)",
+    ),
+    PrivateName(
         "transformers.PreTrainedModel",
         "_supports_sdpa",
         "transformers 5.0-5.24",
@@ -633,6 +649,23 @@ def module_trainer(module: Any) -> Any:
     except RuntimeError:  # a LightningModule not attached to a Trainer
         return None
     return trainer if isinstance(trainer, pl.Trainer) else None
+
+
+def callbacks_being_configured() -> list[Any] | None:
+    """The callbacks of the Trainer whose construction is calling the callbacks factories, or ``None`` when it is
+    not found: Lightning (and ``pytorch_lightning``) 2.6 calls each factory with no argument from
+    ``_CallbackConnector.on_trainer_init``, after the user's callbacks are on ``trainer.callbacks``."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "on_trainer_init" and type(frame.f_locals.get("self")).__name__ == (
+            "_CallbackConnector"
+        ):
+            callbacks = getattr(getattr(frame.f_locals["self"], "trainer", None), "callbacks", None)
+            return list(callbacks) if isinstance(callbacks, list) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def fit_loop_data_source(trainer: Any) -> Any:

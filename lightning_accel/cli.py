@@ -1,4 +1,4 @@
-"""The ``lightning-accel`` command: ``demo | bench | estimate-zero | pack | report | scaling`` as they are built.
+"""The ``lightning-accel`` command: ``demo | bench | run | estimate-zero | pack | report | scaling | watch``.
 
 Each subcommand lives in :mod:`lightning_accel.commands` (one module per command, found by listing the package).
 """
@@ -32,10 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parser_run(args: argparse.Namespace) -> int:
+    from lightning_accel.commands.run import run
+
+    return run(list(args.argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand and return its exit status (``python -m`` and the console script exit with it)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # its options end at the script: everything after is the script's own (commands/run.py)
+        args = argparse.Namespace(command="run", argv=argv[1:], func=parser_run)
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as err:  # bad user input: one clear line, no traceback

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_accel.callbacks.autopilot.arguments import check_numbers, fix_names, own_fixes, tolerances_by_kind
 from lightning_accel.callbacks.autopilot.backend import short_error
-from lightning_accel.callbacks.autopilot.fit_run import install, make_run, unsupported
+from lightning_accel.callbacks.autopilot.fit_run import install, make_run, run_identity, unsupported
 from lightning_accel.callbacks.autopilot.fixes import INTERVENTIONS, Intervention, Run
 from lightning_accel.callbacks.autopilot.output import finish, trials_table
 from lightning_accel.callbacks.autopilot.replay import replay
@@ -261,7 +261,7 @@ class Autopilot(Callback):
         from lightning_accel.core.autopilot import AutopilotSearch
 
         trainer = run.trainer
-        plan = AutopilotPlan(world_size=trainer.world_size, model=type(run.module).__name__)
+        plan = AutopilotPlan(model=type(run.module).__name__, **run_identity(run))
         self.plan = plan
         live = trainer.progress_bar_callback is not None and _is_terminal()
         display = SearchDisplay(

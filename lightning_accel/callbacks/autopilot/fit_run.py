@@ -11,7 +11,7 @@ from lightning_accel.callbacks.autopilot.windows import RunConfig, TrialRunner
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["fit_steps", "install", "make_run", "unsupported"]
+__all__ = ["fit_steps", "install", "make_run", "run_identity", "unsupported"]
 
 
 def unsupported(trainer: pl.Trainer) -> str | None:
@@ -39,6 +39,23 @@ def make_run(trainer: pl.Trainer, pl_module: pl.LightningModule, source: Any, *,
     run.steps_left = fit_steps(trainer, source)
     run.extras["warmup_steps"] = warmup_steps
     return run
+
+
+def run_identity(run: Run) -> dict[str, Any]:
+    """What a plan records of the run it was measured on and is checked against before a replay
+    (:func:`~lightning_accel.core.autopilot.plan_misfit`): the model's fingerprint, the device type, the number of
+    devices and the global batch (samples per optimizer step over all devices, ``None`` when the loader's batch
+    size is unknown). Taken before any fix is applied."""
+    from lightning_accel.core.autopilot import model_fingerprint
+
+    batch_size = run.source.current().get("batch_size")
+    world_size = int(run.trainer.world_size)
+    return {
+        "fingerprint": model_fingerprint(run.module),
+        "device": run.device.type,
+        "world_size": world_size,
+        "global_batch": int(batch_size) * run.config.accumulate * world_size if batch_size else None,
+    }
 
 
 def fit_steps(trainer: pl.Trainer, source: Any) -> int | None:

@@ -9,8 +9,9 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel.callbacks.autopilot.backend import short_error
+from lightning_accel.callbacks.autopilot.fit_run import run_identity
 from lightning_accel.callbacks.autopilot.fixes import INTERVENTIONS, Intervention, Run
-from lightning_accel.core.autopilot import AutopilotPlan, Outcome, TrialRecord
+from lightning_accel.core.autopilot import AutopilotPlan, Outcome, TrialRecord, plan_misfit
 
 __all__ = ["replay"]
 
@@ -25,11 +26,20 @@ def replay(
     first_index: int = 0,
 ) -> tuple[AutopilotPlan, list[TrialRecord], list[Intervention]]:
     """Apply ``plan``'s kept changes to ``run``: the plan to report (the search's numbers, stopped "replayed ..."),
-    a row per entry and the fixes applied. ``own``: the user's fixes (``interventions=``) a plan may name; ``frozen``:
+    a row per entry and the fixes applied. A plan read from ``plan_path`` that was made for another model, device
+    type, device count or global batch is refused (``ValueError``) before anything is changed. ``own``: the user's fixes (``interventions=``) a plan may name; ``frozen``:
     whether the user froze a fix. An entry that is frozen, does not apply or raises is skipped with a warning."""
+    identity = run_identity(run)
+    if plan_path is not None:  # a plan from a file may come from another job; a checkpoint's is this job's own
+        why = plan_misfit(plan, **identity)
+        if why is not None:
+            raise ValueError(
+                f"Autopilot(plan={str(plan_path)!r}) was not made for this run: {why}. Search this run instead "
+                "(Autopilot() without plan=, or `lightning-accel run --autopilot`)"
+            )
     replayed = AutopilotPlan(
-        world_size=run.trainer.world_size,
         model=type(run.module).__name__,
+        **identity,
         stopped=f"replayed {plan_path or 'the checkpoint'}",
         baseline_samples_per_sec=plan.baseline_samples_per_sec,
         final_samples_per_sec=plan.final_samples_per_sec,
@@ -40,7 +50,7 @@ def replay(
         noise=plan.noise,
         trials=plan.trials,
     )
-    if plan.model and plan.model != type(run.module).__name__:
+    if plan.fingerprint is None and plan.model and plan.model != type(run.module).__name__:
         rank_zero_warn(
             f"Autopilot: the plan was made for {plan.model}, this run trains "
             f"{type(run.module).__name__}; replaying it anyway"

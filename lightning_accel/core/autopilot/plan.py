@@ -4,6 +4,7 @@ a LightningCLI YAML fragment, a Python snippet, the claimed speed-up in words.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,8 @@ __all__ = [
     "Outcome",
     "TrialRecord",
     "claim_text",
+    "model_fingerprint",
+    "plan_misfit",
     "render_python",
     "render_yaml",
 ]
@@ -104,6 +107,10 @@ class AutopilotPlan:
     search_seconds: float | None = None
     world_size: int = 1
     model: str | None = None
+    #: what the plan was measured on, checked before it is replayed (:func:`plan_misfit`); absent in older plans
+    fingerprint: str | None = None
+    device: str | None = None
+    global_batch: int | None = None
     stopped: str | None = None
     yaml: str = ""
     python: str = ""
@@ -152,6 +159,38 @@ class AutopilotPlan:
                 )
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def model_fingerprint(module: torch.nn.Module) -> str:
+    """A short digest of the model's parameter names, shapes and dtypes: the same architecture at the same size
+    gives the same digest whatever its weights (a compiled wrapper's ``_orig_mod.`` prefix is left out)."""
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        digest.update(f"{name.replace('_orig_mod.', '')}:{tuple(param.shape)}:{param.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+def plan_misfit(
+    plan: AutopilotPlan, *, fingerprint: str, device: str, world_size: int, global_batch: int | None
+) -> str | None:
+    """Why ``plan`` was not made for this run (one line naming each difference), or ``None``. A fix measured on
+    another model, device or global batch carries neither its speed nor its numerics check over; what an older plan
+    does not record is not compared."""
+    differences = []
+    if plan.fingerprint is not None and plan.fingerprint != fingerprint:
+        differences.append(
+            f"the model (the plan's {plan.model or '?'} has parameter fingerprint {plan.fingerprint}, this run's "
+            f"{fingerprint}: other layers or sizes)"
+        )
+    if plan.device is not None and plan.device != device:
+        differences.append(f"the device type (plan: {plan.device}, this run: {device})")
+    if plan.world_size != world_size:
+        differences.append(f"the number of devices (plan: {plan.world_size}, this run: {world_size})")
+    if plan.global_batch is not None and global_batch is not None and plan.global_batch != global_batch:
+        differences.append(
+            f"the global batch (plan: {plan.global_batch} samples per optimizer step, this run: {global_batch})"
+        )
+    return "; ".join(differences) or None
 
 
 def _json_default(value: Any) -> Any:
