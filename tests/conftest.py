@@ -15,6 +15,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# a developer's own LIGHTNING_ACCEL would attach callbacks to every Trainer of the suite (lightning_accel/attach.py);
+# the tests that attach set it themselves
+os.environ.pop("LIGHTNING_ACCEL", None)
+
 #: variables a distributed launcher sets; none may leak from this process into a script that launches its own ranks
 LAUNCH_VARIABLES = (
     "LOCAL_RANK",

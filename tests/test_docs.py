@@ -78,6 +78,17 @@ def test_the_command_line_page_lists_every_command_and_demo_flag():
     assert missing == [], f"add these to docs/reference/cli.md: {missing}"
 
 
+def test_the_attach_page_lists_every_run_option_and_every_form_of_the_variable():
+    from lightning_accel.attach import _KEYS, _WORDS
+    from lightning_accel.commands.run import _options
+
+    page = (DOCS / "attach.md").read_text()
+    flags = [opt for action in _options()._actions for opt in action.option_strings if opt not in ("-h", "--help")]
+    forms = [f"`{word}`" for word in _WORDS] + [f"`{key}:PATH`" for key in _KEYS]
+    missing = [flag for flag in flags if f"`{flag}" not in page] + [form for form in forms if form not in page]
+    assert missing == [], f"add these to docs/attach.md: {missing}"
+
+
 # ------------------------------------------------------------------------------------- the docstring converter
 needs_griffe = pytest.mark.skipif(importlib.util.find_spec("griffe") is None, reason="griffe (the docs extra) missing")
 
