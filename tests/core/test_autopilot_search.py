@@ -372,6 +372,35 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
 
+def test_a_trial_that_pays_for_itself_many_times_runs_beyond_the_budget() -> None:
+    # a 100 s fit at 10 %: 10 s, enough for the estimate (0.5 s), a baseline (5 s) and a 3 s trial, so not raised at
+    # the estimate; the workers' trial needs 1.2 windows (3 s) + its 4 s worker search, 7 s of the 4.5 s left, and is
+    # expected to save 69 s: it runs (the budget grows to hold it) instead of the cheaper prefetch
+    data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
+    changes = [Change("dataloader", 3.0, expected=0.69, setup=4.0), Change("prefetch", 1.0, expected=0.2)]
+    backend = Scripted(changes, shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.1, steps_left=1000).run()
+    assert [c.name for c in result.kept] == ["dataloader"]
+    assert ("dataloader",) in _measured(backend)
+    note = next(n for n in result.notes if "for the dataloader trial" in n)
+    assert "expected to save ~69.0 s over the 1000 steps, 10x its cost" in note
+    assert result.budget_seconds == pytest.approx(5.5 + 1.1 * 7.0)
+
+
+def test_a_trial_that_pays_back_less_than_several_times_stays_within_the_budget() -> None:
+    data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
+    changes = [Change("dataloader", 3.0, expected=0.25, setup=12.0), Change("prefetch", 1.1, expected=0.3)]
+    backend = Scripted(changes, shares=data_bound)
+    result = _search(backend, budget_seconds=None, budget=0.2, steps_left=1000).run()
+    # 25 s expected against a 15 s trial (3 s of windows, 12 s of search) with 14.5 s of the 20 s budget left: it
+    # would pay back, but not three times over: the cheaper prefetch is tried instead
+    rows = {r.name: r for r in result.records}
+    assert rows["dataloader"].samples_per_sec is None and "the cheaper prefetch is tried instead" in rows[
+        "dataloader"
+    ].reason
+    assert ("dataloader",) not in _measured(backend) and not any("for the dataloader trial" in n for n in result.notes)
+
+
 def test_a_fix_whose_one_off_work_exceeds_its_saving_is_no_reason_to_search() -> None:
     balanced = {"forward": 0.45, "backward": 0.45, "optimizer": 0.1}
     changes = [Change("compile", 1.3, expected=0.19, setup=60.0), Change("precision", 1.1, expected=0.09)]

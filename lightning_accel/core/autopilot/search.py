@@ -54,7 +54,10 @@ benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
    foreach optimizer step) are alternatives, not gains to add up: the bundle keeps the one measured faster and names the
    other.
 5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
-   trial's cost; sorted by expected gain, the first one that would not pay back ends the search.
+   trial's cost; sorted by expected gain, the first one that would not pay back ends the search. One that does not
+   fit the time left but is expected to save :data:`~lightning_accel.core.autopilot.budget.SELF_PAYING_MULTIPLE`
+   times its cost raises the budget to hold it (never an absolute ``budget_seconds``): the budget caps the search,
+   never a trial that pays for itself.
 6. **Windows long enough for the noise.** A baseline whose A/A noise stays above the gate's cap (twice the
    threshold) after a third window is measured again with windows up to :data:`MAX_LENGTHENING` times longer (noise
    falls as 1/sqrt(steps)), as the budget allows; noise that longer windows do not settle raises the gate to it, and a
@@ -80,6 +83,7 @@ from lightning_accel.core.autopilot.budget import (
     expects_confirmation,
     opening,
     pays_back,
+    pays_for_itself,
     trial_cost,
 )
 from lightning_accel.core.autopilot.claim import Claim
@@ -181,6 +185,24 @@ class AutopilotSearch(Claim):
         if self._current is None or self.budget_seconds is not None:
             return True, ""
         return pays_back(gain, cost, self._current.step_seconds, self.steps_left)
+
+    def _raise_for(self, offer: Offer, cost: float) -> bool:
+        """Raise the budget to hold a trial that does not fit it but pays for itself several times over
+        (:func:`~lightning_accel.core.autopilot.budget.pays_for_itself`); an absolute ``budget_seconds`` is the user's
+        cap and is never raised. The ranks agree (their step times differ)."""
+        if self._current is None or self.budget_seconds is not None:
+            return False
+        repays, saving = pays_for_itself(offer.counted_gain, cost, self._current.step_seconds, self.steps_left)
+        repays, _ = self.backend.agree(repays, None)
+        if not repays:
+            return False
+        self._budget = self._spent() + 1.1 * cost
+        self.result.budget_seconds = self._budget
+        self.result.notes.append(
+            f"the budget is raised to {self._budget:.1f} s for the {offer.candidate.name} trial (~{cost:.1f} s): it "
+            f"is expected to save ~{saving:.1f} s over the {self.steps_left} steps, {saving / cost:.0f}x its cost"
+        )
+        return True
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SearchResult:
@@ -336,7 +358,7 @@ class AutopilotSearch(Claim):
                             # spent 2.1 s on a baseline and stopped: its bf16 trial needed 4.4 s of 4.1)
                             self._budget = max(self._budget, self._spent() + 1.1 * (cost + reserve))
                             result.budget_seconds = self._budget
-                        if pays and self._affords(cost + reserve):
+                        if pays and (self._affords(cost + reserve) or self._raise_for(o, cost + reserve)):
                             offer = o
                             break
                         if pays:  # a cheaper fix further down may still fit (a first compile does not)
