@@ -395,9 +395,10 @@ def test_a_trial_that_pays_back_less_than_several_times_stays_within_the_budget(
     # 25 s expected against a 15 s trial (3 s of windows, 12 s of search) with 14.5 s of the 20 s budget left: it
     # would pay back, but not three times over: the cheaper prefetch is tried instead
     rows = {r.name: r for r in result.records}
-    assert rows["dataloader"].samples_per_sec is None and "the cheaper prefetch is tried instead" in rows[
-        "dataloader"
-    ].reason
+    assert (
+        rows["dataloader"].samples_per_sec is None
+        and "the cheaper prefetch is tried instead" in rows["dataloader"].reason
+    )
     assert ("dataloader",) not in _measured(backend) and not any("for the dataloader trial" in n for n in result.notes)
 
 
@@ -737,6 +738,20 @@ def test_a_burst_in_the_baseline_gets_a_third_window_and_the_closest_two_count()
     assert any("a third window measured" in n for n in result.notes)
     assert [c.name for c in result.kept] == ["workers"]
     assert _measured(backend)[3] == ("workers",)  # the newest baseline window is the A of the first pair
+
+
+def test_right_after_a_baseline_that_needed_settling_one_lucky_pair_is_not_decisive() -> None:
+    # a burst in the baseline (third window), then the first trial's B runs twice as fast by luck: on one pair it
+    # would be kept as decisive; its confirmation pair shows the change does nothing, and it is not kept
+    backend = Scripted([Change("lucky", 1.0), Change("real", 2.0)], noise=[1.0, 0.5, 1.02, 2.0])
+    result = _search(backend).run()
+    rows = {r.name: r for r in result.records}
+    assert not rows["lucky"].kept and "decisive" not in rows["lucky"].reason
+    assert _measured(backend).count(("lucky",)) >= 2  # B, then the confirmation's B (and a third pair's)
+    # the next decision is no longer after the settling: a 2x ratio is decisive again
+    assert rows["real"].kept and "decisive" in rows["real"].reason
+    calm = Scripted([Change("lucky", 1.0)], noise=[1.0, 1.0, 2.0])  # a calm baseline: one 2x pair is decisive
+    assert [c.name for c in _search(calm).run().kept] == ["lucky"]
 
 
 def test_a_third_baseline_window_further_off_is_dropped_and_the_trial_measures_its_own_a() -> None:

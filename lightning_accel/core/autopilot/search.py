@@ -39,7 +39,8 @@ benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
    any first ratio above ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that
    leave the question open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the
    gate) get a third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate
-   shrunk as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. On a shared 2-core CPU the
+   shrunk as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. Right after a baseline
+   that needed a third window or longer ones, the first measured trial is never decisive on one pair. On a shared 2-core CPU the
    larger micro-batch's real 15-30 % gain can measure 1.16 then 0.98, or 1.20 then 0.92: with two pairs the unluckiest
    window decides; a majority of three does not hang on one.
 4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not thrown
@@ -83,7 +84,6 @@ from lightning_accel.core.autopilot.budget import (
     expects_confirmation,
     opening,
     pays_back,
-    pays_for_itself,
     trial_cost,
 )
 from lightning_accel.core.autopilot.claim import Claim
@@ -150,6 +150,7 @@ class AutopilotSearch(Claim):
         self.result = SearchResult()
         self._kept = []
         self._noisy = None
+        self._settling = False
         self._started = 0.0
         self._budget = math.inf
         self._current = None
@@ -185,24 +186,6 @@ class AutopilotSearch(Claim):
         if self._current is None or self.budget_seconds is not None:
             return True, ""
         return pays_back(gain, cost, self._current.step_seconds, self.steps_left)
-
-    def _raise_for(self, offer: Offer, cost: float) -> bool:
-        """Raise the budget to hold a trial that does not fit it but pays for itself several times over
-        (:func:`~lightning_accel.core.autopilot.budget.pays_for_itself`); an absolute ``budget_seconds`` is the user's
-        cap and is never raised. The ranks agree (their step times differ)."""
-        if self._current is None or self.budget_seconds is not None:
-            return False
-        repays, saving = pays_for_itself(offer.counted_gain, cost, self._current.step_seconds, self.steps_left)
-        repays, _ = self.backend.agree(repays, None)
-        if not repays:
-            return False
-        self._budget = self._spent() + 1.1 * cost
-        self.result.budget_seconds = self._budget
-        self.result.notes.append(
-            f"the budget is raised to {self._budget:.1f} s for the {offer.candidate.name} trial (~{cost:.1f} s): it "
-            f"is expected to save ~{saving:.1f} s over the {self.steps_left} steps, {saving / cost:.0f}x its cost"
-        )
-        return True
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SearchResult:
@@ -274,6 +257,7 @@ class AutopilotSearch(Claim):
             pairs = [(first, second), (first, third), (second, third)]
             first, second = min(pairs, key=lambda p: relative_noise([p[0].samples_per_sec, p[1].samples_per_sec]))
             fresh = third if second is third else None
+            self._settling = True
             result.notes.append(
                 f"the baseline's A/A noise was {spread:.1%}: a third window measured, the closest two kept"
             )
@@ -288,6 +272,7 @@ class AutopilotSearch(Claim):
             window = max(_window_length(first), _window_length(second))
             if factor > 1 and self._affords(2.2 * factor * window):
                 self.measure_steps = longer
+                self._settling = True
                 first, second = self._measure(), self._measure()
                 fresh = second
                 rates = [first.samples_per_sec, second.samples_per_sec]

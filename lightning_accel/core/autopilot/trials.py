@@ -10,13 +10,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_accel.core.autopilot.budget import decisive_ratio
+from lightning_accel.core.autopilot.budget import decisive_ratio, pays_for_itself
 from lightning_accel.core.autopilot.pairing import measure_pairs
 from lightning_accel.core.autopilot.plan import Outcome, TrialRecord
 from lightning_accel.core.autopilot.protocol import (
     Bundle,
     Candidate,
     MeasurementLike,
+    Offer,
     SearchBackend,
     SearchProgress,
     SearchResult,
@@ -49,6 +50,8 @@ class Trials:
     warmup_steps: int
     measure_steps: int
     final_pairs: int
+    budget_seconds: float | None
+    steps_left: int | None
     _started: float
     _budget: float
     _gate: float
@@ -59,6 +62,7 @@ class Trials:
     _kept: list[tuple[Candidate, Callable[[], None]]]  # each kept change with its undo, in order
     _held: list[Held]
     _noisy: float | None  # the baseline's A/A noise when longer windows left it above the gate's cap
+    _settling: bool  # the baseline needed a third window or longer ones: the next decision gets its confirmation
     _max_trials: int | None
 
     # ------------------------------------------------------------------ helpers
@@ -100,6 +104,24 @@ class Trials:
     def _affords(self, seconds: float) -> bool:
         ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
         return ok
+
+    def _raise_for(self, offer: Offer, cost: float) -> bool:
+        """Raise the budget to hold a trial that does not fit it but pays for itself several times over
+        (:func:`~lightning_accel.core.autopilot.budget.pays_for_itself`); an absolute ``budget_seconds`` is the user's
+        cap and is never raised. The ranks agree (their step times differ)."""
+        if self._current is None or self.budget_seconds is not None:
+            return False
+        repays, saving = pays_for_itself(offer.counted_gain, cost, self._current.step_seconds, self.steps_left)
+        repays, _ = self.backend.agree(repays, None)
+        if not repays:
+            return False
+        self._budget = self._spent() + 1.1 * cost
+        self.result.budget_seconds = self._budget
+        self.result.notes.append(
+            f"the budget is raised to {self._budget:.1f} s for the {offer.candidate.name} trial (~{cost:.1f} s): it "
+            f"is expected to save ~{saving:.1f} s over the {self.steps_left} steps, {saving / cost:.0f}x its cost"
+        )
+        return True
 
     def _adopt(self, window: MeasurementLike, rates: list[float]) -> None:
         """``window``'s configuration is current: the next trials measure against it, in windows of its length."""
@@ -179,7 +201,8 @@ class Trials:
                 return False, False
             self._phase("measuring", candidate.name, index)
             warm = int(candidate.warmup_steps)
-            decisive = decisive_ratio(self._gate)
+            # right after a baseline that needed settling, one pair is never decisive: its A may be the lucky one
+            decisive = math.inf if self._settling else decisive_ratio(self._gate)
             # a positive first ratio under the gate is confirmed too when the fix is expected to clear the gate:
             # one window pair in ~10 % noise cannot tell a 15 % gain from none
             promising = prior is not None and prior >= self._gate
@@ -260,6 +283,8 @@ class Trials:
             )
             return False, measured
         finally:
+            if measured:
+                self._settling = False
             record.kept = kept
             record.seconds = backend.clock() - started
             if undo is not None and not kept:
