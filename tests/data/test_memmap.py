@@ -108,10 +108,22 @@ def test_interrupted_pack_leaves_no_partial_shard_and_no_index(tmp_path):
         read_memmap_index(tmp_path / "out")
 
 
+def _workers() -> dict:
+    """Worker processes from a fork server: forking this long-lived test process (the persistent threads of earlier
+    tests: tqdm's monitor, inductor's compile pool, the native thread pools) can hand a worker a lock held by a
+    thread that does not exist in it; once in CI a worker hung on its first batch. The datasets are also pickled to
+    the workers this way, as under ``spawn``."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_accel.data.memmap"])  # each worker starts with the module imported
+    return {"num_workers": 2, "multiprocessing_context": context, "timeout": 120}
+
+
 def test_datasets_with_two_workers(samples, tmp_path):
     x, y, _, path = samples
     loader = DataLoader(
-        MemmapDataset(path), batch_size=10, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+        MemmapDataset(path), batch_size=10, shuffle=True, generator=torch.Generator().manual_seed(0), **_workers()
     )
     got_x, got_y = [], []
     for bx, by in loader:
@@ -123,7 +135,7 @@ def test_datasets_with_two_workers(samples, tmp_path):
     assert sorted(got_y.tolist()) == sorted(y.tolist())
     stream = np.arange(2001) % 251
     pack_memmap(stream, tmp_path / "t", kind="tokens", shard_bytes=500, progress_bar=False)
-    tokens = DataLoader(TokenMemmapDataset(tmp_path / "t", seq_len=50), batch_size=8, num_workers=2)
+    tokens = DataLoader(TokenMemmapDataset(tmp_path / "t", seq_len=50), batch_size=8, **_workers())
     xs = torch.cat([bx for bx, _ in tokens])
     assert torch.equal(xs.reshape(-1), torch.from_numpy(stream[:2000] % 251).long())
 
