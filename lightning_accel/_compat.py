@@ -444,6 +444,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ),
     ),
     PrivateName(
+        "lightning.pytorch.callbacks.RichProgressBar",
+        "_get_train_description",
+        _L,
+        ("demo/progress.py:StepsProgressBar",),
+        kind="override",
+        why="the one place the Rich bar writes its 'Epoch x/y' text; overridden so a max_steps run does not read "
+        "'Epoch 0/-2' (no public hook sets the description)",
+    ),
+    PrivateName(
         "lightning.pytorch.callbacks.ModelCheckpoint",
         "_every_n_train_steps",
         _L,

@@ -4,6 +4,7 @@ BottleneckDoctor report or what changed, or write it as one self-contained HTML 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 ORDER = 40
@@ -12,7 +13,7 @@ ORDER = 40
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lightning_accel.core.report import DoctorReport, compare
+    from lightning_accel.core.report import DoctorReport, compare, run_name
 
     new = DoctorReport.load(args.report)
     if args.html is not None:
@@ -21,7 +22,9 @@ def _run(args: argparse.Namespace) -> int:
 
         baseline = DoctorReport.load(args.baseline) if args.baseline is not None else None
         plan = AutopilotPlan.load(args.plan).to_dict() if args.plan is not None else None
-        path = write_html(new, args.html, baseline=baseline, plan=plan, title=f"lightning-accel report: {args.report}")
+        # a report that does not name its run is named after its folder: the doctor writes it in the run's folder
+        new.run.setdefault("name", run_name(Path(args.report).parent))
+        path = write_html(new, args.html, baseline=baseline, plan=plan)
         print(f"report written to {path}")
         return 0
     if args.plan is not None:

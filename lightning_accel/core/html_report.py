@@ -5,13 +5,17 @@ an Autopilot plan) into a single HTML file that loads nothing from the network: 
 matplotlib (the ``plots`` extra), the style is inline CSS, and there is no script. Sections, in reading order:
 
 1. the summary (bottleneck, step time, throughput, MFU, ranks) and the findings with their fix, largest saving first;
-2. the step breakdown over time (stacked shares per window) and the throughput over time, with MFU where
-   ``MFUMonitor`` ran (each window's MFU is the run's MFU scaled by that window's throughput: the FLOPs per sample
-   do not change within a run);
-3. the compute attribution, when the report carries one (modules by time, with their costliest operations);
+2. the step breakdown over time (stacked shares per window) and the throughput over time, with MFU in a panel of
+   its own below where ``MFUMonitor`` ran (each window's MFU is the run's MFU scaled by that window's throughput:
+   the FLOPs per sample do not change within a run);
+3. the compute attribution, when the report carries one (modules by time, each with a small table of its costliest
+   operations);
 4. the fit's phases (training, validation, checkpoints, start-up) and the code smells;
 5. the Autopilot's trials, when a plan is given;
 6. with a baseline, what changed per stage and overall.
+
+The page is titled after the run (:func:`page_title`: ``DoctorReport.run``'s model class and run folder) and prints
+numbers to three significant figures. See ``docs/measuring/doctor.md`` (The HTML page).
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from lightning_accel.core.findings import STAGES
 from lightning_accel.core.report import DoctorReport, compare
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["page_title", "render_html", "write_html"]
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1100px;padding:1rem 1.5rem;
@@ -43,6 +47,10 @@ th{background:#f6f6f8}td.num{text-align:right;font-variant-numeric:tabular-nums;
 .fix{color:#0b5394}.kept{color:#1a7f37;font-weight:600}.undone{color:#888}
 figure{margin:.5rem 0}figure svg{max-width:100%;height:auto}
 ul.notes{color:#555;font-size:.9rem}
+table.ops{width:100%;table-layout:fixed;font-size:.8rem;margin:0}table.ops th:nth-child(1){width:34%}
+table.ops th:nth-child(2){width:11%;text-align:right}table.ops th:nth-child(3){width:11%;text-align:right}table.ops th,table.ops td{border:0;padding:.05rem .5rem .05rem 0;
+background:none}table.ops th{color:#666;font-weight:500;white-space:nowrap}table.ops td.shapes{font-family:ui-monospace,monospace;
+font-size:.75rem;color:#444}
 """
 
 
@@ -50,12 +58,37 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
+def _sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant figures in plain notation, for a person: ``19.2418`` → ``19.2``,
+    ``0.012345`` → ``0.0123``, ``12345.6`` → ``12,300``."""
+    if x == 0:
+        return "0"
+    rounded = float(f"{x:.{digits - 1}e}")  # rounded first: 9.996 has the exponent of 10.0
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:,.{decimals}f}"
+
+
+def _finite(x: Any) -> TypeGuard[float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _pct(x: float | None) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{100 * x:.1f} %"
+    return f"{_sig(100 * x)} %" if _finite(x) else "—"
 
 
-def _num(x: float | None, fmt: str = "{:.3g}") -> str:
-    return "—" if x is None or not math.isfinite(float(x)) else fmt.format(x)
+def _num(x: float | None, unit: str = "") -> str:
+    return f"{_sig(float(x))}{unit}" if _finite(x) else "—"
+
+
+def _value(v: Any) -> str:
+    """Any JSON value of the report as text, its floats to three significant figures."""
+    if isinstance(v, float):
+        return _num(v)
+    if isinstance(v, Mapping):
+        return ", ".join(f"{k} {_value(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_value(x) for x in v)
+    return "—" if v is None else str(v)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> str:
@@ -78,14 +111,14 @@ def _svg(fig: Any) -> str:
     return text[text.index("<svg") :]
 
 
-def _figure() -> Any:
+def _figure(height: float = 3.4) -> Any:
     from lightning_accel._imports import require
 
     require("matplotlib", "the HTML report's plots")
     from matplotlib.backends.backend_svg import FigureCanvasSVG  # no global backend touched
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 3.4), dpi=100)
+    fig = Figure(figsize=(9, height), dpi=100)
     FigureCanvasSVG(fig)
     return fig
 
@@ -111,34 +144,38 @@ def _breakdown_plot(timeline: list[dict[str, Any]], bottleneck: str | None) -> s
     return _svg(fig)
 
 
-def _throughput_plot(timeline: list[dict[str, Any]], mfu: float | None) -> str | None:
-    points = [
-        (w["batch"], w["samples_per_sec"])
-        for w in timeline
-        if isinstance(w.get("samples_per_sec"), (int, float)) and w["samples_per_sec"] > 0
-    ]
+def _throughput_figure(timeline: list[dict[str, Any]], mfu: float | None) -> Any:
+    """Throughput per window, and below it, in a panel of its own sharing the batch axis, MFU per window (on one
+    axis the two lines would coincide: each window's MFU is the run's scaled by the window's throughput)."""
+    points = [(w["batch"], w["samples_per_sec"]) for w in timeline if _finite(w.get("samples_per_sec"))]
+    points = [(b, r) for b, r in points if r > 0]
     if not points:
         return None
     x, rate = zip(*points)
-    fig = _figure()
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(x, rate, marker="o", color="#1f77b4", label="samples/s (all ranks)")
-    ax.set_xlabel("batches measured (per device)")
-    ax.set_ylabel("samples/s")
+    with_mfu = mfu is not None and math.isfinite(mfu)
+    fig = _figure(5.6 if with_mfu else 3.4)
+    ax = fig.add_subplot(2 if with_mfu else 1, 1, 1)
+    ax.plot(x, rate, marker="o", color="#1f77b4")
+    ax.set_ylabel("samples/s (all ranks)")
     ax.set_ylim(bottom=0)
-    handles, labels = ax.get_legend_handles_labels()
-    if mfu is not None and math.isfinite(mfu):
+    ax.set_title("Throughput per window" + (" and MFU" if with_mfu else ""))
+    bottom = ax
+    if with_mfu:
+        assert mfu is not None
         mean = sum(rate) / len(rate)
-        ax2 = ax.twinx()
-        ax2.plot(x, [100 * mfu * r / mean for r in rate], color="#d62728", linestyle="--", label="MFU (%)")
-        ax2.set_ylabel("MFU (%)")
-        ax2.set_ylim(bottom=0)
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="lower right", fontsize="small")
-    ax.set_title("Throughput per window" + (" and MFU" if mfu is not None else ""))
+        bottom = fig.add_subplot(2, 1, 2, sharex=ax)
+        bottom.plot(x, [100 * mfu * r / mean for r in rate], marker="o", color="#d62728")
+        bottom.set_ylabel("MFU (%)")
+        bottom.set_ylim(bottom=0)
+        ax.tick_params(labelbottom=False)
+    bottom.set_xlabel("batches measured (per device)")
     fig.tight_layout()
-    return _svg(fig)
+    return fig
+
+
+def _throughput_plot(timeline: list[dict[str, Any]], mfu: float | None) -> str | None:
+    fig = _throughput_figure(timeline, mfu)
+    return None if fig is None else _svg(fig)
 
 
 def _bars_plot(title: str, labels: list[str], series: Mapping[str, list[float]], ylabel: str) -> str:
@@ -174,7 +211,7 @@ def _findings_section(report: DoctorReport) -> str:
 
 def _attribution_section(attribution: Any) -> str:
     """The compute attribution: a list of modules (``module``, ``share`` or ``seconds``, ``ops``), or any other
-    mapping of module → fields, shown as a table."""
+    mapping of module → fields, shown as a table; each module's operations are a table in its cell."""
     if isinstance(attribution, Mapping):
         modules = attribution.get("modules", attribution.get("rows"))
         if modules is None:
@@ -183,7 +220,7 @@ def _attribution_section(attribution: Any) -> str:
                 for k, v in attribution.items()
                 if k not in ("notes", "window", "overhead")
             ]
-        extra = {k: v for k, v in attribution.items() if k in ("window", "overhead", "notes")}
+        extra = {k: v for k, v in attribution.items() if k in ("window", "overhead", "notes") and v}
     else:
         modules, extra = attribution, {}
     if not isinstance(modules, Sequence) or not modules:
@@ -201,29 +238,41 @@ def _attribution_section(attribution: Any) -> str:
             v = row.get(k)
             if isinstance(v, float) and ("share" in k or "frac" in k):
                 cells.append(_pct(v))
-            elif isinstance(v, float):
-                cells.append(_num(v))
-            elif isinstance(v, (list, tuple)):
-                cells.append("<br>".join(_e(_op(o)) for o in v[:5]))
+            elif k == "ops" and isinstance(v, (list, tuple)):
+                cells.append(_ops_table(v[:5]))
             else:
-                cells.append(_e("" if v is None else v))
+                cells.append(_e(_value(v)) if v is not None else "")
         rows.append(cells)
-    out = _table(keys, rows)
+    numeric = [i for i, k in enumerate(keys) if k != "module" and k != "ops"]
+    out = _table([_header(k) for k in keys], rows, numeric=numeric)
     if extra:
-        out += "<ul class='notes'>" + "".join(f"<li>{_e(k)}: {_e(v)}</li>" for k, v in extra.items()) + "</ul>"
+        out += "<ul class='notes'>" + "".join(f"<li>{_e(k)}: {_e(_value(v))}</li>" for k, v in extra.items()) + "</ul>"
     return out
 
 
-def _op(op: Any) -> str:
-    if isinstance(op, Mapping):
-        name = op.get("name", op.get("op", "?"))
-        parts = [str(name)]
-        for key in ("share", "ms", "seconds", "shapes"):
-            if key in op:
-                v = op[key]
-                parts.append(f"{key} {_pct(v) if key == 'share' else v}")
-        return " · ".join(parts)
-    return str(op)
+def _header(key: str) -> str:
+    """``forward_ms`` → ``forward ms``: the JSON keys as column names."""
+    return key.replace("_", " ")
+
+
+def _ops_table(ops: Sequence[Any]) -> str:
+    """A module's costliest operations as a small table: operation, ms per step, share, input shapes."""
+    rows = []
+    for op in ops:
+        if not isinstance(op, Mapping):
+            rows.append(f"<tr><td colspan='4'>{_e(op)}</td></tr>")
+            continue
+        ms = op.get("ms")
+        if not _finite(ms) and _finite(op.get("seconds")):
+            ms = 1e3 * op["seconds"]
+        shapes = op.get("shapes")
+        rows.append(
+            f"<tr><td>{_e(op.get('name', op.get('op', '?')))}</td><td class='num'>{_num(ms)}</td>"
+            f"<td class='num'>{_pct(op.get('share'))}</td>"
+            f"<td class='shapes'>{_e(_value(shapes) if shapes else '')}</td></tr>"
+        )
+    head = "<tr><th>operation</th><th>ms / step</th><th>share</th><th>shapes</th></tr>"
+    return f"<table class='ops'><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _fit_section(report: DoctorReport) -> str:
@@ -232,7 +281,7 @@ def _fit_section(report: DoctorReport) -> str:
         return "<p>The fit's phases were not measured.</p>"
     wall = float(report.fit.get("wall", 0.0)) or sum(seconds.values())
     names = [k for k, v in seconds.items() if v > 0]
-    rows = [[_e(k), _num(seconds[k], "{:.2f}"), _pct(seconds[k] / wall if wall else None)] for k in names]
+    rows = [[_e(k), _num(seconds[k]), _pct(seconds[k] / wall if wall else None)] for k in names]
     plot = _bars_plot("The fit's phases", names, {"seconds": [seconds[k] for k in names]}, "seconds")
     return f"<figure>{plot}</figure>" + _table(["phase", "seconds", "share of the fit"], rows, numeric=[1, 2])
 
@@ -242,16 +291,16 @@ def _autopilot_section(plan: Mapping[str, Any]) -> str:
     base, final = plan.get("baseline_samples_per_sec"), plan.get("final_samples_per_sec")
     speedup, low, high = plan.get("speedup"), plan.get("speedup_low"), plan.get("speedup_high")
     if speedup is not None and plan.get("kept"):
-        claim = f" ({speedup:.2f}× the untouched configuration"
+        claim = f" ({_num(speedup, '×')} the untouched configuration"
         if plan.get("speedup_source") == "trials":
             claim += ", product of the kept trials' paired ratios)"
         else:
-            claim += f", final paired A/B{f', 90 % interval {low:.2f}–{high:.2f}' if low and high else ''})"
+            claim += f", final paired A/B{f', 90 % interval {_sig(low)}–{_sig(high)}' if low and high else ''})"
     else:
-        claim = f" ({final / base:.2f}× in the search's windows)" if base and final else ""
+        claim = f" ({_num(final / base, '×')} in the search's windows)" if base and final else ""
     head = (
         f"<p>Baseline {_num(base)} samples/s → {_num(final)} samples/s" + claim + f"; noise {_pct(plan.get('noise'))}; "
-        f"search {_num(plan.get('search_seconds'), '{:.1f}')} s"
+        f"search {_num(plan.get('search_seconds'))} s"
         + (f"; stopped: {_e(plan['stopped'])}" if plan.get("stopped") else "")
         + ".</p>"
     )
@@ -264,7 +313,7 @@ def _autopilot_section(plan: Mapping[str, Any]) -> str:
                 _e(t.get("name", "")),
                 _e(t.get("change", "")),
                 _num(t.get("samples_per_sec")),
-                _num(t.get("ratio") or t.get("vs_baseline"), "{:.3f}×"),
+                _num(t.get("ratio") or t.get("vs_baseline"), "×"),
                 '<span class="kept">kept</span>' if kept else '<span class="undone">undone</span>',
                 _e(t.get("reason", "")),
             ]
@@ -287,18 +336,32 @@ def _comparison_section(report: DoctorReport, baseline: DoctorReport) -> str:
     return f"<figure>{plot}</figure><ul>{lines}</ul>"
 
 
+_GENERIC_TITLE = "lightning-accel run report"
+
+
+def page_title(report: DoctorReport) -> str:
+    """What names the run: ``DoctorReport.run``'s model class and run name (``GPTTask · demo/version_0``), else
+    the generic ``lightning-accel run report``."""
+    named = [str(report.run[k]) for k in ("model", "name") if report.run.get(k)]
+    return " · ".join(named) or _GENERIC_TITLE
+
+
 def render_html(
     report: DoctorReport,
     *,
     baseline: DoctorReport | None = None,
     plan: Mapping[str, Any] | None = None,
-    title: str = "lightning-accel run report",
+    title: str | None = None,
 ) -> str:
-    """The page as a string (see the module docstring). Needs matplotlib for the plots (``pip install
-    'lightning-accel[plots]'``); raises ``ImportError`` naming that install otherwise."""
+    """The page as a string (see the module docstring); ``title`` defaults to :func:`page_title`. Needs
+    matplotlib for the plots (``pip install 'lightning-accel[plots]'``); raises ``ImportError`` naming that
+    install otherwise."""
+    title = title or page_title(report)
+    sub = [] if title == _GENERIC_TITLE else [_GENERIC_TITLE]
+    sub += [report.context.device_type or "", f"{report.windows} windows"]
     cards = [
         ("bottleneck", _e(report.bottleneck or "—")),
-        ("step time", _num(1e3 * report.step_seconds, "{:.1f} ms") if report.step_seconds else "—"),
+        ("step time", _num(1e3 * report.step_seconds, " ms") if report.step_seconds else "—"),
         ("throughput", f"{_num(report.samples_per_sec)} samples/s"),
         ("MFU", _pct(report.mfu)),
         ("ranks", _e(report.world_size)),
@@ -306,7 +369,7 @@ def render_html(
     ]
     parts = [
         f"<h1>{_e(title)}</h1>",
-        f'<p class="sub">{_e(report.context.device_type or "")} · {report.windows} windows</p>',
+        f'<p class="sub">{_e(" · ".join(x for x in sub if x))}</p>',
         '<div class="cards">'
         + "".join(f"<div class='card'><b>{v}</b><span>{_e(k)}</span></div>" for k, v in cards)
         + "</div>",
@@ -315,7 +378,7 @@ def render_html(
     ]
     if report.shares:
         rows = [
-            [_e(s), _pct(report.shares.get(s)), _num(1e3 * report.stage_seconds.get(s, math.nan), "{:.2f}")]
+            [_e(s), _pct(report.shares.get(s)), _num(1e3 * report.stage_seconds.get(s, math.nan))]
             for s in STAGES
             if s in report.shares
         ]

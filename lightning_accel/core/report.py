@@ -18,7 +18,7 @@ from typing import Any
 from lightning_accel._atomic import atomic_path, atomic_write_text
 from lightning_accel.core.rules import STAGES, Finding, RunContext, SkippedRule
 
-__all__ = ["DoctorReport", "compare", "plot_timeline"]
+__all__ = ["DoctorReport", "compare", "plot_timeline", "run_name"]
 
 REPORT_VERSION = 1
 _COMPUTE = ("forward", "backward")
@@ -67,6 +67,8 @@ class DoctorReport:
             (:meth:`~lightning_accel.core.attribution.Attribution.to_dict`: ``modules`` by time with their costliest
             ``ops``, ``leaves``, ``forward_ms`` / ``backward_ms``, ``measured_ms``, ``ranks``, ``window``,
             ``overhead``, ``notes``); its findings are in ``findings`` (``kind="compute"``, with the ``module``).
+        run: what names the run, for the HTML page's title: ``model`` (the LightningModule's class name) and
+            ``name`` (its run folder, :func:`run_name`); empty when unknown.
     """
 
     bottleneck: str | None = None
@@ -94,6 +96,7 @@ class DoctorReport:
     smells: list[Finding] = field(default_factory=list)
     smells_skipped: list[SkippedRule] = field(default_factory=list)
     attribution: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +127,7 @@ class DoctorReport:
             "smells": [f.to_dict() for f in self.smells],
             "smells_skipped": [s.to_dict() for s in self.smells_skipped],
             "attribution": dict(self.attribution),
+            "run": dict(self.run),
         }
 
     @classmethod
@@ -168,6 +172,7 @@ class DoctorReport:
                 smells=[Finding.from_dict(f) for f in data.get("smells", [])],
                 smells_skipped=[SkippedRule(str(s["rule"]), str(s["reason"])) for s in data.get("smells_skipped", [])],
                 attribution=dict(data.get("attribution") or {}),
+                run={str(k): str(v) for k, v in (data.get("run") or {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{source}: malformed BottleneckDoctor report ({err!r})") from err
@@ -362,6 +367,15 @@ class DoctorReport:
             parts.append(Text.assemble((f"fit {i}. [{f.stage}] ", "bold yellow"), f.evidence))
             parts.append(Text.assemble(("   fix: ", "bold green"), f.fix))
         return parts
+
+
+def run_name(folder: str | os.PathLike[str]) -> str:
+    """A run's name from its folder: its own name, with the parent's for Lightning's numbered runs
+    (``logs/demo/version_3`` → ``demo/version_3``: the loggers number the runs of one name)."""
+    path = Path(folder).resolve()
+    if path.name.startswith("version_") and path.parent.name:
+        return f"{path.parent.name}/{path.name}"
+    return path.name
 
 
 def _opt_float(value: Any) -> float | None:

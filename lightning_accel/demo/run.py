@@ -284,13 +284,25 @@ def build_trainer(cfg: DemoConfig) -> Any:
         check_val_every_n_epoch=None,
         limit_val_batches=4,
         num_sanity_val_steps=0,
-        callbacks=build_callbacks(cfg),
+        callbacks=[*build_callbacks(cfg), *_progress_bar(cfg)],
         logger=logger,
         log_every_n_steps=cfg.window,
         enable_checkpointing=False,
         enable_progress_bar=cfg.progress_bar,
         enable_model_summary=False,
     )
+
+
+def _progress_bar(cfg: DemoConfig) -> list[Any]:
+    """The bar whose epoch total follows ``--steps`` (Lightning's reads ``Epoch 0/-2`` without ``max_epochs``),
+    unless the bar is off or the caller brought one."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+
+    from lightning_accel.demo.progress import StepsProgressBar
+
+    if not cfg.progress_bar or any(isinstance(cb, ProgressBar) for cb in cfg.extra_callbacks):
+        return []
+    return [StepsProgressBar()]
 
 
 def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:

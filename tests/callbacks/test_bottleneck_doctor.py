@@ -406,10 +406,13 @@ def test_a_report_path_ending_in_html_writes_the_page_and_the_json_beside_it(tmp
     doctor = BottleneckDoctor(
         window=4, warmup_batches=2, report_path=tmp_path / "run.html", print_report=False, log_metrics=False
     )
-    report, _, _ = fit(Planted(dim=64, hidden=64, batch=32, pre_batched=True), doctor=doctor, max_steps=10)
+    model = Planted(dim=64, hidden=64, batch=32, pre_batched=True)
+    report, _, _ = fit(model, doctor=doctor, max_steps=10, default_root_dir=tmp_path / "exp3")
     assert [p.name for p in doctor.files] == ["run.json", "run.png", "run.html"]
     assert DoctorReport.load(tmp_path / "run.json") == report
     page = (tmp_path / "run.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "Step breakdown" in page and page.count("<svg") >= 2
+    # titled after the run (the module's class and its run folder), not the page's file name
+    assert report.run == {"model": "Planted", "name": "exp3"} and "<h1>Planted · exp3</h1>" in page
     # each window's throughput is in the report, so the page can plot it
     assert all(w["samples_per_sec"] > 0 for w in report.timeline)

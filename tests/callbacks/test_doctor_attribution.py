@@ -651,3 +651,69 @@ def test_on_cuda_the_window_times_its_stages_with_events_on_the_stream_not_the_h
     window.stage(None)
     table = window.close()
     assert table.measured_seconds == pytest.approx({"forward": 0.007, "backward": 0.013})
+
+
+PROFILED_WINDOW = """
+import os
+import torch
+from torch import nn
+from lightning_accel.callbacks.doctor.attribution import AttributionWindow
+
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+window = AttributionWindow(model, steps=2)
+window.open()
+for step in range(3):
+    window.stage("forward")
+    loss = model(torch.randn(8, 16)).sum()
+    window.stage("backward")
+    loss.backward()
+    print(f"user print {step}")
+    os.write(2, f"user fd2 {step}\\n".encode())
+    window.step_end()
+table = window.close()
+print(f"records {len(table.records)}")
+print(f"kept {len(window.profiler_log)}: " + " | ".join(window.profiler_log))
+"""
+
+
+@pytest.mark.parametrize("kineto_level", [None, "0"], ids=["default", "KINETO_LOG_LEVEL=0"])
+def test_the_profilers_own_lines_stay_out_of_the_terminal_and_the_users_prints_do_not(tmp_path, kineto_level):
+    # Kineto writes its lines from C++ to fd 2: the child's real descriptors are what a terminal would show.
+    from tests.conftest import run_script
+
+    env = {"PYTHONUNBUFFERED": ""}  # block-buffered stdout: the window must flush it before taking fd 1
+    if kineto_level is not None:
+        env["KINETO_LOG_LEVEL"] = kineto_level
+    proc = run_script(PROFILED_WINDOW, tmp_path, env=env)
+    terminal = proc.stdout + proc.stderr
+    kept = next(line for line in proc.stdout.splitlines() if line.startswith("kept "))
+    shown = terminal.replace(kept, "")
+    for line in ("profiler_start", "profiler_stop", "USDT:", "STAGE:", "SyncActivityProfilerHandler", "Log file"):
+        assert line not in shown, shown
+    assert "profiler_start" in kept and "profiler_stop" in kept  # this torch prints them; the window kept them
+    assert [line for line in proc.stdout.splitlines() if line.startswith("user print")] == [
+        f"user print {i}" for i in range(3)
+    ]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("user fd2")] == [
+        f"user fd2 {i}" for i in range(3)
+    ]
+    assert re.search(r"^records [1-9]", proc.stdout, re.M)
+
+
+def test_output_dropped_forwards_what_is_not_the_profilers_and_restores_the_descriptors(capfd):
+    import os
+
+    from lightning_accel.callbacks.doctor.attribution import profiler_output_dropped
+
+    before = [os.fstat(fd).st_ino for fd in (1, 2)]
+    log: list[str] = []
+    with profiler_output_dropped(log):
+        os.write(2, b"USDT:2026-01-02 03:04:05 11:11 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of someone else\n")
+        print("printed in the block")
+    print("printed after")
+    assert [os.fstat(fd).st_ino for fd in (1, 2)] == before
+    out, err = capfd.readouterr()
+    assert out == "printed in the block\nprinted after\n"
+    assert err == "a warning of someone else\n"
+    assert log == ["USDT:2026-01-02 03:04:05 11:11 SyncActivityProfilerHandler.cpp:52] profiler_start"]

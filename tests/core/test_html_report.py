@@ -244,3 +244,86 @@ def test_a_headless_browser_loads_the_page_without_console_errors(tmp_path):
     assert "Findings, largest saving first" in proc.stdout  # the DOM it built
     console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert console == [], console
+
+
+def test_the_title_names_the_run_and_the_command_names_an_old_report_after_its_folder(tmp_path):
+    from lightning_accel.core.report import run_name
+
+    report = full_report()
+    report.run = {"model": "GPTTask", "name": "demo/version_0"}
+    text = render_html(report)
+    assert parse(text).headings[0] == "GPTTask · demo/version_0"
+    assert "<title>GPTTask · demo/version_0</title>" in text
+    assert DoctorReport.from_dict(report.to_dict()).run == report.run
+    assert run_name(tmp_path / "logs" / "demo" / "version_3") == "demo/version_3"  # Lightning's numbered runs
+    assert run_name(tmp_path / "exp7") == "exp7"
+    # a report that does not name its run (older JSON) is named after the folder it sits in
+    folder = tmp_path / "exp7"
+    folder.mkdir()
+    full_report().save(folder / "bottleneck_report.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.cli", "report", str(folder / "bottleneck_report.json")]
+        + ["--html", str(tmp_path / "out.html")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert parse((tmp_path / "out.html").read_text()).headings[0] == "exp7"
+
+
+def test_mfu_has_its_own_panel_below_the_throughput_sharing_the_batch_axis():
+    from lightning_accel.core.html_report import _throughput_figure
+
+    timeline = full_report().timeline
+    top, bottom = _throughput_figure(timeline, 0.3).axes
+    assert top.get_ylabel().startswith("samples/s") and bottom.get_ylabel() == "MFU (%)"
+    assert bottom.get_position().y1 <= top.get_position().y0  # stacked, not a twin axis drawn over the other
+    assert top.get_shared_x_axes().joined(top, bottom)
+    assert len(top.get_lines()) == 1 and len(bottom.get_lines()) == 1
+    assert [y * 100 for y in bottom.get_lines()[0].get_ydata()] == pytest.approx([2000, 4000])  # 30 % × rate / mean
+    assert len(_throughput_figure(timeline, None).axes) == 1  # without MFUMonitor: the throughput only
+
+
+def test_numbers_are_printed_to_three_significant_figures():
+    from lightning_accel.core.html_report import _sig
+
+    cases = {19.2418: "19.2", 0.012345: "0.0123", 9.996: "10.0", 12345.6: "12,300", 0.0: "0", -0.5: "-0.500"}
+    assert {x: _sig(x) for x in cases} == cases
+    text = render_html(full_report(), baseline=make(data=0.1, sps=50.0), plan=PLAN)
+    numbers = re.findall(r'<td class="num">([^<]*)</td>', text)
+    assert "23.0" in numbers and "10.8" in numbers  # ms per batch of the step breakdown
+    for cell in numbers:
+        digits = re.sub(r"[^0-9]", "", cell).lstrip("0")
+        assert len(digits) <= 3, cell
+
+
+def test_each_modules_operations_are_a_small_table():
+    from lightning_accel.core.html_report import _attribution_section
+
+    section = _attribution_section(
+        {
+            "modules": [
+                {
+                    "module": "model.blocks.0.attn",
+                    "share": 0.42,
+                    "forward_ms": 41.53217,
+                    "ops": [
+                        {"name": "aten::bmm", "share": 0.3, "ms": 19.2418, "shapes": "[8, 64, 64], [8, 64, 64]"},
+                        {"name": "aten::softmax", "share": 0.05, "ms": 3.2071, "shapes": "[8, 64, 64]"},
+                    ],
+                }
+            ]
+        }
+    )
+    page = parse(section)
+    assert page.tags.count("table") == 2  # the modules, and the operations nested in the module's row
+    nested = section[section.index("<table class='ops'>") :]
+    headers = re.findall(r"<th>([^<]*)</th>", nested)
+    assert headers == ["operation", "ms / step", "share", "shapes"]
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in re.findall(r"<tr><td.*?</tr>", nested)]
+    assert rows == [
+        ["aten::bmm", "19.2", "30.0 %", "[8, 64, 64], [8, 64, 64]"],
+        ["aten::softmax", "3.21", "5.00 %", "[8, 64, 64]"],
+    ]
+    assert "41.5" in page.cells and "19.2418" not in section

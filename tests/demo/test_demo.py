@@ -67,3 +67,28 @@ def test_demo_cli_two_process_ddp_on_cpu():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("MFUMonitor summary") == 1  # printed by rank 0 only
     assert "cpu × 2" in proc.stdout
+
+
+def test_the_demo_progress_bar_shows_the_steps_and_no_negative_epoch_total():
+    # Lightning's Rich bar prints "Epoch {current}/{max_epochs - 1}"; a run for max_steps has max_epochs=-1
+    import lightning.pytorch as pl
+
+    from lightning_accel.demo.progress import last_epoch
+
+    assert last_epoch(max_steps=10, global_step=0, current_epoch=0, batches_per_epoch=4) == 2
+    assert last_epoch(max_steps=10, global_step=8, current_epoch=2, batches_per_epoch=4) == 2
+    assert last_epoch(max_steps=10, global_step=0, current_epoch=0, batches_per_epoch=7, accumulate=2) == 2
+    assert last_epoch(max_steps=10, global_step=0, current_epoch=0, batches_per_epoch=float("inf")) is None
+
+    seen = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            task = trainer.progress_bar_callback.train_progress_bar
+            seen.append((str(task.description).strip(), task.total))
+
+    cfg = DemoConfig(steps=3, n_layer=1, d_model=32, seq_len=16, batch_size=4, window=1, val_every=3, doctor=False)
+    cfg.quiet, cfg.extra_callbacks = True, [Record()]
+    trainer = run_demo(cfg)["trainer"]
+    assert trainer.max_epochs == -1 and trainer.global_step == 3  # the training is the demo's as it was
+    assert seen == [("Epoch 0/0", 3)] * 3

@@ -13,13 +13,23 @@ Ranges, as ``record_function`` annotations the profiler keeps with the operation
   ``on_before_zero_grad``/``on_before_backward``, ``on_before_backward`` → ``on_after_backward``).
 
 :func:`table_from_events` reads the profiler's events into records (the rules are in ``core/attribution.py``).
+
+The profiler's own log lines (Kineto's ``USDT: ... profiler_start`` / ``profiler_stop``, its stages and warnings,
+written from C++ to the process's stderr) are kept out of the terminal: each profiler call runs under
+:func:`profiler_output_dropped` and the lines are kept in :attr:`AttributionWindow.profiler_log` instead (see
+``docs/measuring/doctor.md``, "Inside the compute").
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import re
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +38,14 @@ from torch import nn
 from lightning_accel.core.attribution import ACCUMULATE, ENGINE, PSEUDO_MODULES, PYTHON_OP, STEP, OpRecord, OpTable
 from lightning_accel.core.compute_causes import MATMUL_OPS
 
-__all__ = ["AttributionWindow", "DoctorAttribution", "compiled_module", "profiling", "table_from_events"]
+__all__ = [
+    "AttributionWindow",
+    "DoctorAttribution",
+    "compiled_module",
+    "profiler_output_dropped",
+    "profiling",
+    "table_from_events",
+]
 
 _MODULE = "la.module::"
 _STAGE = "la.stage::"
@@ -37,6 +54,67 @@ _FLOATS = ("float", "double", "c10::Half", "c10::BFloat16", "c10::Float8_e4m3fn"
 
 
 _OPEN: list[AttributionWindow] = []  # windows open in this process (one profiler at a time)
+
+# Kineto's log line: ``USDT:2026-01-01 12:00:00 4357:4357 SyncActivityProfilerHandler.cpp:52] profiler_start``
+_KINETO_LINE = re.compile(
+    rb"^(?:VERBOSE|INFO|WARNING|STAGE|ERROR|USDT):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\] "
+)
+
+
+@contextlib.contextmanager
+def profiler_output_dropped(log: list[str]) -> Iterator[None]:
+    """Run the block with file descriptors 1 and 2 on temporary files, then restore them and write back to each
+    what was not the profiler's: Kineto's log lines (and the indented lines of its configuration printed with them)
+    go to ``log`` instead.
+
+    Kineto writes from C++ straight to fd 2, so neither ``sys.stderr`` nor a Python logger sees the lines, and its
+    level (``KINETO_LOG_LEVEL``) is read once per process, when Kineto starts: only the descriptors scope it to the
+    profiler's calls. Whatever else the block printed (another thread's output, Python warnings) is written back.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or replaced stream: nothing buffered to lose
+            stream.flush()
+    saved: list[int] = []
+    sinks: list[Any] = []
+    try:
+        for fd in (1, 2):
+            saved.append(os.dup(fd))
+            sinks.append(tempfile.TemporaryFile())
+    except OSError:  # no such descriptor (a daemon) or no temporary file: run the block as it is
+        for fd in saved:
+            os.close(fd)
+        for sink in sinks:
+            sink.close()
+        yield
+        return
+    try:
+        for fd, sink in zip((1, 2), sinks):
+            os.dup2(sink.fileno(), fd)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()  # what Python printed in the block goes to the sink, read below
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        for fd, sink in zip((1, 2), sinks):
+            sink.seek(0)
+            data = sink.read()
+            sink.close()
+            if data:
+                kept = memoryview(_drop_profiler_lines(data, log))
+                while kept:  # a pipe may take part of it at a time
+                    kept = kept[os.write(fd, kept) :]
+
+
+def _drop_profiler_lines(data: bytes, log: list[str]) -> bytes:
+    lines = data.splitlines(keepends=True)
+    ours = [bool(_KINETO_LINE.match(line)) for line in lines]
+    if any(ours):  # Kineto prints its configuration as indented lines next to its log lines
+        ours = [o or line[:2] == b"  " for o, line in zip(ours, lines)]
+    log.extend(line.decode(errors="replace").rstrip("\n") for line, o in zip(lines, ours) if o)
+    return b"".join(line for line, o in zip(lines, ours) if not o)
 
 
 def profiling() -> bool:
@@ -85,6 +163,7 @@ class AttributionWindow:
         self._handles: list[Any] = []
         self._stack: list[Any] = []
         self._stage: tuple[str, Any, float] | None = None
+        self.profiler_log: list[str] = []  # the profiler's own lines, kept out of the terminal
 
     @property
     def warmup(self) -> int:
@@ -123,7 +202,8 @@ class AttributionWindow:
             schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.steps, repeat=1),
             record_shapes=True,
         )
-        self._profiler.start()
+        with profiler_output_dropped(self.profiler_log):
+            self._profiler.start()
         _OPEN.append(self)
 
     def stage(self, name: str | None) -> None:
@@ -159,7 +239,8 @@ class AttributionWindow:
         self.stage(None)
         self.step += 1
         if self._profiler is not None:
-            self._profiler.step()
+            with profiler_output_dropped(self.profiler_log):  # the trace starts and stops in a step
+                self._profiler.step()
         return self.done
 
     def close(self) -> OpTable:
@@ -169,9 +250,10 @@ class AttributionWindow:
         profiler = self._remove()
         if profiler is None:
             return OpTable(device_type=self.device_type)
-        profiler.stop()
+        with profiler_output_dropped(self.profiler_log):
+            profiler.stop()
+            events = profiler.events() or []
         recorded = max(0, min(self.steps, self.step - self.warmup))
-        events = profiler.events() or []
         profiler_event_dtypes(profiler, events)
         table = table_from_events(events, steps=recorded, device_type=self.device_type)
         if self._spans:
@@ -187,7 +269,8 @@ class AttributionWindow:
         profiler = self._remove()
         if profiler is not None:
             try:
-                profiler.stop()
+                with profiler_output_dropped(self.profiler_log):
+                    profiler.stop()
             except Exception:  # noqa: BLE001 - stopping a profiler that failed: nothing left to save
                 pass
 

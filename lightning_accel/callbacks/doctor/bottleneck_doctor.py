@@ -24,7 +24,7 @@ from lightning_accel.callbacks.doctor.attribution import DoctorAttribution
 from lightning_accel.callbacks.doctor.facts import precision_stats as _precision_stats
 from lightning_accel.callbacks.doctor.facts import read_dataloader_settings, static_context
 from lightning_accel.callbacks.doctor.live_warnings import LiveWarnings, warn_smell
-from lightning_accel.callbacks.doctor.report import report_dir, write_report_files
+from lightning_accel.callbacks.doctor.report import report_dir, run_identity, write_report_files
 from lightning_accel.callbacks.doctor.smells import DoctorSmells
 from lightning_accel.callbacks.doctor.timers import (
     install_checkpoint_timer,
@@ -925,6 +925,10 @@ class BottleneckDoctor(Callback):
             self._attribution_report(report, trainer)
         except Exception as err:  # noqa: BLE001 - a finished fit keeps its report
             report.notes.append(f"compute attribution not reported: {err!r}")
+        try:
+            report.run = run_identity(trainer)
+        except Exception:  # noqa: BLE001 - an unusual logger: the page keeps its generic title
+            pass
         return report
 
 

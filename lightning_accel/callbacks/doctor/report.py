@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 from lightning_accel.callbacks._fit.trainer_state import rank_zero_print
 from lightning_accel.core.html_report import write_html
-from lightning_accel.core.report import DoctorReport, plot_timeline
+from lightning_accel.core.report import DoctorReport, plot_timeline, run_name
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["report_dir", "write_report_files"]
+__all__ = ["report_dir", "run_identity", "write_report_files"]
 
 
 def report_dir(trainer: pl.Trainer) -> Path:
@@ -28,6 +28,19 @@ def report_dir(trainer: pl.Trainer) -> Path:
         if where:
             return Path(where)
     return Path(trainer.default_root_dir)
+
+
+def run_identity(trainer: pl.Trainer) -> dict[str, str]:
+    """``DoctorReport.run``: the LightningModule's class name and the run folder's name (:func:`report_dir`, the
+    logger's ``log_dir``, named by :func:`~lightning_accel.core.report.run_name`)."""
+    run: dict[str, str] = {}
+    module = trainer.lightning_module
+    if module is not None:
+        run["model"] = type(module).__name__
+    name = run_name(report_dir(trainer))
+    if name:
+        run["name"] = name
+    return run
 
 
 def write_report_files(
@@ -50,7 +63,7 @@ def write_report_files(
                 report.notes.append(f"no PNG: {err}")
         if page is not None:
             try:
-                files.append(write_html(report, page, title=f"BottleneckDoctor report: {page.stem}"))
+                files.append(write_html(report, page))
             except ImportError as err:
                 report.notes.append(f"no HTML page: {err}")
                 warnings.warn(f"BottleneckDoctor: no HTML page at {page}: {err}", stacklevel=2)
