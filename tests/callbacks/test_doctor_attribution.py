@@ -688,9 +688,13 @@ def test_the_profilers_own_lines_stay_out_of_the_terminal_and_the_users_prints_d
     terminal = proc.stdout + proc.stderr
     kept = next(line for line in proc.stdout.splitlines() if line.startswith("kept "))
     shown = terminal.replace(kept, "")
-    for line in ("profiler_start", "profiler_stop", "USDT:", "STAGE:", "SyncActivityProfilerHandler", "Log file"):
-        assert line not in shown, shown
-    assert "profiler_start" in kept and "profiler_stop" in kept  # this torch prints them; the window kept them
+    kineto_marks = ("profiler_start", "profiler_stop", "USDT:", "STAGE:", "SyncActivityProfilerHandler", "Log file")
+    for mark in (*kineto_marks, "gpuGetDeviceCount"):
+        assert mark not in shown, shown
+    # Which lines Kineto prints depends on the torch release (2.6: STAGE and Log file, or a GPU-count error; 2.13:
+    # profiler_start/stop); every release we support prints some, and the window kept them.
+    assert int(kept.split(":")[0].split()[1]) > 0, kept
+    assert any(mark in kept for mark in (*kineto_marks, "gpuGetDeviceCount")), kept
     assert [line for line in proc.stdout.splitlines() if line.startswith("user print")] == [
         f"user print {i}" for i in range(3)
     ]
