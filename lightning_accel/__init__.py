@@ -44,6 +44,10 @@ _EXPORTS: dict[str, str] = {
     "SDPABackendRecorder": "lightning_accel.attention",
     "sdpa_backends": "lightning_accel.attention",
     "use_fused_attention": "lightning_accel.attention",
+    # losses
+    "LinearCrossEntropy": "lightning_accel.losses",
+    "linear_cross_entropy": "lightning_accel.losses",
+    "use_fused_linear_cross_entropy": "lightning_accel.losses",
     # core
     "count_flops": "lightning_accel.core.flops",
     "transformer_flops_per_token": "lightning_accel.core.flops",

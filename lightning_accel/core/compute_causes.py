@@ -516,10 +516,11 @@ def _fix(rule: str, module: str, context: RunContext | None) -> str:
         )
     if rule == "large_vocab_loss":
         return (
-            f"compute the loss after {module} without the full logits: a chunked or fused linear + cross-entropy "
-            "(projection and loss over chunks of tokens; on CUDA e.g. Liger Kernel's "
-            "LigerFusedLinearCrossEntropyLoss), or TorchCompile over the head and the loss; do not upcast the "
-            "whole logits tensor to fp32."
+            f"compute the loss after {module} without the full logits: a chunked or fused linear + cross-entropy, "
+            f"loss = lightning_accel.linear_cross_entropy(hidden, {module}.weight, targets) in place of "
+            f"cross_entropy({module}(hidden), targets) (a Hugging Face causal LM: "
+            "lightning_accel.use_fused_linear_cross_entropy(model), its loss then from labels= without logits; "
+            "Liger Kernel's kernel on CUDA when installed); do not upcast the whole logits tensor to fp32."
         )
     if rule == "unfused_elementwise":
         return (

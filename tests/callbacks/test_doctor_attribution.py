@@ -196,6 +196,7 @@ def test_a_large_vocabulary_head_and_its_cross_entropy_are_named_with_a_chunked_
     assert f.module == "model.lm_head" and found[0] is f
     assert "16,384 classes for 256 tokens" in f.evidence and "[256, 16384]" in f.evidence
     assert "chunked or fused linear + cross-entropy" in f.fix
+    assert "lightning_accel.linear_cross_entropy(hidden, model.lm_head.weight, targets)" in f.fix  # ours, runnable
 
 
 def test_an_unfused_elementwise_chain_is_named_with_torch_compile():
