@@ -9,7 +9,8 @@ replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autop
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
 
 One concern per module: ``base`` (:class:`Run`, :class:`Intervention`), ``data``, ``batch``, ``optimizer``,
-``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``memory_format`` (channels_last), ``activation_checkpointing``,
+``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``loss`` (the fused cross-entropy),
+``memory_format`` (channels_last), ``activation_checkpointing``,
 ``compression`` (with its link measurement and the projection's choice) and ``checkpoint_io`` (the background
 checkpoint writer, trialled after the step search); this package holds the registry
 (:data:`INTERVENTIONS`, :func:`knob_names`) and re-exports every name, so imports from
@@ -34,6 +35,8 @@ name                          change                                       built
                               (CUDA, compute capability >= 8.0)            ``precision("high")``
 ``compile``                   torch.compile in place (pays back or not)    ``TorchCompile``                reorder
 ``fused_attention``           hand-written attention → SDPA                ``use_fused_attention``         reorder
+``fused_cross_entropy``       a Hugging Face causal LM's loss without its  ``use_fused_linear_cross_``      reorder
+                              logits (when ``large_vocab_loss`` fires)     ``entropy``
 ``channels_last``             2-D convolution weights to NHWC (CUDA, one   ``Tensor.contiguous(memory_``   reorder
                               process)                                     ``format=channels_last)``
 ``activation_checkpointing``    recompute blocks + larger micro-batch        ``core.checkpointing``          reorder
@@ -65,6 +68,7 @@ from lightning_accel.callbacks.autopilot.fixes.compression import (
     measure_link,
 )
 from lightning_accel.callbacks.autopilot.fixes.data import DataLoaderSettings, PinMemory, Prefetch
+from lightning_accel.callbacks.autopilot.fixes.loss import FusedCrossEntropy
 from lightning_accel.callbacks.autopilot.fixes.memory_format import ChannelsLast
 from lightning_accel.callbacks.autopilot.fixes.optimizer import (
     ForeachOptimizer,
@@ -85,6 +89,7 @@ __all__ = [
     "DataLoaderSettings",
     "ForeachOptimizer",
     "FusedAttention",
+    "FusedCrossEntropy",
     "FusedOptimizer",
     "Intervention",
     "MicroBatch",
@@ -115,6 +120,7 @@ INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
         Tf32Matmul,
         Compile,
         FusedAttention,
+        FusedCrossEntropy,
         ChannelsLast,
         ActivationCheckpointingWithLargerBatch,
         Compression,
