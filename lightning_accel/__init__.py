@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "NsysCapture": "lightning_accel.callbacks.nsys_capture",
     # precision
     "AutoMixedPrecision": "lightning_accel.precision.auto_mixed_precision",
+    "Float8Training": "lightning_accel.precision.float8",
     # checkpoint IO
     "OrderedAsyncCheckpointIO": "lightning_accel.checkpoint_io",
     # data

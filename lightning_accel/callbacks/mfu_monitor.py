@@ -65,6 +65,8 @@ class MFUMonitor(Callback):
     ``perf/mfu``                              fraction    per device: achieved ÷ peak FLOP/s (mean over
                                                           ranks), <= 1: a window above the peak raises the
                                                           peak to its rate first
+    ``perf/mfu_bf16_peak``                    fraction    per device, FP8 runs (``Float8Training``) only:
+                                                          achieved ÷ the bf16 peak (may exceed 1)
     ========================================  ==========  ====================================================
 
     Tokens per batch: ``tokens_per_batch(batch)`` if given, else the LightningModule's ``tokens_per_batch(batch)``
@@ -125,6 +127,7 @@ class MFUMonitor(Callback):
         self._counting_done = self.flops_per_batch is not None
         self._peak: PeakFlops | None = None
         self._initial_peak: PeakFlops | None = None
+        self._bf16_peak: PeakFlops | None = None  # an FP8 run's second denominator
         self._rank_peaks: list[float] = []  # every rank's current peak, as the last window's gather showed them
         self._achieved_weighted: list[float] = []  # per rank: sum over windows of achieved FLOP/s x window seconds
         self._peak_raises = 0
@@ -154,6 +157,12 @@ class MFUMonitor(Callback):
                 "Pass MFUMonitor(peak_flops=...) to get it."
             )
         self._initial_peak = self._peak
+        # FP8 has two honest denominators: its own peak, and the bf16 peak the same FLOPs would run at without it
+        if self._dtype == "fp8" and self.peak_flops is None:
+            try:
+                self._bf16_peak = resolve_peak_flops(device, "bf16", None)
+            except ValueError:
+                self._bf16_peak = None
         if self._peak is None:
             rank_zero_warn(
                 f"MFUMonitor: no peak FLOP/s known for {device} {self._dtype}; MFU is not reported. "
@@ -303,6 +312,8 @@ class MFUMonitor(Callback):
             values["perf/tflops_per_sec_per_device"] = fps / 1e12
         if record["mfu"] is not None:
             values["perf/mfu"] = record["mfu"]
+        if fps is not None and self._bf16_peak is not None:
+            values["perf/mfu_bf16_peak"] = fps / self._bf16_peak.flops
         log_window(trainer, pl_module, values, prog_bar=("perf/samples_per_sec", "perf/mfu") if self.prog_bar else ())
 
     def _raise_peak(
@@ -457,6 +468,10 @@ class MFUMonitor(Callback):
             mfu=mfu,
             seconds_measured=sum(weights),
         )
+        fps = out["flops_per_sec_per_device"]
+        if self._bf16_peak is not None and fps is not None:
+            out["mfu_bf16_peak"] = fps / self._bf16_peak.flops
+            out["peak_flops_bf16"] = self._bf16_peak.flops
         return out
 
     def _summary_table(self) -> Any:
@@ -491,6 +506,12 @@ class MFUMonitor(Callback):
             )
         mfu = s.get("mfu")
         table.add_row("MFU", "n/a" if mfu is None else f"{100 * mfu:.1f} %", "achieved ÷ final peak, per device")
+        if s.get("mfu_bf16_peak") is not None:
+            table.add_row(
+                "MFU (bf16 peak)",
+                f"{100 * s['mfu_bf16_peak']:.1f} %",
+                f"achieved ÷ the bf16 peak {s['peak_flops_bf16'] / 1e12:,.1f} TFLOP/s the same FLOPs would run at",
+            )
         table.add_row(
             "measured over",
             f"{s['batches_measured']} batches / {s['seconds_measured']:.1f} s",

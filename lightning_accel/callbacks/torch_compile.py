@@ -48,6 +48,12 @@ class TorchCompile(Callback):
     of the run), so compilation then happens on the second batch. ``warmup_batches`` tells ``MFUMonitor`` (and
     ``BottleneckDoctor``) how many batches to leave out of their measurements.
 
+    Regions: ``regions=True`` compiles, inside each target, every block of each ``nn.ModuleList`` /
+    ``nn.Sequential`` of two or more modules of one class (a transformer's layers) on its own, and leaves the rest
+    of the target (embeddings, head) eager. The blocks share one compiled graph, so the cold start is that of one
+    block, not of the whole model; the steady step may lose the fusions across blocks and the head
+    (docs/techniques/compile.md has the measured trade-off).
+
     Fallback: if ``torch.compile`` is unavailable on the platform or compiling raises (a backend failure, a graph
     break under ``fullgraph=True``, a missing C++ compiler for inductor), the target runs eagerly from then on
     with one warning that gives the reason; training does not stop. ``fallback_reason`` keeps it.
@@ -73,6 +79,8 @@ class TorchCompile(Callback):
         backend: ``"inductor"`` (default), ``"aot_eager"``, ``"eager"``, ... or a backend callable.
         options: inductor options dict passed to ``torch.compile``.
         warmup_batches: batches to leave out of measurements (compilation, first recompiles).
+        regions: compile the repeated blocks inside the targets one by one instead of each target whole (see
+            above); a target without repeated blocks raises ``ValueError``.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class TorchCompile(Callback):
         backend: str | Callable[..., Any] = "inductor",
         options: dict[str, Any] | None = None,
         warmup_batches: int = 3,
+        regions: bool = False,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"TorchCompile(mode={mode!r}): use one of {', '.join(map(repr, _MODES))}")
@@ -98,6 +107,9 @@ class TorchCompile(Callback):
         if mode is not None and options is not None:
             raise ValueError("TorchCompile: torch.compile accepts `mode` or `options`, not both; drop one")
         check_int("TorchCompile", "warmup_batches", warmup_batches, minimum=0, unit="batches", example=3)
+        if regions not in (True, False):
+            raise ValueError(f"TorchCompile(regions={regions!r}): use True (each repeated block) or False (whole)")
+        self.regions = bool(regions)
         if isinstance(modules, (str, type)):
             modules = [modules]
         self.modules = list(modules) if modules is not None else None
@@ -151,6 +163,8 @@ class TorchCompile(Callback):
         if self._targets:  # already compiled by an earlier fit/validate with this callback
             return
         self._targets = self._select(pl_module)
+        if self.regions:
+            self._targets = _repeated_blocks(self._targets)
         for name, module in self._targets:
             try:
                 compiled = torch.compile(_user_frame(module), **self.compile_kwargs)
@@ -171,6 +185,8 @@ class TorchCompile(Callback):
         kw = dict(self.compile_kwargs)
         backend = kw.pop("backend")
         kw["backend"] = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+        if self.regions:
+            kw["regions"] = True
         return ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
     def _guarded(self, name: str, module: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,6 +226,35 @@ class TorchCompile(Callback):
         for _, module in self._targets:
             _compat.set_compiled_call(module, None)
         self._targets, self.compiled_names = [], []
+
+
+def _repeated_blocks(targets: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks of each target's containers (``nn.ModuleList`` / ``nn.Sequential``) holding two or more modules of
+    one class, outermost containers first (a block inside a repeated block is compiled with it), by qualified name.
+    A target without any raises ``ValueError``: regions would compile nothing of it."""
+    blocks: list[tuple[str, nn.Module]] = []
+    for target_name, target in targets:
+        found: list[tuple[str, nn.Module]] = []
+        taken: list[str] = []  # the blocks' names inside the target: what is inside them is compiled with them
+        for name, container in target.named_modules():
+            if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+                continue
+            children = list(container.named_children())
+            if len({type(m) for _, m in children}) != 1 or not any(True for _ in container.parameters()):
+                continue
+            if any(name.startswith(f"{block}.") for block in taken):
+                continue
+            prefix = ".".join(p for p in (target_name, name) if p)
+            found.extend((f"{prefix}.{child}", m) for child, m in children)
+            taken.extend(f"{name}.{child}" if name else child for child, _ in children)
+        if not found:
+            raise ValueError(
+                f"TorchCompile(regions=True): {target_name} ({type(target).__name__}) has no nn.ModuleList or "
+                "nn.Sequential of two or more blocks of one class; compile it whole (regions=False) or name the "
+                "blocks with modules=['model.layers.*']"
+            )
+        blocks.extend((n, m) for n, m in found if all(m is not b for _, b in blocks))
+    return blocks
 
 
 def _user_frame(module: nn.Module) -> Callable[..., Any]:

@@ -163,3 +163,62 @@ def test_inductor_matches_eager() -> None:
     assert compile_cb.fallback_reason is None, compile_cb.fallback_reason
     assert graphs_compiled() >= 1
     torch.testing.assert_close(losses.values, eager_losses(), rtol=1e-4, atol=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(d), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Deep(Net):
+    """An embedding, four identical blocks in a ModuleList (each with an inner Sequential), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.ModuleDict(
+            {"embed": nn.Linear(8, 16), "blocks": nn.ModuleList(Block() for _ in range(4)), "head": nn.Linear(16, 1)}
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.model["embed"](x)
+        for block in self.model["blocks"]:
+            h = block(h)
+        return self.loss_fn(self.model["head"](h), y)
+
+
+def fit_deep(callbacks: list[Callback], steps: int = 3) -> Deep:
+    model = Deep()
+    pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=callbacks,
+    ).fit(model)  # fmt: skip
+    return model
+
+
+def test_regions_compile_each_repeated_block_once_and_train_as_eager() -> None:
+    eager = Losses()
+    fit_deep([eager])
+    torch._dynamo.reset()
+    compile_cb, losses = TorchCompile(regions=True, backend="aot_eager"), Losses()
+    before = graphs_compiled()  # the counters outlive dynamo's reset
+    model = fit_deep([compile_cb, losses])
+    blocks = [f"model.blocks.{i}" for i in range(4)]
+    assert compile_cb.compiled_names == blocks  # not the inner Sequentials, not the embedding or the head
+    assert all(b._compiled_call_impl is not None for b in model.model["blocks"])
+    assert model.model["head"]._compiled_call_impl is None and model.model["embed"]._compiled_call_impl is None
+    assert graphs_compiled() - before == 1  # the four blocks share one graph: the cold start of one block
+    assert set(compile_cb.first_call_seconds) == set(blocks)
+    torch.testing.assert_close(losses.values, eager.values, rtol=1e-5, atol=1e-6)
+
+
+def test_regions_refuse_a_target_without_repeated_blocks() -> None:
+    with pytest.raises(ValueError, match=r"regions=True\): model \(Sequential\) has no nn\.ModuleList"):
+        fit([TorchCompile(regions=True, backend="eager")], steps=1)
+    with pytest.raises(ValueError, match="regions='auto'"):
+        TorchCompile(regions="auto")  # type: ignore[arg-type]

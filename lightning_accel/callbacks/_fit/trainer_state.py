@@ -24,12 +24,18 @@ __all__ = [
 def compute_dtype(trainer: pl.Trainer) -> str:
     """The dtype the matmuls of this run use, as a name the peak table knows (fp32/tf32/bf16/fp16/fp64/fp8).
 
-    A precision plugin may say it directly with a ``compute_dtype`` attribute (``AutoMixedPrecision`` does);
+    A precision plugin may say it directly with a ``compute_dtype`` attribute (``AutoMixedPrecision`` does), and so
+    may a callback (``Float8Training``, once it converted layers);
     otherwise it is read from ``trainer.precision`` ("bf16-mixed" → bf16, "16-mixed" → fp16, "32-true" → fp32,
     or tf32 on an Ampere-or-newer GPU when ``torch.get_float32_matmul_precision()`` is not "highest").
     """
     from lightning_accel.core.peak import normalize_dtype
 
+    # a callback that moves the matmuls to another dtype says so the same way (Float8Training: "fp8")
+    for callback in trainer.callbacks:
+        declared = getattr(callback, "compute_dtype", None)
+        if isinstance(declared, str):
+            return normalize_dtype(declared)
     declared = getattr(trainer.precision_plugin, "compute_dtype", None)
     if declared is not None:
         return normalize_dtype(declared)
