@@ -18,10 +18,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.callbacks.autopilot.fixes import INTERVENTIONS, SwitchableCompression
+from lightning_accel.callbacks.autopilot.fixes.float8 import _has_torchao_float8
 from lightning_accel.core.autopilot import Undo
 from tests.callbacks.test_autopilot import Attention
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAS_TORCHAO = _has_torchao_float8()
 
 
 def _tiny_causal_lm():
@@ -36,11 +38,13 @@ def _tiny_causal_lm():
 PARAMS = {
     "dataloader": {"num_workers": 1, "prefetch_factor": 2, "persistent_workers": True},
     "compile": {"backend": "eager"},
+    "float8": {"emulate": True, "min_size": 0},  # torchao's emulation: the same module swap on a CPU
 }
 #: (label, intervention, params): every built-in once, compression in each of its modes
 CASES = [(name, name, PARAMS.get(name, {})) for name in INTERVENTIONS if name != "compression"]
-if not HAS_TRANSFORMERS:  # nothing for the fused loss to change without a Hugging Face causal LM
-    CASES = [case for case in CASES if case[0] != "fused_cross_entropy"]
+#: what cannot run here: nothing for the fused loss to change without a Hugging Face causal LM; no FP8 without torchao
+MISSING = {name for name, has in (("fused_cross_entropy", HAS_TRANSFORMERS), ("float8", HAS_TORCHAO)) if not has}
+CASES = [case for case in CASES if case[0] not in MISSING]
 CASES += [(f"compression:{mode}", "compression", {"compression": mode}) for mode in ("bf16", "fp16", "topk", "qsgd")]
 
 
@@ -249,9 +253,7 @@ def test_every_intervention_reverts_bit_identically_after_a_full_and_a_partial_a
 
     _fit(body)
     assert set(outcomes) == {label for label, _, _ in CASES}
-    assert {name for _, name, _ in CASES} | (set() if HAS_TRANSFORMERS else {"fused_cross_entropy"}) == set(
-        INTERVENTIONS
-    )
+    assert {name for _, name, _ in CASES} | MISSING == set(INTERVENTIONS)
     assert all(len(v) >= 2 for v in outcomes.values()), outcomes  # every change has at least one part to fail after
     assert torch.get_float32_matmul_precision() == precision_before
 

@@ -13,6 +13,7 @@ __all__ = [
     "PRIOR_CONFIDENCE",
     "RULE_FIXES",
     "SHAPE_FIRST",
+    "STACKED_LAST",
     "STAGE_FIXES",
     "Proposal",
     "attribution_share",
@@ -61,9 +62,18 @@ RULE_FIXES: dict[str, tuple[str, ...]] = {
 STAGE_FIXES: dict[str, tuple[str, ...]] = {
     "data": ("dataloader", "prefetch", "micro_batch"),
     "transfer": ("pin_memory", "prefetch"),
-    "forward": ("precision", "tf32", "fused_attention", "compile", "micro_batch", "channels_last"),
+    "forward": ("precision", "tf32", "fused_attention", "compile", "micro_batch", "channels_last", "float8"),
     # under DDP the trial steps' backward includes the all-reduce not hidden behind it
-    "backward": ("precision", "tf32", "fused_attention", "compile", "micro_batch", "compression", "channels_last"),
+    "backward": (
+        "precision",
+        "tf32",
+        "fused_attention",
+        "compile",
+        "micro_batch",
+        "compression",
+        "channels_last",
+        "float8",
+    ),  # fmt: skip
     "optimizer": ("optimizer_fused", "optimizer_foreach"),
     "communication": ("compression", "micro_batch"),
     "other": ("micro_batch",),
@@ -135,6 +145,9 @@ EXPECTED_REMOVAL: dict[str, dict[str, Any]] = {
     # the convolutions are a part of forward + backward; NHWC takes ~1/6 off them (core.compute_causes)
     "channels_last": {"forward": 0.08, "backward": 0.08},
     "activation_checkpointing": {"forward": 0.1, "backward": 0.1},
+    # FP8 matmuls on top of bf16 + compile: torchtitan's Llama-3-8B 1.28x, torchao's +10-25 % (the large matmuls
+    # only); no FP8 on a CPU
+    "float8": {"forward": 0.2, "backward": 0.2, "cpu": {"forward": 0.0, "backward": 0.0}},
     # the passes over the logits that are not written and read back (memory-bound on a GPU); on a CPU the chunked
     # loss measured 0.99-1.40x the plain head's time (benchmarks/bench_linear_cross_entropy.py): it saves memory there
     "fused_cross_entropy": {"forward": 0.05, "backward": 0.05, "cpu": {"forward": 0.0, "backward": 0.0}},
@@ -189,6 +202,10 @@ def prior_confidence(name: str, device_type: str | None = None) -> float:
 #: jump to 32 x 1 it measures 1.2-1.6x.
 SHAPE_FIRST: tuple[str, ...] = ("micro_batch",)
 
+#: Fixes that stack on others go after every other fix, whatever their priors: FP8 is tried on top of bf16 and
+#: compile, and a fix is asked once (reached before them, it would be refused for good).
+STACKED_LAST: tuple[str, ...] = ("float8",)
+
 
 def fix_gains(findings: Iterable[Finding]) -> dict[str, float]:
     """What the compute attribution says each fix would save (a share of the step): every compute finding's
@@ -209,7 +226,7 @@ def rank_by_expected_gain(
     device_type: str | None = None,
     measured: Mapping[str, float] | None = None,
 ) -> list[str]:
-    """``names`` by decreasing expected gain, :data:`SHAPE_FIRST` ahead; fixes without a prior keep their place
+    """``names`` by decreasing expected gain, :data:`SHAPE_FIRST` ahead and :data:`STACKED_LAST` behind; fixes without a prior keep their place
     after those with one; ties keep the given order (the doctor's findings first). ``measured``: gains the compute
     attribution found (:func:`fix_gains`), which replace those fixes' priors."""
     measured = measured or {}
@@ -220,7 +237,7 @@ def rank_by_expected_gain(
     order = {n: i for i, n in enumerate(names)}
     known = [n for n in names if gain(n) is not None]
     unknown = [n for n in names if n not in known]
-    known.sort(key=lambda n: (n not in SHAPE_FIRST, -round(gain(n) or 0.0, 4), order[n]))
+    known.sort(key=lambda n: (n not in SHAPE_FIRST, n in STACKED_LAST, -round(gain(n) or 0.0, 4), order[n]))
     return known + unknown
 
 

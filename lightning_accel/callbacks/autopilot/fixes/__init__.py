@@ -9,7 +9,7 @@ replay it. ``kind`` decides the numerics tolerance (``lightning_accel.core.autop
 ``knobs`` the user settings it touches (``Autopilot(freeze=[...])`` names them).
 
 One concern per module: ``base`` (:class:`Run`, :class:`Intervention`), ``data``, ``batch``, ``optimizer``,
-``precision`` (the autocast dtype and TF32), ``compile``, ``attention``, ``loss`` (the fused cross-entropy),
+``precision`` (the autocast dtype and TF32), ``compile``, ``float8``, ``attention``, ``loss`` (the fused cross-entropy),
 ``memory_format`` (channels_last), ``activation_checkpointing``,
 ``compression`` (with its link measurement and the projection's choice) and ``checkpoint_io`` (the background
 checkpoint writer, trialled after the step search); this package holds the registry
@@ -34,6 +34,8 @@ name                          change                                       built
 ``tf32``                      TF32 matmuls for a run that stays fp32       ``torch.set_float32_matmul_``   reorder
                               (CUDA, compute capability >= 8.0)            ``precision("high")``
 ``compile``                   torch.compile in place (pays back or not)    ``TorchCompile``                reorder
+``float8``                    large linear layers in FP8, after bf16 and   ``Float8Training`` (torchao)    low_precision
+                              compile (CUDA, compute capability >= 8.9)
 ``fused_attention``           hand-written attention → SDPA                ``use_fused_attention``         reorder
 ``fused_cross_entropy``       a Hugging Face causal LM's loss without its  ``use_fused_linear_cross_``      reorder
                               logits (when ``large_vocab_loss`` fires)     ``entropy``
@@ -68,6 +70,7 @@ from lightning_accel.callbacks.autopilot.fixes.compression import (
     measure_link,
 )
 from lightning_accel.callbacks.autopilot.fixes.data import DataLoaderSettings, PinMemory, Prefetch
+from lightning_accel.callbacks.autopilot.fixes.float8 import Float8
 from lightning_accel.callbacks.autopilot.fixes.loss import FusedCrossEntropy
 from lightning_accel.callbacks.autopilot.fixes.memory_format import ChannelsLast
 from lightning_accel.callbacks.autopilot.fixes.optimizer import (
@@ -87,6 +90,7 @@ __all__ = [
     "Compile",
     "Compression",
     "DataLoaderSettings",
+    "Float8",
     "ForeachOptimizer",
     "FusedAttention",
     "FusedCrossEntropy",
@@ -119,6 +123,7 @@ INTERVENTIONS: dict[str, Callable[..., Intervention]] = {
         MixedPrecisionDtype,
         Tf32Matmul,
         Compile,
+        Float8,
         FusedAttention,
         FusedCrossEntropy,
         ChannelsLast,
