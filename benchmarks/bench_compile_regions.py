@@ -39,7 +39,7 @@ def child(spec: dict) -> dict:
     holder.model = GPT(cfg).to(device)
     callback = None
     if spec["variant"] != "eager":
-        callback = TorchCompile(regions=spec["variant"] == "regions")
+        callback = TorchCompile(regions=spec["variant"] == "regions", backend=spec.get("backend", "inductor"))
         callback.setup(None, holder, "fit")  # type: ignore[arg-type]
     opt = torch.optim.AdamW(holder.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)

@@ -21,7 +21,15 @@ Checks:
    and in bf16-mixed, ``BottleneckDoctor(attribute_compute=True)``: the modules by device time, the compute
    findings (expected: ``eager_attention`` naming ``blocks.*.attn`` in both; ``fp32_matmul`` in fp32 only, on a GPU
    of compute capability >= 7), and the attributed device time against the same steps' forward + backward timed
-   with CUDA events (at most 1x: the device idles while the host launches; near 1x where the GPU is the bound).
+   with CUDA events (at most 1x: the device idles while the host launches; near 1x where the GPU is the bound);
+8. channels_last on a bf16 CNN: the finding and the paired speed-up;
+9.-13. the stack past bf16 (``gpu_stack_checks.py``): a ~350 M GPT's MFU with bf16, compile, SDPA, fused AdamW and
+   the fused cross-entropy; FP8 against bf16 (tokens/s, loss over 200 steps); the fused cross-entropy's peak
+   memory; compile by region against whole-model compile; TF32 paired with and without a warm-up.
+
+``--skip`` names checks to leave out (e.g. ``--skip dali nvtx`` where those are not installed). torchao and
+liger-kernel, where the machine has no package index, install from wheels carried along
+(``pip install --no-deps wheels/*.whl``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_stack_checks, also when loaded by path (the tests)
 
 Row = tuple[str, str, str]
 
@@ -547,6 +556,8 @@ def check_channels_last(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+from gpu_stack_checks import STACK_CHECKS  # noqa: E402 - found through the path set above
+
 CHECKS = [
     ("gpu tests", check_gpu_tests),
     ("gpt mfu", check_gpt_mfu),
@@ -556,6 +567,7 @@ CHECKS = [
     ("nvtx", check_nvtx),
     ("channels last", check_channels_last),
     ("attribution", check_attribution),
+    *STACK_CHECKS,
 ]
 
 

@@ -20,4 +20,9 @@ def test_gpu_check_smoke_runs_every_check_without_error():
     assert "autopilot" in names and "autopilot training" in names and "autopilot precision" in names
     assert "attribution 32-true" in names and "attribution bf16-mixed vs host clock" in names
     assert "channels_last finding (bf16 CNN)" in names and "channels_last speed-up (bf16 CNN, A B x3)" in names
+    assert "GPT-350M MFU (bf16, compile, SDPA, fused AdamW, fused CE)" in names
+    if is_available("torchao"):  # without the torchao extra the FP8 check says it is skipped
+        assert "FP8 vs bf16 tokens/s (both compiled)" in names and "FP8 vs bf16 loss (mean of the last tenth)" in names
+    assert "fused CE peak memory" in names and "compile cold start: whole vs regions" in names
+    assert "TF32 speed-up after a warm-up (3 pairs)" in names
     assert not [r for r in rows if r[1] == "ERROR"], rows
