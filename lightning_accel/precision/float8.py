@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -48,7 +48,7 @@ def float8_layers(
     model: nn.Module,
     *,
     recipe: str = "tensorwise",
-    min_size: str | int = "auto",
+    min_size: int | Literal["auto"] = "auto",
     include_head: bool = False,
     skip: Sequence[str] = (),
     module_filter: Callable[[nn.Module, str], bool] | None = None,
@@ -113,7 +113,7 @@ class Float8Training(Callback):
         self,
         *,
         recipe: str = "tensorwise",
-        min_size: str | int = "auto",
+        min_size: int | Literal["auto"] = "auto",
         include_head: bool = False,
         skip: Sequence[str] = (),
         module_filter: Callable[[nn.Module, str], bool] | None = None,
