@@ -221,6 +221,9 @@ class Float8Training(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
+
         for hook in getattr(self, "_hooks", ()):
             hook.remove()
         self._hooks = []
+        finish_collectives_at_teardown(self, trainer)
