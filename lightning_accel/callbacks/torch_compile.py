@@ -165,6 +165,13 @@ class TorchCompile(Callback):
         self._targets = self._select(pl_module)
         if self.regions:
             self._targets = _repeated_blocks(self._targets)
+            if _torch_release() < REGIONS_SHARE_GRAPHS_FROM:
+                rank_zero_warn(
+                    f"TorchCompile(regions=True) on torch {torch.__version__}: the blocks may each compile their own "
+                    f"graph (torch 2.6 guards each block; {'.'.join(map(str, REGIONS_SHARE_GRAPHS_FROM))} shares one), "
+                    "so the cold start is not cut, and blocks beyond torch._dynamo.config.cache_size_limit run "
+                    "eagerly; upgrade torch, or compile the model whole (regions=False)"
+                )
         for name, module in self._targets:
             try:
                 compiled = torch.compile(_user_frame(module), **self.compile_kwargs)
@@ -226,6 +233,16 @@ class TorchCompile(Callback):
         for _, module in self._targets:
             _compat.set_compiled_call(module, None)
         self._targets, self.compiled_names = [], []
+
+
+#: The torch release on which the repeated blocks were measured to share one compiled graph (2.6 compiles one per
+#: block: dynamo guards each block's identity there).
+REGIONS_SHARE_GRAPHS_FROM = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _repeated_blocks(targets: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

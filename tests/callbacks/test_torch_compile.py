@@ -212,7 +212,12 @@ def test_regions_compile_each_repeated_block_once_and_train_as_eager() -> None:
     assert compile_cb.compiled_names == blocks  # not the inner Sequentials, not the embedding or the head
     assert all(b._compiled_call_impl is not None for b in model.model["blocks"])
     assert model.model["head"]._compiled_call_impl is None and model.model["embed"]._compiled_call_impl is None
-    assert graphs_compiled() - before == 1  # the four blocks share one graph: the cold start of one block
+    from lightning_accel.callbacks.torch_compile import REGIONS_SHARE_GRAPHS_FROM, _torch_release
+
+    if _torch_release() >= REGIONS_SHARE_GRAPHS_FROM:
+        assert graphs_compiled() - before == 1  # the four blocks share one graph: the cold start of one block
+    else:  # an older torch guards each block (TorchCompile warns so): one graph per block, none run eagerly
+        assert graphs_compiled() - before == 4
     assert set(compile_cb.first_call_seconds) == set(blocks)
     torch.testing.assert_close(losses.values, eager.values, rtol=1e-5, atol=1e-6)
 
