@@ -10,6 +10,7 @@ import math
 import pytest
 
 from lightning_accel.core.autopilot import (
+    ESTIMATE_WINDOW,
     AutopilotSearch,
     Bundle,
     Measurement,
@@ -17,6 +18,7 @@ from lightning_accel.core.autopilot import (
     Offer,
     SearchStatus,
     Undo,
+    WindowLength,
     claimed_speedup,
     decide_paired,
     expected_gain,
@@ -352,12 +354,12 @@ def test_a_fit_too_short_to_repay_a_search_is_not_searched() -> None:
     balanced = {"forward": 0.35, "backward": 0.35, "optimizer": 0.1, "data": 0.1, "other": 0.1}
     backend = Scripted([Change("fused_adamw", 1.5, expected=0.02)], shares=balanced)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
-    # five steps estimated the 0.1 s step; 0.02 x 30 s is far below twice a baseline + one trial (4 x 2.5 s)
+    # four steps estimated the 0.1 s step; 0.02 x 30 s is far below twice a baseline + one trial (4 x 2.5 s)
     assert _measured(backend) == [()] and result.records == [] and result.kept == []
     assert result.stopped.startswith(
         "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to save ~0.6 s"
     )
-    assert backend.t == pytest.approx(0.5)
+    assert backend.t == pytest.approx(0.4)
 
 
 def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows_its_payback() -> None:
@@ -366,15 +368,15 @@ def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows
     result = _search(Scripted(changes, shares=data_bound), budget_seconds=None, budget=0.05, steps_left=1000).run()
     assert [c.name for c in result.kept] == ["dataloader"]
     # 5 % of a 100 s fit (5 s) cannot hold a baseline and a decisive trial (3.2 windows, 8 s) after the estimate's
-    # 0.5 s: raised, because the fix pays back
-    assert result.budget_seconds == pytest.approx(0.5 + 8.0 * 1.1) and any("raised" in n for n in result.notes)
+    # 0.4 s: raised, because the fix pays back
+    assert result.budget_seconds == pytest.approx(0.4 + 8.0 * 1.1) and any("raised" in n for n in result.notes)
     tiny = next(r for r in result.records if r.name == "tiny")
     assert tiny.reason.startswith("not trialled: expected to save ~0.0 s") and tiny.samples_per_sec is None
 
 
 def test_a_trial_that_pays_for_itself_many_times_runs_beyond_the_budget() -> None:
-    # a 100 s fit at 10 %: 10 s, enough for the estimate (0.5 s), a baseline (5 s) and a 3 s trial, so not raised at
-    # the estimate; the workers' trial needs 1.2 windows (3 s) + its 4 s worker search, 7 s of the 4.5 s left, and is
+    # a 100 s fit at 10 %: 10 s, enough for the estimate (0.4 s), a baseline (5 s) and a 3 s trial, so not raised at
+    # the estimate; the workers' trial needs 1.2 windows (3 s) + its 4 s worker search, 7 s of the 4.6 s left, and is
     # expected to save 69 s: it runs (the budget grows to hold it) instead of the cheaper prefetch
     data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
     changes = [Change("dataloader", 3.0, expected=0.69, setup=4.0), Change("prefetch", 1.0, expected=0.2)]
@@ -384,7 +386,7 @@ def test_a_trial_that_pays_for_itself_many_times_runs_beyond_the_budget() -> Non
     assert ("dataloader",) in _measured(backend)
     note = next(n for n in result.notes if "for the dataloader trial" in n)
     assert "expected to save ~69.0 s over the 1000 steps, 10x its cost" in note
-    assert result.budget_seconds == pytest.approx(5.5 + 1.1 * 7.0)
+    assert result.budget_seconds == pytest.approx(5.4 + 1.1 * 7.0)
 
 
 def test_a_trial_that_pays_back_less_than_several_times_stays_within_the_budget() -> None:
@@ -470,8 +472,23 @@ def test_a_short_fit_whose_fix_repays_short_windows_is_searched_with_them() -> N
     # a 30 s fit of 0.1 s steps: the saving (~15 s) does not repay twice the 5 + 20-step protocol (a baseline and a
     # decisive trial: 3.2 x 2.5 s), but twice windows of 2 + 3 steps (0.25 s timed; 3.2 x 0.5 s): searched with those
     assert [c.name for c in result.kept] == ["dataloader"]
-    assert backend.windows == [(2, 3), (2, 3), (2, 3), (2, 3)]  # the estimate, the baseline A A, the decisive B
+    assert backend.windows == [ESTIMATE_WINDOW, (2, 3), (2, 3), (2, 3)]  # the estimate, the baseline A A, the decisive B
     assert any(n.startswith("a short fit (~30 s): windows of 2 + 3 steps instead of 5 + 20") for n in result.notes)
+
+
+def test_the_estimate_sets_no_window_length() -> None:
+    # the estimate's ~40 ms must not become the length every later window is capped at: the baseline's first window
+    # is asked 5 + 20 steps and runs them (then at least MIN_WINDOW_SECONDS), and it sets the target
+    length = WindowLength()
+    assert length.steps(*ESTIMATE_WINDOW, 1) == ESTIMATE_WINDOW
+    length.observe(Measurement(1000.0, 0.02, 0.04, 0.04, {}), ESTIMATE_WINDOW[1])
+    assert length.target_seconds is None
+    assert length.steps(5, 20, 1) == (5, 20)
+    length.observe(Measurement(1000.0, 0.02, 0.4, 0.1, {}), 20)
+    assert length.steps(5, 20, 1) == (5, 20) and length.target_seconds == pytest.approx(0.4)
+    # a fast step: lengthened to MIN_WINDOW_SECONDS, at most the baseline's first window in seconds
+    length.observe(Measurement(1000.0, 0.005, 0.1, 0.1, {}), 20)
+    assert length.steps(5, 20, 1) == (5, 50)
 
 
 def test_a_fit_too_short_even_for_short_windows_says_so_with_their_cost() -> None:
@@ -479,7 +496,7 @@ def test_a_fit_too_short_even_for_short_windows_says_so_with_their_cost() -> Non
     backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=30).run()
     # a 3 s fit: ~1.5 s to save, twice the short windows' ~1.6 s (a baseline and a decisive B) would not be repaid
-    assert backend.windows == [(2, 3)] and result.records == [] and result.kept == []
+    assert backend.windows == [ESTIMATE_WINDOW] and result.records == [] and result.kept == []
     assert result.stopped.endswith("less than twice the ~1.6 s a baseline and one trial cost")
     assert not any(n.startswith("a short fit") for n in result.notes)
 
@@ -500,7 +517,7 @@ def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
 
 
 def test_the_budget_follows_the_baselines_step_time_not_the_estimates() -> None:
-    # the three estimate steps ran at half speed (0.2 s a step): 5 % of a 10000-step fit looked like 100 s; the
+    # the estimate's steps ran at half speed (0.2 s a step): 5 % of a 10000-step fit looked like 100 s; the
     # baseline's windows (0.1 s a step) put it at 50 s
     backend = Scripted([Change("a", 1.5)], noise=[0.5])
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=10_000).run()
@@ -523,11 +540,11 @@ def test_a_budget_raised_for_one_paying_trial_holds_that_trial_as_costed_after_t
     data_bound = {"data": 0.77, "forward": 0.13, "backward": 0.1}
     backend = SlowProbe([Change("dataloader", 3.0, expected=0.69)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=1000).run()
-    # raised to 9.3 s at the estimate; the baseline (5 s) and its 1 s probe leave 2.8 s for a trial costed at 5 s
+    # raised to 9.2 s at the estimate; the baseline (5 s) and its 1 s probe leave 2.8 s for a trial costed at 5 s
     # (1.2 windows + two probes): the budget grows to hold it (with the margin the raise at the estimate has), since
     # it pays back
     assert [c.name for c in result.kept] == ["dataloader"]
-    assert result.budget_seconds == pytest.approx(0.5 + 5.0 + 1.0 + 1.1 * 5.0)
+    assert result.budget_seconds == pytest.approx(0.4 + 5.0 + 1.0 + 1.1 * 5.0)
 
 
 class LongerSteps(Scripted):

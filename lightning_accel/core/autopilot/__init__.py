@@ -15,6 +15,7 @@ is unit-tested with exact numbers (sources of the guards: ``docs/method.md``, "C
 """
 
 from lightning_accel.core.autopilot.budget import (
+    ESTIMATE_WINDOW,
     MIN_WINDOW_SECONDS,
     SHORT_WARMUP_STEPS,
     WindowLength,
@@ -87,6 +88,7 @@ __all__ = [
     "DEFAULT_TOLERANCES",
     "EXPECTED_REMOVAL",
     "FINAL_PAIRS",
+    "ESTIMATE_WINDOW",
     "MIN_WINDOW_SECONDS",
     "NOISE_CAP",
     "NUMERICS_KINDS",

@@ -16,6 +16,7 @@ from lightning_accel.core.autopilot.protocol import MeasurementLike, Offer
 
 __all__ = [
     "BUNDLE_WINDOWS",
+    "ESTIMATE_WINDOW",
     "FEED_MARGIN",
     "MAX_COMPILE_GAIN",
     "MIN_WINDOW_SECONDS",
@@ -48,6 +49,10 @@ __all__ = [
 #: window's step time): on a shared 2-core CPU, windows of 30-70 ms (a tiny model's 10-25 steps) disagree by 10-15 %
 #: between adjacent pairs; a quarter second averages the scheduler's hiccups out.
 MIN_WINDOW_SECONDS = 0.25
+#: (warm-up, timed) steps of the pay-back estimate, the search's first window: the first steps (loader start,
+#: allocator) warm up untimed. Its two timed steps mark it for :class:`WindowLength`, which takes it as asked and
+#: sets no window length from it (three timed steps once set the baseline's length to the estimate's ~50 ms).
+ESTIMATE_WINDOW = (2, 2)
 #: Untimed warm-up steps of a short fit's windows (a new loader's workers start in the first; 5 by default)
 SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
@@ -70,8 +75,8 @@ def window_steps(warmup_steps: int, steps: int, accumulate: int) -> tuple[int, i
 class WindowLength:
     """The window length policy: :func:`window_steps`, then every window after the baseline's first at least
     :data:`MIN_WINDOW_SECONDS` (up to 4x its steps) and at most as long in seconds as that one, the step count from the
-    last window's step time (aggregated over ranks, so every rank runs the same number of steps). A window of two
-    steps or fewer (the pay-back estimate) is taken as asked and sets nothing."""
+    last window's step time (aggregated over ranks, so every rank runs the same number of steps). A window of
+    :data:`ESTIMATE_WINDOW`'s timed steps or fewer (the pay-back estimate) is taken as asked and sets nothing."""
 
     def __init__(self) -> None:
         self.step_seconds: float | None = None  # of the last window
@@ -79,7 +84,7 @@ class WindowLength:
 
     def steps(self, warmup_steps: int, steps: int, accumulate: int) -> tuple[int, int]:
         """(warm-up, timed) optimizer steps of the next window."""
-        short = steps <= 2
+        short = steps <= ESTIMATE_WINDOW[1]
         warm, timed = window_steps(warmup_steps, steps, accumulate)
         if not short and self.step_seconds:
             timed = min(4 * timed, max(timed, math.ceil(MIN_WINDOW_SECONDS / self.step_seconds)))
@@ -93,7 +98,7 @@ class WindowLength:
     def observe(self, window: MeasurementLike, steps_asked: int) -> None:
         """The window just measured, asked for ``steps_asked`` timed steps."""
         self.step_seconds = window.step_seconds
-        if steps_asked > 2 and self.target_seconds is None:
+        if steps_asked > ESTIMATE_WINDOW[1] and self.target_seconds is None:
             self.target_seconds = window.seconds
 
 

@@ -10,8 +10,8 @@ numbers and no timing. The trials themselves are :mod:`~lightning_accel.core.aut
 The protocol, and why (numbers from a 2-core CPU, measured by benchmarks/bench_autopilot.py and
 benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
 
-1. **Does a search pay?** With a fit length and the default fractional budget, three steps (one warm-up, two timed)
-   estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
+1. **Does a search pay?** With a fit length and the default fractional budget, four steps (two warm-up, two timed:
+   :data:`~lightning_accel.core.autopilot.budget.ESTIMATE_WINDOW`) estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
    offer (:func:`~lightning_accel.core.autopilot.priors.expected_gain`: the stage share times what the fix can remove)
    times the fit's duration, less the fix's one-off work (a first compile), is the saving to expect; when it does
    not exceed twice the cost of a baseline and one trial (its B window, and its confirmation pair unless the fix is
@@ -23,7 +23,7 @@ benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
    A/A noise is measured on the windows the search uses, so the gate follows their noise. The search may spend
    ``max(budget x fit, baseline + first trial)`` when that first trial pays back, the trial costed again once the
    baseline's windows and numerics probe are measured. After the baseline the fit's length, and so the budget,
-   follows the baseline's step time rather than the estimate's three steps.
+   follows the baseline's step time rather than the estimate's two timed steps.
 2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current configuration
    measured right before it (A), never with a baseline measured minutes earlier: on a shared 2-core CPU the unchanged
    configuration can measure 1453 samples/s in the baseline and 1058-1222 a few trials later, once other work starts,
@@ -81,6 +81,7 @@ import statistics
 
 from lightning_accel.core.autopilot.budget import (
     BUNDLE_WINDOWS,
+    ESTIMATE_WINDOW,
     expects_confirmation,
     opening,
     pays_back,
@@ -215,7 +216,7 @@ class AutopilotSearch(Claim):
             )
         else:
             self._phase("estimating the step time")
-            estimate = self.backend.measure(2, 3)  # the first steps (loader start, allocator) warm up untimed
+            estimate = self.backend.measure(*ESTIMATE_WINDOW)
             self._current = estimate
             offers = self.backend.offers(estimate.shares(), set())
             plan = opening(
@@ -299,7 +300,7 @@ class AutopilotSearch(Claim):
         if self._noisy is not None:  # longer windows did not settle it: no burst, the noise itself; gains must clear it
             self._gate = max(self._gate, self._noisy)
         if self.budget_seconds is None and self.steps_left is not None:
-            # the fit's length from the baseline's windows, not from the three steps of the estimate: on the GPT-2
+            # the fit's length from the baseline's windows, not from the two timed steps of the estimate: on the GPT-2
             # script of bench_autopilot_real.py the estimate puts a 10-minute fit at 452-736 s, and its 5 % budget
             # at 3.8-6.1 % of it
             fit = self.steps_left * statistics.median([first.step_seconds, second.step_seconds])
