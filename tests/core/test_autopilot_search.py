@@ -472,7 +472,8 @@ def test_a_short_fit_whose_fix_repays_short_windows_is_searched_with_them() -> N
     # a 30 s fit of 0.1 s steps: the saving (~15 s) does not repay twice the 5 + 20-step protocol (a baseline and a
     # decisive trial: 3.2 x 2.5 s), but twice windows of 2 + 3 steps (0.25 s timed; 3.2 x 0.5 s): searched with those
     assert [c.name for c in result.kept] == ["dataloader"]
-    assert backend.windows == [ESTIMATE_WINDOW, (2, 3), (2, 3), (2, 3)]  # the estimate, the baseline A A, the decisive B
+    # the estimate, the baseline A A, the decisive B
+    assert backend.windows == [ESTIMATE_WINDOW, (2, 3), (2, 3), (2, 3)]
     assert any(n.startswith("a short fit (~30 s): windows of 2 + 3 steps instead of 5 + 20") for n in result.notes)
 
 
