@@ -16,7 +16,7 @@ from typing_extensions import override
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FP8_MIN_CAPABILITY", "Float8Training", "float8_layers"]
+__all__ = ["FP8_MIN_CAPABILITY", "Float8Training", "float8_layers", "fp8_device_problem", "has_float8_layers"]
 
 #: FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -77,6 +77,24 @@ def float8_layers(
         else:
             chosen.append(name)
     return chosen, left
+
+
+def has_float8_layers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds torchao ``Float8Linear`` layers (converted already)."""
+    return any(type(m).__name__ == "Float8Linear" for m in module.modules())
+
+
+def fp8_device_problem(device: torch.device) -> str | None:
+    """Why ``device`` cannot run FP8 matmuls (a CPU, or a GPU below :data:`FP8_MIN_CAPABILITY`), or ``None``."""
+    if device.type != "cuda":
+        return f"{device} has no FP8 matmuls (they need a GPU of compute capability >= 8.9: Ada, Hopper, Blackwell)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return (
+            f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {capability[0]}.{capability[1]}; "
+            "FP8 matmuls need >= 8.9 (Ada, Hopper, Blackwell)"
+        )
+    return None
 
 
 class Float8Training(Callback):
@@ -146,7 +164,7 @@ class Float8Training(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.converted:
+        if stage != "fit" or has_float8_layers(pl_module):  # a second fit of a converted model: nothing to do
             return
         self._check_device(trainer.strategy.root_device)
         try:
@@ -185,20 +203,12 @@ class Float8Training(Callback):
         )
 
     def _check_device(self, device: torch.device) -> None:
-        if self.emulate:
-            return
-        if device.type != "cuda":
-            raise RuntimeError(
-                f"Float8Training: {device} has no FP8 matmuls (they need a GPU of compute capability >= 8.9: Ada, "
-                "Hopper, Blackwell); remove Float8Training here, or pass emulate=True to test the numerics"
+        problem = None if self.emulate else fp8_device_problem(device)
+        if problem is not None:
+            hint = (
+                "train in bf16 here (precision='bf16-mixed')" if device.type == "cuda" else "remove Float8Training here"
             )
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_MIN_CAPABILITY:
-            raise RuntimeError(
-                f"Float8Training: {torch.cuda.get_device_name(device)} ({device}) has compute capability "
-                f"{capability[0]}.{capability[1]}; FP8 matmuls need >= 8.9 (Ada, Hopper, Blackwell): train in bf16 "
-                "here (precision='bf16-mixed'), or pass emulate=True to test the numerics"
-            )
+            raise RuntimeError(f"Float8Training: {problem}: {hint}, or pass emulate=True to test the numerics")
 
     def _fsdp_all_gather(self, trainer: pl.Trainer) -> bool:
         if self.fsdp_float8_all_gather is not None:

@@ -46,7 +46,7 @@ def _compiled(module: nn.Module) -> nn.Module:
 
 
 def test_it_is_offered_only_on_an_fp8_gpu_on_top_of_bf16_and_compile(hopper, monkeypatch) -> None:
-    assert "this run is on cpu" in Float8().unavailable(_run(_model(), device="cpu"))
+    assert "cpu has no FP8 matmuls" in Float8().unavailable(_run(_model(), device="cpu"))
     if not _has_torchao_float8():
         assert "needs torchao" in Float8().unavailable(_run(_compiled(_model())))
         return
@@ -57,7 +57,7 @@ def test_it_is_offered_only_on_an_fp8_gpu_on_top_of_bf16_and_compile(hopper, mon
     assert Float8().unavailable(_run(_compiled(_model()))) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    assert "A100-SXM4-80GB has compute capability 8.0" in Float8().unavailable(_run(_compiled(_model())))
+    assert "A100-SXM4-80GB (cuda) has compute capability 8.0" in Float8().unavailable(_run(_compiled(_model())))
 
 
 def test_it_is_ranked_after_bf16_and_compile_whatever_the_priors() -> None:

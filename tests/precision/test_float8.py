@@ -121,6 +121,18 @@ def test_emulated_fp8_trains_close_to_the_plain_model() -> None:
 
 
 @needs_torchao
+def test_one_callback_converts_each_model_it_fits_once() -> None:
+    callback = Float8Training(emulate=True, min_size=0)
+    first = LM()
+    fit(first, [callback], steps=2)
+    fit(first, [callback], steps=2)  # the same model again: already converted, left as it is
+    assert isinstance(first.blocks[0][0], Float8Linear) and len(first.losses) == 4
+    second = LM()
+    fit(second, [callback], steps=2)  # a new model under the same callback is converted too
+    assert isinstance(second.blocks[0][0], Float8Linear) and callback.converted[0] == "blocks.0.0"
+
+
+@needs_torchao
 def test_a_model_with_nothing_to_convert_is_refused_with_the_reasons() -> None:
     with pytest.raises(ValueError, match=r"no layer of LM to train in FP8 \(blocks\.0\.0: 64 -> 128: below torchao"):
         fit(LM(), [Float8Training(emulate=True)], steps=1)

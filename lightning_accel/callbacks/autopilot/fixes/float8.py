@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lightning_accel.callbacks.autopilot.fixes.base import Intervention
 from lightning_accel.core.autopilot.budget import TYPICAL_COMPILE_SECONDS
 
@@ -41,23 +39,19 @@ class Float8(Intervention):
     def unavailable(self, run: Run) -> str | None:
         from lightning_accel._compat import compiled_call
         from lightning_accel.callbacks._fit.trainer_state import compute_dtype
-        from lightning_accel.precision.float8 import FP8_MIN_CAPABILITY, Float8Training, float8_layers
+        from lightning_accel.precision.float8 import (
+            Float8Training,
+            float8_layers,
+            fp8_device_problem,
+            has_float8_layers,
+        )
 
-        device = run.device
-        if not self.params.get("emulate"):
-            if device.type != "cuda":
-                return f"FP8 matmuls need a GPU of compute capability >= 8.9; this run is on {device.type}"
-            capability = torch.cuda.get_device_capability(device)
-            if capability < FP8_MIN_CAPABILITY:
-                return (
-                    f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}; "
-                    "FP8 matmuls need >= 8.9"
-                )
+        problem = None if self.params.get("emulate") else fp8_device_problem(run.device)
+        if problem is not None:
+            return problem
         if not _has_torchao_float8():
             return "needs torchao: pip install 'lightning-accel[torchao]'"
-        if any(isinstance(cb, Float8Training) for cb in run.trainer.callbacks) or any(
-            type(m).__name__ == "Float8Linear" for m in run.module.modules()
-        ):
+        if any(isinstance(cb, Float8Training) for cb in run.trainer.callbacks) or has_float8_layers(run.module):
             return "the model already trains in FP8"
         if compute_dtype(run.trainer) != "bf16":
             return "tried on top of bf16 (FP8 pays after bf16 and compile); the run computes in " + compute_dtype(
