@@ -836,6 +836,25 @@ def test_a_kept_set_slower_than_the_untouched_configuration_beyond_the_noise_is_
     assert any("reverted to it" in n for n in result.notes)
 
 
+def test_a_reverted_kept_set_sends_the_search_back_to_the_gains_measured_on_top_of_it() -> None:
+    # "lucky" is 30 % slower but its B window caught a burst (2.5x: decisive); "real" (1.3x) is measured on top of it;
+    # the final A/B measures the set at 0.91x and reverts both; "real" is trialled again against the untouched run
+    lucky, real = Change("lucky", 0.7), Change("real", 1.3)
+    backend = Scripted([lucky, real], noise=[1.0, 1.0, 2.5])
+    result = _search(backend, final_pairs=3).run()
+    assert [c.name for c in result.kept] == ["real"] and backend.applied == [real]
+    names = [r.name for r in result.records]
+    assert names == ["baseline", "lucky", "real", "final A/B", "real", "final A/B"]
+    assert not result.records[3].kept and "reverted" in result.records[3].reason
+    assert result.records[-1].kept and result.speedup == pytest.approx(1.3)
+    assert any(n.startswith("real measured on top of the reverted lucky: trialled again") for n in result.notes)
+    # the retrial is measured against the untouched configuration, its first decision with a confirmation pair
+    measured = _measured(backend)
+    last_with_lucky = max(i for i, applied in enumerate(measured) if "lucky" in applied)
+    after = measured[last_with_lucky + 1 :]
+    assert set(after) == {(), ("real",)} and after.count(("real",)) >= 2 + 3  # B + its confirmation, the final A/B
+
+
 def test_a_claim_inside_the_noise_is_said_to_be_unresolved_and_kept() -> None:
     # ratios 1.12, 0.96, 1.20: a gain on average, an interval that holds 1.0
     backend = Scripted([Change("small", 1.6)], noise=[1.0, 1.0, 1.0] + [0.7, 1.0, 1.0, 0.6, 0.75, 1.0])

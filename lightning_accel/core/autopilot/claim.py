@@ -75,7 +75,16 @@ class Claim(Bundles):
                 self._switch_kept(off=True)
                 on = False
                 reverted = ", ".join(c.describe() for c, _ in self._kept)
+                self._reverted = [c for c, _ in self._kept]
                 result.kept, self._kept = [], []
+                # the untouched configuration is current again: its window, its numerics reference, no held gains
+                self._current, self._current_rates, self._fresh, self._held = (
+                    untouched,
+                    [untouched.samples_per_sec],
+                    None,
+                    [],
+                )
+                self.backend.adopt(untouched, None)
                 record.kept = False
                 record.reason += "; slower than the untouched configuration beyond the noise: reverted"
                 result.notes.append(

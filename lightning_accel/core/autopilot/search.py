@@ -66,8 +66,9 @@ benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
 7. **The claim.** With something kept, :data:`FINAL_PAIRS` pairs of fresh windows (B A, A B, B A) measure the kept
    set against the untouched configuration, the kept changes undone and re-applied between them; the claimed
    speed-up is their geometric mean with a 90 % interval (:func:`claimed_speedup`), not the last trial's winning
-   window (chosen because it won). A kept set whose interval lies below 1 is reverted. A kept change with one-off
-   work (a compile) is not toggled: the claim is then the product of the kept trials' paired ratios, labelled so.
+   window (chosen because it won). A kept set whose interval lies below 1 is reverted, and the fixes measured on top
+   of its first change are trialled again against the untouched configuration (once, as the budget allows). A kept
+   change with one-off work (a compile) is not toggled: the claim is the product of the kept trials' paired ratios.
 
 Faults: an apply that raises leaves nothing applied (the backend's undo runs); any error in a trial is reported in
 the table and the search goes on from the last good configuration; every decision that depends on a rank's own
@@ -163,6 +164,7 @@ class AutopilotSearch(Claim):
         self._floor = 0.0  # the budget raised to a baseline and one trial that pay back
         self._held = []
         self._max_trials = None
+        self._reverted = []
 
     # ------------------------------------------------------------------ costs
     def _measured_any(self) -> bool:
@@ -198,6 +200,9 @@ class AutopilotSearch(Claim):
             self._loop()
             result.final_samples_per_sec = statistics.median(self._current_rates)
             self._claim()
+            if self._search_again():
+                result.final_samples_per_sec = statistics.median(self._current_rates)
+                self._claim()
         finally:
             if self._current is not None:
                 result.step_seconds = self._current.step_seconds
@@ -318,9 +323,33 @@ class AutopilotSearch(Claim):
         # every trial probes once, and once more when kept (the next reference): costed with its windows
         self._probe_seconds = backend.clock() - probe_started
 
-    def _loop(self) -> None:
+    def _search_again(self) -> bool:
+        """After the final A/B reverted the kept set: the candidates measured on top of its first change were judged
+        against a configuration that is gone (one lucky keep takes the real gains measured after it along), so they
+        are trialled again against the untouched configuration while the budget allows, the first decision with its
+        confirmation pair. Once; True when something was kept again."""
+        reverted, self._reverted = self._reverted, []
+        if not reverted:
+            return False
+        records = self.result.records
+        first = next(i for i, r in enumerate(records) if r.index and r.kept and r.name == reverted[0].name)
+        again = {r.name for r in records[first + 1 :] if r.ratio is not None and r.name != "final A/B"}
+        again.discard(reverted[0].name)
+        if not again:
+            return False
+        self.result.notes.append(
+            f"{', '.join(sorted(again))} measured on top of the reverted {reverted[0].describe()}: trialled again "
+            "against the untouched configuration"
+        )
+        self._settling = True
+        self._loop(tried={r.name for r in records} - again)
+        return bool(self.result.kept)
+
+    def _loop(self, tried: set[str] | None = None) -> None:
+        """Trial the offers in order until none is left, the budget is spent or ``patience`` trials miss in a row
+        (``tried``: the names not to offer again)."""
         backend, result = self.backend, self.result
-        tried: set[str] = set()
+        tried = set(tried or ())
         misses = 0
         while True:
             stopped = ""

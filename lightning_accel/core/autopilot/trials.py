@@ -64,6 +64,7 @@ class Trials:
     _noisy: float | None  # the baseline's A/A noise when longer windows left it above the gate's cap
     _settling: bool  # the baseline needed a third window or longer ones: the next decision gets its confirmation
     _max_trials: int | None
+    _reverted: list[Candidate]  # the kept set the final A/B reverted, in the order it was kept
 
     # ------------------------------------------------------------------ helpers
     def _spent(self) -> float:
