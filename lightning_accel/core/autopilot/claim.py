@@ -5,6 +5,7 @@ beyond the noise."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from lightning_accel.core.autopilot.bundle import Bundles
 from lightning_accel.core.autopilot.pairing import claimed_speedup
@@ -17,6 +18,10 @@ __all__ = ["Claim"]
 
 class Claim(Bundles):
     """The trials, the bundle, and the claim."""
+
+    if TYPE_CHECKING:
+
+        def _loop(self, tried: set[str] | None = None) -> None: ...
 
     def _claim(self) -> None:
         """The speed-up the search claims: the kept set against the untouched configuration, measured the way
@@ -119,3 +124,25 @@ class Claim(Bundles):
         if failure is not None:
             raise RuntimeError(f"re-applying the kept set failed: {failure}")
         self._kept = list(zip(candidates, undos))
+
+    def _search_again(self) -> bool:
+        """After the final A/B reverted the kept set: the candidates measured on top of its first change were judged
+        against a configuration that is gone (one lucky keep takes the real gains measured after it along), so they
+        are trialled again against the untouched configuration while the budget allows, the first decision with its
+        confirmation pair. Once; True when something was kept again."""
+        reverted, self._reverted = self._reverted, []
+        if not reverted:
+            return False
+        records = self.result.records
+        first = next(i for i, r in enumerate(records) if r.index and r.kept and r.name == reverted[0].name)
+        again = {r.name for r in records[first + 1 :] if r.ratio is not None and r.name != "final A/B"}
+        again.discard(reverted[0].name)
+        if not again:
+            return False
+        self.result.notes.append(
+            f"{', '.join(sorted(again))} measured on top of the reverted {reverted[0].describe()}: trialled again "
+            "against the untouched configuration"
+        )
+        self._settling = True
+        self._loop(tried={r.name for r in records} - again)
+        return bool(self.result.kept)

@@ -167,10 +167,6 @@ class AutopilotSearch(Claim):
         self._reverted = []
 
     # ------------------------------------------------------------------ costs
-    def _measured_any(self) -> bool:
-        """Whether any candidate was measured yet (the baseline aside)."""
-        return any(r.samples_per_sec is not None for r in self.result.records[1:])
-
     def _trial_cost(self, candidate: Candidate, gain: float | None = None) -> float:
         """Seconds a trial of ``candidate`` is expected to take (:func:`~lightning_accel.core.autopilot.budget.
         trial_cost`), in windows of the configuration now current."""
@@ -323,28 +319,6 @@ class AutopilotSearch(Claim):
         # every trial probes once, and once more when kept (the next reference): costed with its windows
         self._probe_seconds = backend.clock() - probe_started
 
-    def _search_again(self) -> bool:
-        """After the final A/B reverted the kept set: the candidates measured on top of its first change were judged
-        against a configuration that is gone (one lucky keep takes the real gains measured after it along), so they
-        are trialled again against the untouched configuration while the budget allows, the first decision with its
-        confirmation pair. Once; True when something was kept again."""
-        reverted, self._reverted = self._reverted, []
-        if not reverted:
-            return False
-        records = self.result.records
-        first = next(i for i, r in enumerate(records) if r.index and r.kept and r.name == reverted[0].name)
-        again = {r.name for r in records[first + 1 :] if r.ratio is not None and r.name != "final A/B"}
-        again.discard(reverted[0].name)
-        if not again:
-            return False
-        self.result.notes.append(
-            f"{', '.join(sorted(again))} measured on top of the reverted {reverted[0].describe()}: trialled again "
-            "against the untouched configuration"
-        )
-        self._settling = True
-        self._loop(tried={r.name for r in records} - again)
-        return bool(self.result.kept)
-
     def _loop(self, tried: set[str] | None = None) -> None:
         """Trial the offers in order until none is left, the budget is spent or ``patience`` trials miss in a row
         (``tried``: the names not to offer again)."""
@@ -413,16 +387,3 @@ class AutopilotSearch(Claim):
                 stopped += f"; {len(self._held)} small gains held, no time left to confirm them together"
             result.stopped = stopped
             return
-
-    def _stop_reason(self, too_long: list[tuple[Offer, float]], reserve: float) -> str:
-        """Why the loop stops when no offer is tried."""
-        if not too_long:
-            return "no candidate left"
-        if reserve and self._affords(too_long[0][1]):
-            return "time left kept for confirming the held small gains together"
-        cost = too_long[0][1]
-        if not self._measured_any():
-            self.result.notes.append(
-                f"the budget ({self._budget:.1f} s) is too small for one trial (~{cost:.1f} s): nothing was changed"
-            )
-        return f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial needs ~{cost:.1f} s)"

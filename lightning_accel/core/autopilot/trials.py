@@ -106,6 +106,23 @@ class Trials:
         ok, _ = self.backend.agree(self._spent() + seconds <= self._budget, None)
         return ok
 
+    def _measured_any(self) -> bool:
+        """Whether any candidate was measured yet (the baseline aside)."""
+        return any(r.samples_per_sec is not None for r in self.result.records[1:])
+
+    def _stop_reason(self, too_long: list[tuple[Offer, float]], reserve: float) -> str:
+        """Why the loop stops when no offer is tried."""
+        if not too_long:
+            return "no candidate left"
+        if reserve and self._affords(too_long[0][1]):
+            return "time left kept for confirming the held small gains together"
+        cost = too_long[0][1]
+        if not self._measured_any():
+            self.result.notes.append(
+                f"the budget ({self._budget:.1f} s) is too small for one trial (~{cost:.1f} s): nothing was changed"
+            )
+        return f"time budget spent ({self._spent():.1f} of {self._budget:.1f} s; the next trial needs ~{cost:.1f} s)"
+
     def _raise_for(self, offer: Offer, cost: float) -> bool:
         """Raise the budget to hold a trial that does not fit it but pays for itself several times over
         (:func:`~lightning_accel.core.autopilot.budget.pays_for_itself`); an absolute ``budget_seconds`` is the user's
