@@ -86,9 +86,9 @@ from lightning_accel.core.autopilot.search import FINAL_PAIRS, AutopilotSearch
 __all__ = [
     "DECISIVE_GAIN",
     "DEFAULT_TOLERANCES",
+    "ESTIMATE_WINDOW",
     "EXPECTED_REMOVAL",
     "FINAL_PAIRS",
-    "ESTIMATE_WINDOW",
     "MIN_WINDOW_SECONDS",
     "NOISE_CAP",
     "NUMERICS_KINDS",

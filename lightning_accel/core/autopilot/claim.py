@@ -134,7 +134,9 @@ class Claim(Bundles):
         if not reverted:
             return False
         records = self.result.records
-        first = next(i for i, r in enumerate(records) if r.index and r.kept and r.name == reverted[0].name)
+        first = next((i for i, r in enumerate(records) if r.index and r.kept and r.name == reverted[0].name), None)
+        if first is None:  # kept through a bundle only: no trial of its own to count from
+            return False
         again = {r.name for r in records[first + 1 :] if r.ratio is not None and r.name != "final A/B"}
         again.discard(reverted[0].name)
         if not again:

@@ -11,8 +11,9 @@ The protocol, and why (numbers from a 2-core CPU, measured by benchmarks/bench_a
 benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
 
 1. **Does a search pay?** With a fit length and the default fractional budget, four steps (two warm-up, two timed:
-   :data:`~lightning_accel.core.autopilot.budget.ESTIMATE_WINDOW`) estimate the step time and its stage shares before anything else. The largest *expected* gain of the fixes on
-   offer (:func:`~lightning_accel.core.autopilot.priors.expected_gain`: the stage share times what the fix can remove)
+   :data:`~lightning_accel.core.autopilot.budget.ESTIMATE_WINDOW`) estimate the step time and its stage shares
+   before anything else. The largest *expected* gain of the fixes on offer
+   (:func:`~lightning_accel.core.autopilot.priors.expected_gain`: the stage share times what the fix can remove)
    times the fit's duration, less the fix's one-off work (a first compile), is the saving to expect; when it does
    not exceed twice the cost of a baseline and one trial (its B window, and its confirmation pair unless the fix is
    expected to be decisive), the search does not start and says so in one line: a 300-step balanced fit trains

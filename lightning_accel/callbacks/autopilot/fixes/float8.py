@@ -46,8 +46,7 @@ class Float8(Intervention):
             has_float8_layers,
         )
 
-        problem = None if self.params.get("emulate") else fp8_device_problem(run.device)
-        if problem is not None:
+        if not self.params.get("emulate") and (problem := fp8_device_problem(run.device)) is not None:
             return problem
         if not _has_torchao_float8():
             return "needs torchao: pip install 'lightning-accel[torchao]'"
