@@ -51,7 +51,8 @@ __all__ = [
 MIN_WINDOW_SECONDS = 0.25
 #: (warm-up, timed) steps of the pay-back estimate, the search's first window: the first steps (loader start,
 #: allocator) warm up untimed. Its two timed steps mark it for :class:`WindowLength`, which takes it as asked and
-#: sets no window length from it (three timed steps once set the baseline's length to the estimate's ~50 ms).
+#: sets no window length from it (with more timed steps it would be taken for the baseline's first window, and
+#: every later window capped at the estimate's few steps).
 ESTIMATE_WINDOW = (2, 2)
 #: Untimed warm-up steps of a short fit's windows (a new loader's workers start in the first; 5 by default)
 SHORT_WARMUP_STEPS = 2
