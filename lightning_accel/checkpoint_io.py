@@ -1,19 +1,8 @@
 """Checkpoints written in a background thread, with removals and loads kept in order behind the writes.
 
-``Trainer(plugins=[la.OrderedAsyncCheckpointIO()])`` is Lightning's ``AsyncCheckpointIO`` (the checkpoint's
-tensors are cloned on the training thread, then one background thread writes them while training goes on) with the
-two calls Lightning's plugin leaves synchronous put in order behind the writes:
-
-* ``remove_checkpoint``: ``ModelCheckpoint(save_top_k=k)`` removes an older checkpoint right after it submits a
-  newer one. Lightning's plugin removes on the calling thread at once, so when saves come faster than the disk
-  writes them, the removal of a checkpoint whose write is still queued finds no file, the write then creates it,
-  and a checkpoint the callback dropped is left on disk. Here the removal is queued behind the writes.
-* ``load_checkpoint``: waits for the writes queued before it, so a checkpoint saved a moment ago is read whole.
-
-:meth:`OrderedAsyncCheckpointIO.wait` blocks until every queued write is done (and raises the first error, as the
-next save or the end of the fit would). The end of the fit (``teardown``) waits for every write, as Lightning's
-plugin does. Only strategies whose checkpoints go through ``strategy.checkpoint_io`` use it (single device, DDP
-and this collection's ``ddp_*`` strings; DeepSpeed and the sharded strategies write their own).
+Lightning's ``AsyncCheckpointIO`` leaves ``remove_checkpoint`` and ``load_checkpoint`` synchronous, so a checkpoint
+``ModelCheckpoint(save_top_k=k)`` dropped can be left on disk; here both wait behind the queued writes. See
+docs/techniques/async-checkpointing.md.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ __all__ = ["OrderedAsyncCheckpointIO"]
 
 class OrderedAsyncCheckpointIO(AsyncCheckpointIO):
     """Lightning's ``AsyncCheckpointIO`` with ``remove_checkpoint`` queued behind the writes and
-    ``load_checkpoint`` waiting for them (see the module docstring).
+    ``load_checkpoint`` waiting for them (docs/techniques/async-checkpointing.md).
 
     Args:
         checkpoint_io: the plugin that writes (default: Lightning's ``TorchCheckpointIO``, set by the strategy).

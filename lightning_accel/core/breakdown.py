@@ -1,20 +1,8 @@
 """Stage breakdown over windows and ranks: seconds per stage → shares of the step time that sum to 1.
 
-A window is a run of consecutive training batches. Each rank measures, per window, its wall time (the batches'
-host time between window edges, validation excluded) and the seconds of each measured stage; the ranks' rows are
-gathered once per window and added here.
-
-Per rank and window:
-
-* ``backward`` as timed between ``on_before_backward`` and ``on_after_backward`` contains the exposed
-  communication (DDP waits for the all-reduce before ``backward()`` returns), so ``communication`` is subtracted
-  from it;
-* ``other`` is the wall time no measured stage accounts for (framework overhead, logging, callbacks);
-* on a GPU the device stages come from CUDA events and the data wait from the host clock; when the host waited
-  for data while the GPU was still busy, the stages can add up to more than the wall time. The window's total is
-  then the larger of the two, so shares still sum to 1 and ``other`` is 0.
-
-Shares over several windows and ranks are time-weighted: total seconds of a stage ÷ total time.
+Each rank measures, per window (a run of consecutive training batches), its wall time and the seconds of each
+measured stage; the ranks' rows are gathered once per window and added here. See docs/measuring/doctor.md (The
+stages), which says how the shares are weighed.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ ROW_FIELDS: tuple[str, ...] = ("wall", *MEASURED_STAGES, "samples", "batches")
 
 
 def split_seconds(wall: float, measured: Mapping[str, float]) -> dict[str, float]:
-    """One rank's window: seconds per stage for every stage of ``STAGES`` (see the module docstring).
+    """One rank's window: seconds per stage for every stage of ``STAGES`` (docs/measuring/doctor.md, The stages).
 
     Args:
         wall: host wall time of the window's batches, seconds.

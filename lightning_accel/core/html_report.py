@@ -1,21 +1,8 @@
 """One self-contained HTML page of a run: what the doctor measured, what it found, what the Autopilot tried.
 
 :func:`render_html` turns a :class:`~lightning_accel.core.report.DoctorReport` (and optionally a baseline report and
-an Autopilot plan) into a single HTML file that loads nothing from the network: the plots are inline SVG drawn by
-matplotlib (the ``plots`` extra), the style is inline CSS, and there is no script. Sections, in reading order:
-
-1. the summary (bottleneck, step time, throughput, MFU, ranks) and the findings with their fix, largest saving first;
-2. the step breakdown over time (stacked shares per window) and the throughput over time, with MFU in a panel of
-   its own below where ``MFUMonitor`` ran (each window's MFU is the run's MFU scaled by that window's throughput:
-   the FLOPs per sample do not change within a run);
-3. the compute attribution, when the report carries one (modules by time, each with a small table of its costliest
-   operations);
-4. the fit's phases (training, validation, checkpoints, start-up) and the code smells;
-5. the Autopilot's trials, when a plan is given;
-6. with a baseline, what changed per stage and overall.
-
-The page is titled after the run (:func:`page_title`: ``DoctorReport.run``'s model class and run folder) and prints
-numbers to three significant figures. See ``docs/measuring/doctor.md`` (The HTML page).
+an Autopilot plan) into a single HTML file that loads nothing from the network: inline SVG plots, inline CSS, no
+script. See docs/measuring/doctor.md (The HTML page), which lists its sections.
 """
 
 from __future__ import annotations
@@ -353,7 +340,7 @@ def render_html(
     plan: Mapping[str, Any] | None = None,
     title: str | None = None,
 ) -> str:
-    """The page as a string (see the module docstring); ``title`` defaults to :func:`page_title`. Needs
+    """The page as a string (docs/measuring/doctor.md, The HTML page); ``title`` defaults to :func:`page_title`. Needs
     matplotlib for the plots (``pip install 'lightning-accel[plots]'``); raises ``ImportError`` naming that
     install otherwise."""
     title = title or page_title(report)

@@ -1,17 +1,8 @@
 """Peak memory of a block of work: the CUDA allocator's peak on GPUs, the process's peak resident set on CPUs.
 
-* CUDA: ``torch.cuda.reset_peak_memory_stats`` / ``torch.cuda.max_memory_allocated`` — bytes held in tensors by
-  the caching allocator (not the cached-but-free pool, not the CUDA context), the number an OOM is decided by
-  modulo fragmentation.
-* CPU, Linux: writing ``5`` to ``/proc/self/clear_refs`` resets the process's peak-RSS mark to its current RSS
-  (``man 5 proc``, "clear_refs": "5 — reset the peak resident set size"), and ``VmHWM`` in ``/proc/self/status``
-  is the peak since. This counts everything the process has resident (the Python interpreter, torch's libraries,
-  allocator caches), which is what a RAM budget is about.
-* CPU elsewhere (macOS, Windows, or a Linux whose ``clear_refs`` is not writable): the peak cannot be reset, so the
-  meter samples the current RSS (``psutil``) after the work, which misses transient peaks inside it;
-  :attr:`PeakMemoryMeter.exact` is ``False`` and callers should leave a larger margin.
-
-Nothing here imports Lightning.
+The batch size search needs the peak a training step reaches, which the current memory misses. What each device
+counts, and where the CPU peak can only be sampled (:attr:`PeakMemoryMeter.exact` ``False``): see
+docs/techniques/batch-size.md (How peak memory is measured). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -99,7 +90,7 @@ class PeakMemoryMeter:
             reset_peak_rss()
 
     def peak_bytes(self) -> int:
-        """Peak bytes since the last :meth:`reset` (see the module docstring for what is counted)."""
+        """Peak bytes since the last :meth:`reset` (docs/techniques/batch-size.md says what is counted)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.max_memory_allocated(self.device))

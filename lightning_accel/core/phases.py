@@ -1,22 +1,8 @@
 """The whole fit: wall time split into start-up, training steps, validation, checkpoint saving and the rest.
 
-:class:`FitClock` attributes wall time to nested phases (the innermost open phase gets the time: a checkpoint
-saved at the end of validation is ``checkpoint``, a sanity check during start-up is ``validation``);
-:func:`diagnose_fit` turns the result into findings with the concrete Trainer / ``ModelCheckpoint`` settings. A fit
-finding's ``saving`` is its phase's share of the fit after start-up, together with the tail the phase leaves in the
-training batches when the caller measured one (``tails``: e.g. the validation DataLoader's workers starting before
-Lightning's ``on_validation_start``, counted as the next batch's data wait): validating or saving less often removes
-both.
-
-Phases (:data:`FIT_PHASES`):
-
-* ``startup``: ``setup`` → the first measured batch: model set-up, the warm-up batches (FLOP counting,
-  compilation, the first iterator);
-* ``train``: the measured training batches (the step breakdown's wall time);
-* ``validation``: validation runs inside ``fit``, the sanity check included;
-* ``checkpoint``: ``trainer.save_checkpoint`` calls (state collection + write) and the deletion of old checkpoints
-  (``strategy.remove_checkpoint``);
-* ``other``: the rest (epoch ends, logging and callback work between batches and windows, teardown).
+:class:`FitClock` attributes wall time to nested phases (the innermost open phase gets the time);
+:func:`diagnose_fit` turns the result into findings with the concrete Trainer / ``ModelCheckpoint`` settings. See
+docs/method.md (Outside the step), which defines the phases (:data:`FIT_PHASES`) and a fit finding's saving.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Mixed-precision building blocks without Lightning: which autocast dtype a device supports and runs fastest,
-and fp32 "islands" (modules that run with autocast off).
+"""Mixed-precision building blocks without Lightning: which autocast dtype a device supports and runs fastest
+(:func:`choose_autocast_dtype`), and fp32 "islands" (modules that run with autocast off).
 
-The dtype rule (:func:`choose_autocast_dtype`):
-
-* **CUDA**: bf16 when the GPU has it in hardware (``torch.cuda.is_bf16_supported(including_emulation=False)``,
-  Ampere and newer; ROCm), else fp16, which needs loss scaling (a ``GradScaler``). bf16 keeps fp32's exponent
-  range, so it needs no scaler (docs/method.md: "A GradScaler is pointless with bf16").
-* **CPU**: only what is measured to be faster. :func:`autocast_speedup` times a matmul-heavy probe (a chain of
-  256×256 fp32 matmuls under ``torch.autocast``, casts included, so the probe pays what a training step pays)
-  against the same chain in fp32, alternating A B A B and taking medians. The fastest of bf16/fp16 is used when it
-  is at least :data:`CPU_MIN_SPEEDUP` (1.10×) faster than fp32; otherwise training stays in fp32. Between bf16 and
-  fp16 within 10 % of each other bf16 wins (no scaler). CPUs with AVX512-BF16/AMX (Cooper Lake, Sapphire Rapids
-  and newer, Zen 4 and newer) usually pass; CPUs without them emulate bf16 and are many times slower. The result
-  is cached per process, device and thread count.
-* **Other devices** (mps, xpu, ...): bf16 if autocast accepts it, else fp16.
+On CUDA the hardware decides (bf16 where it is native, else fp16 with a scaler); on a CPU a half dtype is used only
+where a short probe measures it faster than fp32. See docs/techniques/mixed-precision.md.
 """
 
 from __future__ import annotations
@@ -165,7 +154,8 @@ class DtypeChoice:
 
 
 def choose_autocast_dtype(device: torch.device | str, requested: str = "auto") -> DtypeChoice:
-    """Resolve ``requested`` ("auto", "bf16", "fp16", "fp32") for ``device`` following the module's rule.
+    """Resolve ``requested`` ("auto", "bf16", "fp16", "fp32") for ``device`` following the rule of
+    docs/techniques/mixed-precision.md.
 
     Raises:
         ValueError: an explicit dtype the device does not support; the message lists what it supports.

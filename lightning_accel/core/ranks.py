@@ -1,16 +1,8 @@
 """Every rank: the straggler rule over per-rank stage seconds.
 
 Under DDP every rank waits in the gradient all-reduce for the slowest one, so a straggler shows up on the *other*
-ranks as exposed ``communication``. The rule therefore compares each rank's time *outside* the all-reduce (its own
-work) with the other ranks', names the stage where the straggler's extra time goes, and reports the others'
-communication wait as the straggler's cost, not as a communication problem (:func:`own_communication_share` is
-what the all-reduce itself costs: the wait of the rank that waits least).
-
-The straggler finding's ``saving`` is its excess over the other ranks (every rank's step shortens by that much once
-it keeps pace). :func:`straggler_shares` is the time the stragglers account for, per stage, as shares of the mean
-step: their own extra time in each stage and the others' extra wait in the all-reduce, which the step rules take
-out before they judge a stage, so that no second finding blames the same seconds on the data loader or the
-network.
+ranks as exposed ``communication``: the rule compares each rank's time outside the all-reduce with the others' and
+charges their wait to the straggler, not to the network. See docs/method.md (Outside the step).
 """
 
 from __future__ import annotations

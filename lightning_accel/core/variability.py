@@ -2,21 +2,8 @@
 
 A window's batch times (host seconds per batch) and data waits are summarised into a fixed row of numbers
 (:data:`VARIABILITY_FIELDS`), cheap to gather across ranks; :func:`merge_windows` pools the windows of a rank and
-:func:`variability_finding` names the cause:
-
-* spikes whose extra time is mostly data wait → **bursty data stalls** (the workers fall behind now and then):
-  deeper prefetch, persistent workers, more workers;
-* spikes at a fixed batch interval → **periodic work** on the step: logging (``log_every_n_steps``), checkpoint
-  cadence (``every_n_train_steps``), validation (``val_check_interval``: its loader's set-up runs before Lightning's
-  ``on_validation_start`` and lands in the next batch's data wait), Python's garbage collector. Spikes at a
-  checkpoint's or validation's cadence are that phase's cost even when they are data wait (:func:`spike_phase`), so
-  they are not called data stalls;
-* otherwise irregular spikes: the garbage collector or other processes on the machine.
-
-A spike is a batch that takes more than twice the window's median. The finding fires when p95 ÷ p5 exceeds
-``Thresholds.variability``, or when at least 3 spikes at a fixed interval add 5 % or more to the measured time
-(spikes once per window or rarer leave p95 alone). Its ``saving`` is the spikes' extra time as a share of the
-measured time.
+:func:`variability_finding` names the cause. See docs/method.md (Outside the step), which defines a spike, when
+the finding fires and the causes it names.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The doctor's verdict: measured windows, fit phases and smells → one
-:class:`~lightning_accel.core.report.DoctorReport`.
+:class:`~lightning_accel.core.report.DoctorReport`, its findings reconciled so that no two claim the same seconds.
 
 Pure (no Lightning): the callback calls it at the end of ``fit``; any other loop that fed a
 :class:`~lightning_accel.core.breakdown.Breakdown` (e.g. from :class:`~lightning_accel.core.stages.StageMachine`
-windows) gets the same report, with the step rules, stragglers, variability and fit findings applied the same way.
-
-The findings are reconciled before they are shown, so that no two of them claim the same seconds and the first is
-the fix that saves the most:
-
-* time a straggler explains is not blamed on the network or the loader again (:func:`~lightning_accel.core.rules.
-  diagnose` with the per-rank seconds);
-* spikes of the training batches at a checkpoint's or validation's cadence are that phase's tail: they join its fit
-  finding (``tails`` of :func:`~lightning_accel.core.phases.diagnose_fit`) and leave the data wait the step rules
-  judge, or, when the phase stays under its threshold, stay one ``step_variability`` finding that names it;
-* a ``step_variability`` finding whose spikes lie in a stage another step finding already counts (bursty data
-  stalls beside the data wait, or on the straggler's rank) joins that finding;
-* every finding carries its ``saving`` as a share of the fit after start-up (a step finding's share of the step
-  times the training's share of that fit), and the list is ordered by it, largest first.
+windows) gets the same report. See docs/method.md (Outside the step), which says how the findings are reconciled.
 """
 
 from __future__ import annotations
@@ -92,8 +79,8 @@ def build_report(
     notes: Sequence[str] = (),
     empty_note: str = "too little data to diagnose",
 ) -> DoctorReport:
-    """The report of a run; ``report.findings`` holds the step, variability and fit findings reconciled (see the
-    module docstring), largest saving first, and ``report.fit_findings`` the fit ones among them.
+    """The report of a run; ``report.findings`` holds the step, variability and fit findings reconciled (see
+    docs/method.md, Outside the step), largest saving first, and ``report.fit_findings`` the fit ones among them.
 
     Args:
         breakdown: the windows added so far (rows of every rank).

@@ -1,17 +1,8 @@
 """The doctor's window log: one JSON line per measuring window of a running fit, and what follows it.
 
-:class:`BottleneckDoctor <lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor>` (rank 0) appends to the log
-while the fit runs; ``lightning-accel watch DIR`` follows it from another shell, on the same machine or over a shared
-file system. Each line is one event:
-
-- ``{"event": "start", "time": ..., "world_size": n, "window": batches per window, "pid": the writer's}``
-- ``{"event": "window", "time": ..., "batch": batches measured so far, "shares": {stage: fraction},
-  "step_ms": ..., "samples_per_sec": ..., "mfu": ... or null, "findings": [{"stage", "rule", "evidence", "fix",
-  "value"}, ...]}``
-- ``{"event": "end", "time": ..., "status": "finished" | "failed: <error>", "report": path or null}``
-
-A window line is written when a window closes (every ``window`` batches), never per step. The reader tolerates a
-line still being written (it waits for its newline).
+``BottleneckDoctor`` (rank 0) appends to it while the fit runs, a line per window, never per step;
+``lightning-accel watch DIR`` follows it from another shell. See docs/measuring/doctor.md (A live view), which
+lists each line's fields.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Memory-mapped shards: ``pack_memmap`` writes them; ``MemmapDataset``, ``TokenMemmapDataset`` and
 ``MemmapDataModule`` read them.
 
-The method's fix for per-sample file overhead: pre-process once into a few large numpy ``.npy`` shards and let
-every DataLoader worker map them, so reading a sample is a page-cache lookup instead of an ``open`` + parse, and
-nothing is loaded into RAM up front (the OS pages in what is read and can drop it again). A shard folder holds
-``{prefix}-{i:06d}.npy`` (optionally ``{prefix}-{i:06d}.labels.npy``) and ``index.json``::
-
-    {"format": "lightning-accel-memmap", "version": 1, "kind": "samples" | "tokens", "dtype": "uint8",
-     "sample_shape": [3, 32, 32], "num_samples": 50000,            # kind "samples"
-     "num_tokens": 123456,                                         # kind "tokens"
-     "shards": [{"file": "shard-000000.npy", "count": 8192, "labels": "shard-000000.labels.npy"}, ...]}
-
-Every file is written to a temporary name, fsynced and renamed; ``index.json`` comes last, so a folder with an
-index is always complete and an interrupted pack leaves no partial shard.
+The fix for per-sample file overhead: pre-process once into a few large ``.npy`` shards that every DataLoader worker
+maps, so reading a sample is a page-cache lookup instead of an ``open`` + parse. See docs/techniques/packing.md,
+which shows the folder's layout and ``index.json``.
 """
 
 from __future__ import annotations

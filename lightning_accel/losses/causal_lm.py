@@ -1,17 +1,8 @@
-"""A Hugging Face causal LM computes its training loss without its logits: :func:`use_fused_linear_cross_entropy`
-(docs/techniques/fused-cross-entropy.md).
+"""A Hugging Face causal LM computes its training loss without its logits: :func:`use_fused_linear_cross_entropy`.
 
-The model's own code runs unchanged up to its head: a call with ``labels=`` makes the head (``lm_head``, found by
-``get_output_embeddings()``) hand back its input, and the model's ``loss_function`` (the one its forward calls on
-the logits) computes the loss from those hidden states with :func:`~.linear_cross_entropy.linear_cross_entropy`,
-with the model's own label shift, ``ignore_index`` and ``num_items_in_batch``. The output's ``logits`` is ``None``
-then; a call without ``labels`` (generation, evaluation by logits) builds them as before. Nothing is renamed, so the
-state dict, tied weights and optimizers are the model's own.
-
-A model that does something to its logits between the head and the loss (Gemma 2's soft-capping, a logit scale)
-would be trained on a different loss: the first call with labels is therefore also run the model's own way (one
-sample, no gradient, dropout off, the random state restored) and the two losses must agree, or the model is put
-back and a ``ValueError`` names both losses.
+A call with ``labels=`` makes the head hand back its input, and the model's own ``loss_function`` computes the loss
+from those hidden states with :func:`~.linear_cross_entropy.linear_cross_entropy`; a check on the first batch
+refuses a model that changes its logits before the loss. See docs/techniques/fused-cross-entropy.md.
 """
 
 from __future__ import annotations
@@ -192,7 +183,8 @@ def use_fused_linear_cross_entropy(
     model: nn.Module, *, chunk_tokens: int | None = None, backend: str = "auto"
 ) -> FusedLinearCrossEntropyHandle:
     """Make a Hugging Face causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``) compute its loss without its logits
-    when it is called with ``labels=``; see the module docstring. Returns a handle (``.remove()`` undoes it).
+    when it is called with ``labels=`` (docs/techniques/fused-cross-entropy.md). Returns a handle (``.remove()``
+    undoes it).
 
     Refuses (``TypeError``) anything else: a model whose loss is computed outside it, from its logits, takes
     :func:`~.linear_cross_entropy.linear_cross_entropy` on its hidden states instead.

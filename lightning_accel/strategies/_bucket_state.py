@@ -1,20 +1,9 @@
 """Per-bucket compressor state moved between DDP bucket layouts through per-parameter pieces.
 
 A compressor keeps state per gradient bucket, keyed by DDP's bucket index (PowerSGD's error feedback and P/Q
-memories, Top-K's and QSGD's residuals). The layout of the buckets changes: DDP builds them in reverse parameter
-order, rebuilds them in gradient-ready order after the first backward of every new DDP model, so a resumed run
-starts with a different layout than the one its checkpoint was saved under. Each such tensor is a concatenation of
-per-parameter segments in the bucket's order:
-
-* error feedback: the bucket's flat gradient, one segment of ``numel`` entries per parameter;
-* PowerSGD's P / Q memories (torch's ``powerSGD_hook``): one segment of ``n·r`` / ``m·r`` entries per compressed
-  matrix (``n`` rows, ``m`` = the other dimensions, ``r = min(n, m, rank)``; compressed when
-  ``(n + m)·r·min_compression_rate < n·m``, torch's ``_should_compress``), grouped by ``(n, m)`` in order of first
-  appearance, in bucket order within a group (batched or not, each matrix's block is contiguous).
-
-:class:`BucketStateMover` splits every bucket's tensors into per-parameter pieces when the layout changes (and for
-a checkpoint), and reassembles them for a bucket the first time it is seen in a new layout, so the state follows
-its parameters through every rebuild and resume.
+memories, Top-K's and QSGD's residuals), and DDP changes its bucket layout after the first backward and on resume.
+:class:`BucketStateMover` keeps the state with its parameters through every rebuild and resume. See
+docs/techniques/ddp-compression.md (Compressor state is training state).
 """
 
 from __future__ import annotations
@@ -30,6 +19,11 @@ __all__ = ["BucketStateMover"]
 
 class BucketStateMover:
     """Moves the per-bucket tensors of a compressor's state object between bucket layouts.
+
+    DDP builds its buckets in reverse parameter order and rebuilds them in gradient-ready order after the first
+    backward of every new DDP model, so a resumed run starts in another layout than the one its checkpoint was saved
+    under. The mover splits every bucket's tensors into per-parameter pieces when the layout changes (and for a
+    checkpoint), and reassembles them for a bucket the first time it is seen in a new layout.
 
     Args:
         shapes: shape of every parameter, by its position in ``model.parameters()``.
@@ -49,7 +43,16 @@ class BucketStateMover:
         self.pieces: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.dict_names}
 
     def segments(self, name: str, layout: Sequence[int]) -> list[tuple[int, int]]:
-        """``(parameter, length)`` in the order the parameters' pieces sit in that dict's tensor for ``layout``."""
+        """``(parameter, length)`` in the order the parameters' pieces sit in that dict's tensor for ``layout``.
+
+        Each per-bucket tensor is a concatenation of per-parameter segments in the bucket's order:
+
+        * error feedback: the bucket's flat gradient, one segment of ``numel`` entries per parameter;
+        * PowerSGD's P / Q memories (torch's ``powerSGD_hook``): one segment of ``n·r`` / ``m·r`` entries per
+          compressed matrix (``n`` rows, ``m`` = the other dimensions, ``r = min(n, m, rank)``; compressed when
+          ``(n + m)·r·min_compression_rate < n·m``, torch's ``_should_compress``), grouped by ``(n, m)`` in order of
+          first appearance, in bucket order within a group (batched or not, each matrix's block is contiguous).
+        """
         if name == "error_dict" or self.powersgd is None:
             return [(i, math.prod(self.shapes[i])) for i in layout]
         rank, min_rate = self.powersgd

@@ -1,23 +1,9 @@
 """Where the train DataLoader of a fit comes from, and how to get it rebuilt with other settings.
 
-Two ways, whichever the script allows:
-
-* **attributes**: the DataLoader comes from ``train_dataloader()`` of the LightningModule or datamodule, and that
-  method reads an attribute (``self.num_workers``, ``self.batch_size``, ... looked up like Lightning's
-  ``batch_size``: module, hparams, datamodule). Setting the attribute and calling ``train_dataloader()`` again
-  builds the new loader; the fit loop calls it itself when it sets up its data.
-* **rebuild**: the DataLoader was passed straight to ``trainer.fit(model, loader)`` (the commonest script shape,
-  which Lightning's tuner cannot handle, Lightning #11604), or ``train_dataloader()`` reads no such attribute. The
-  loader is re-created from its own constructor arguments with the new values, the way Lightning re-creates a
-  loader when it injects a ``DistributedSampler`` (``lightning.pytorch.utilities.data``), and the new loader
-  replaces the fit's data source.
-
-Every tuner goes through :class:`TrainLoaderSource`: the Autopilot, :class:`~lightning_accel.DataLoaderTuner` and
-:class:`~lightning_accel.BatchSizeTuner` (these two name their attributes: ``attribute_names``).
-
-Private Lightning names (through :mod:`lightning_accel._compat`): the fit loop's data source (where the fit records
-what feeds it; ``.instance`` is the module or the loader), and the re-instantiation Lightning uses for sampler
-injection.
+Either ``train_dataloader()`` reads attributes that can be set, or the loader is re-created from its own
+constructor arguments. Every tuner goes through :class:`TrainLoaderSource`: the Autopilot,
+:class:`~lightning_accel.DataLoaderTuner` and :class:`~lightning_accel.BatchSizeTuner`. See
+docs/techniques/data-loading.md (Where the loader comes from).
 """
 
 from __future__ import annotations
@@ -47,6 +33,10 @@ def _sanitise(values: Mapping[str, Any]) -> dict[str, Any]:
 
 class TrainLoaderSource:
     """The fit's train DataLoader: read its settings, build it with others, make the fit use them.
+
+    Private Lightning names (through :mod:`lightning_accel._compat`): the fit loop's data source (where the fit
+    records what feeds it; ``.instance`` is the module or the loader), and the re-instantiation Lightning uses for
+    sampler injection.
 
     Args:
         trainer: the fitting Trainer (its fit loop knows where the train data comes from).

@@ -1,19 +1,8 @@
 """Running real training steps outside the fit loop, and undoing them exactly: shared by the tuners and the Autopilot.
 
-Lightning's ``BatchSizeFinder`` runs its trials through the fit loop and undoes them by saving a checkpoint to
-``default_root_dir`` and restoring it (``lightning/pytorch/tuner/batch_size_scaling.py``): a full write of the model
-and optimizer to disk per search, loop progress reset by hand, and no RNG restore. Here a trial is
-:meth:`StepRunner.optimizer_step` on real batches (the LightningModule's own ``training_step``, the backward through
-the precision plugin's GradScaler when it has one, the optimizer step: the one step loop of the tuners, the
-Autopilot's measuring windows and its numerics probe), and :class:`TrainingState`
-snapshots everything such a step touches (parameters, buffers, gradients, optimizer and scheduler state, the
-precision plugin's scaler, the train/eval flags, every RNG) in memory — off the accelerator, so the snapshot does not
-take the memory being measured — and writes it back bit for bit. The fit loop is never entered, so loop progress,
-``global_step`` and logged metrics are untouched.
-
-Under DDP the tuners' steps call the LightningModule directly rather than the DDP wrapper: no gradient all-reduce
-runs, so a rank that runs out of memory cannot leave the others waiting in a collective. The DDP gradient buckets were
-allocated when the model was wrapped and are part of the measured memory all the same.
+:class:`StepRunner` runs the LightningModule's own steps on real batches; :class:`TrainingState` snapshots what such
+a step touches, in host memory, and writes it back bit for bit. The fit loop is never entered, so loop progress,
+``global_step`` and logged metrics are untouched. See docs/techniques/batch-size.md (What it keeps).
 """
 
 from __future__ import annotations
@@ -76,7 +65,11 @@ def _from_cpu(saved: Any) -> Any:
 
 
 class TrainingState:
-    """In-memory snapshot of everything a training step can change, restored bit for bit by :meth:`restore`."""
+    """In-memory snapshot of everything a training step can change, restored bit for bit by :meth:`restore`.
+
+    Parameters, buffers, gradients, optimizer and scheduler state, the precision plugin's scaler, the train/eval
+    flags and every RNG, held off the accelerator so that the snapshot takes none of the memory being measured.
+    """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module
@@ -242,8 +235,14 @@ def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class StepRunner:
-    """Runs the LightningModule's training step outside the fit loop (see the module docstring): the one step loop
-    of the tuners, the Autopilot's measuring windows and its numerics probe."""
+    """Runs the LightningModule's training step outside the fit loop: the one step loop of the tuners, the
+    Autopilot's measuring windows and its numerics probe (docs/techniques/batch-size.md, What it keeps).
+
+    A step is the LightningModule's own ``training_step``, the backward through the precision plugin's GradScaler
+    when it has one, and the optimizer step (:meth:`optimizer_step`). Under DDP the tuners' steps call the
+    LightningModule directly rather than the DDP wrapper: no gradient all-reduce runs, so a rank that runs out of
+    memory cannot leave the others waiting in a collective.
+    """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, pl_module

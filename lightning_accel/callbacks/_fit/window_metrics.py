@@ -1,16 +1,8 @@
 """Window metrics to the loggers, ``callback_metrics`` and the progress bar without ``pl_module.log``'s per-key cost.
 
 ``pl_module.log`` costs ~0.2-1.5 ms per key on a CPU (result-collection bookkeeping, a tensor per value, a device
-check), which the doctor and MFUMonitor paid for every key of every window: most of their in-hook time. A window's
-metrics are plain floats computed once per window, so they go where ``self.log(..., on_step=True)`` would put them
-in one call: every logger (``log_metrics`` at the step Lightning logs at), ``trainer.callback_metrics`` (what
-``ModelCheckpoint(monitor=...)`` / ``EarlyStopping`` read) and, for ``prog_bar`` keys, ``trainer.progress_bar_metrics``.
-
-The two metric dicts are reached through the Trainer's public ``callback_metrics`` and ``progress_bar_metrics``
-properties (they return Lightning's own dicts); the loggers through the logger connector's ``log_metrics``, the one
-method Lightning's own ``ThroughputMonitor`` logs through (it logs at Lightning's step counter and adds ``epoch``,
-as ``self.log`` does; no public API does that: :func:`lightning_accel._compat.logger_connector_log_metrics`). Where
-that method is missing (another Lightning version), it falls back to ``pl_module.log``.
+check): most of the doctor's and MFUMonitor's in-hook time. A window's metrics are plain floats computed once per
+window, so one call puts them where ``self.log(..., on_step=True)`` would. See docs/measuring/mfu.md.
 """
 
 from __future__ import annotations
@@ -29,7 +21,15 @@ __all__ = ["log_window"]
 def log_window(
     trainer: pl.Trainer, pl_module: pl.LightningModule, values: Mapping[str, float], prog_bar: Collection[str] = ()
 ) -> None:
-    """Log one window's ``values`` (key → float) as ``pl_module.log(key, value, on_step=True)`` would show them."""
+    """Log one window's ``values`` (key → float) as ``pl_module.log(key, value, on_step=True)`` would show them.
+
+    ``trainer.callback_metrics`` (what ``ModelCheckpoint(monitor=...)`` / ``EarlyStopping`` read) and, for
+    ``prog_bar`` keys, ``trainer.progress_bar_metrics`` are reached through the Trainer's public properties (they
+    return Lightning's own dicts); every logger through the logger connector's ``log_metrics``, the one method
+    Lightning's own ``ThroughputMonitor`` logs through (it logs at Lightning's step counter and adds ``epoch``, as
+    ``self.log`` does; no public API does that: :func:`lightning_accel._compat.logger_connector_log_metrics`).
+    Where that method is missing (another Lightning version), it falls back to ``pl_module.log``.
+    """
     from lightning_accel._compat import logger_connector_log_metrics
 
     log_metrics = logger_connector_log_metrics(trainer)

@@ -1,17 +1,11 @@
 """The Autopilot's decisions, framework-free: nothing here runs a step or imports Lightning.
 
-One module per concern, each used by the ones after it:
-
-- :mod:`~.numerics`: the numerics guard (tolerances per kind, probes compared);
-- :mod:`~.plan`: the trial rows and their outcomes, the replayable plan and its rendering (YAML, Python, the claim);
-- :mod:`~.protocol`: the candidate, the backend the loop drives, the windows and offers it returns;
-- :mod:`~.pairing`: the paired windows (A B, A B B A, A B B A B) and the keep rule;
-- :mod:`~.priors`: which fix each finding and stage names, what each can remove, the proposal;
-- :mod:`~.budget`: what a search, a trial and a window cost and whether a fix repays them, the window length;
-- :mod:`~.trials` and :mod:`~.search`: the trials and the loop around them.
-
-:class:`~lightning_accel.Autopilot` (``callbacks/autopilot/``) measures and applies; these decide, so every decision
-is unit-tested with exact numbers (sources of the guards: ``docs/method.md``, "Closing the loop automatically").
+One module per concern, each used by the ones after it: ``numerics`` (the guard), ``plan`` (the trial rows, the
+replayable plan, its YAML / Python and the claim), ``protocol`` (the candidate, the backend, its windows and offers),
+``pairing`` (A B, A B B A, A B B A B and the keep rule), ``priors`` (which fix each finding names, what it can
+remove), ``budget`` (what a search, a trial and a window cost; the window length), then ``trials`` and ``search``.
+:class:`~lightning_accel.Autopilot` measures and applies; these decide, so every decision is unit-tested with exact
+numbers. See docs/autopilot.md; the guards' sources are in docs/method.md, "Closing the loop automatically".
 """
 
 from lightning_accel.core.autopilot.budget import (
