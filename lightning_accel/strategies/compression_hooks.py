@@ -1,34 +1,7 @@
 """Top-K sparsification and QSGD quantisation as DDP communication hooks (torch only; gloo and NCCL).
 
-Both exchange their compressed buckets with ``all_gather`` (a sum of sparse or quantised codes is not itself sparse
-or quantised, so ``all_reduce`` cannot carry them): every rank sends its payload and receives every other rank's,
-decompresses all of them and averages. Per rank the wire carries about ``(N-1)·payload`` for an all-gather against
-``2·(N-1)/N·gradient`` for a ring all-reduce of the uncompressed bucket, so Top-K at density ``ρ`` (8 bytes per
-kept entry against 4 per gradient) pays only where ``ρ < 1/N`` and bytes, not latency, dominate
-(``core/scaling.py`` projects it per interconnect).
-
-==========  =====================================================  ===========================================
-hook        payload per bucket of ``n`` fp32 gradients             error feedback
-==========  =====================================================  ===========================================
-Top-K       ``k = ceil(ρ·n)`` values (fp32) + indices (int32):     on by default (Stich et al. 2018, Lin et al.
-            ``8·k`` bytes, ratio ``1 / (2ρ)``                      2018 "DGC"): the unsent part is added to the
-                                                                   next step's gradient
-QSGD        per chunk of ``d`` entries one fp32 norm, per entry    off by default: the quantiser is unbiased
-            sign + level in ``b`` bits (``b`` = 2, 4 or 8 for      (Alistarh et al. 2017); variance bound
-            ``s`` <= 1, 7, 127 levels): ``n·b/8 + 4·n/d`` bytes    ``min(d/s², √d/s)·‖g‖²`` per chunk
-==========  =====================================================  ===========================================
-
-Top-K carries Deep Gradient Compression's recipe (Lin et al. 2018) as state knobs, all off in a bare
-:class:`TopKState` and set by ``ddp_topk``: a density warm-up (:func:`warmup_densities`, :func:`scheduled_density`:
-25 %, 6.25 %, 1.5625 %, ... down to the target, a fixed number of compressed steps per stage) and momentum
-correction with factor masking (:func:`topk_accumulate`, :func:`topk_select`): the hook accumulates the velocity
-itself, so the optimizer must step without momentum on compressed steps.
-
-State (:class:`TopKState`, :class:`QSGDState`) is training state: the iteration counter (which also places the
-density warm-up), the per-bucket error residuals, Top-K's per-bucket velocity and QSGD's random generator; ``DDPCompressionStrategy`` saves and restores it with the checkpoint.
-Residuals are keyed by DDP's bucket index, which is stable once DDP has rebuilt its buckets after the first
-iteration; hence a warm-up of at least 2 plain all-reduce steps with error feedback (torch's PowerSGD demands the
-same).
+Both exchange by ``all_gather``. Their state (:class:`TopKState`, :class:`QSGDState`) is training state, which
+``DDPCompressionStrategy`` checkpoints. See docs/techniques/ddp-compression.md ("The Top-K and QSGD hooks").
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""DDP with gradient compression: fp16 / bf16 casting, PowerSGD, Top-K sparsification or QSGD before the exchange.
+"""DDP with gradient compression: ``ddp_fp16_compress``, ``ddp_bf16_compress``, ``ddp_powersgd``, ``ddp_topk``, ``ddp_qsgd``.
 
-Strings (after ``import lightning_accel``): ``ddp_fp16_compress``, ``ddp_bf16_compress``, ``ddp_powersgd``,
-``ddp_topk``, ``ddp_qsgd``. Each is :class:`DDPCompressionStrategy` with a DDP communication hook — torch's
-(``torch.distributed.algorithms.ddp_comm_hooks``) or this package's (:mod:`.compression_hooks`) — registered by
-this strategy on CPU (gloo) and CUDA (NCCL) alike: Lightning's ``DDPStrategy`` registers hooks only on CUDA devices.
+:class:`DDPCompressionStrategy` is the Lightning wiring of its parts: the knobs (:mod:`.ddp_compression_config`), the
+compressor and its checkpoint format (:mod:`.compressor_state`), the counters (:mod:`.comm_stats`) and DGC's
+optimizer-dependent parts (:mod:`.topk_optimizers`). See docs/techniques/ddp-compression.md.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import fields
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -20,13 +18,26 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel.strategies._bucket_state import BucketStateMover
-from lightning_accel.strategies.compression_hooks import qsgd_variance_bound
+from lightning_accel.strategies.comm_stats import CommCounter, CommHook, CommStats
+from lightning_accel.strategies.compressor_state import _CHECKPOINT_KEY, Compressor
+from lightning_accel.strategies.ddp_compression_config import (
+    DEFAULT_ADAPTIVE_WARMUP_STEPS,
+    DEFAULT_DENSITY_WARMUP_STEPS,
+    Compression,
+    DDPCompressionConfig,
+)
 from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
+from lightning_accel.strategies.topk_optimizers import configure_topk_for_optimizers, momentum_off_when_compressed
 
 _compat.require_versions("the DDP compression strategies")
 
 __all__ = [
+    "DEFAULT_ADAPTIVE_WARMUP_STEPS",
+    "DEFAULT_DENSITY_WARMUP_STEPS",
+    "CommHook",
     "CommStats",
+    "Compression",
+    "DDPCompressionConfig",
     "DDPCompressionStrategy",
     "ddp_bf16_compress",
     "ddp_fp16_compress",
@@ -35,110 +46,18 @@ __all__ = [
     "ddp_topk",
 ]
 
-Compression = Literal["fp16", "bf16", "powersgd", "topk", "qsgd"]
-_COMPRESSIONS = ("fp16", "bf16", "powersgd", "topk", "qsgd")
-#: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``, torch's DDP communication-hook signature.
-CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
 
-_CHECKPOINT_KEY = "lightning_accel_ddp_compression"
+class _Kept:
+    """An attribute of the strategy that one of its parts keeps: read and set through the strategy."""
 
-#: ``ddp_topk``'s compressed steps per stage of DGC's density warm-up (25 % → 6.25 % → 1.5625 % → 1 %: 3 stages,
-#: 192 steps at the default density). DGC ramps over its first 4 of 90 epochs; a step count does not depend on the
-#: data set's size, and 3 × 64 steps give the error-feedback residual and the optimizer time to settle at each
-#: density while staying a small share of a real run.
-DEFAULT_DENSITY_WARMUP_STEPS = 64
-#: ``ddp_topk``'s plain all-reduce steps before compressing under an Adam-family optimizer: the second moment
-#: estimate (``β₂ = 0.999``: a time constant of 1000 steps) must first see dense gradients, or the entries that are
-#: sent rarely get huge normalised steps (1-bit Adam's lesson: compress after the variance has stabilised).
-DEFAULT_ADAPTIVE_WARMUP_STEPS = 100
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
 
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
 
-def _is_adaptive(optimizer: Any) -> bool:
-    """Adam-family (per-entry adaptive step sizes): torch's adaptive optimizers, or any with ``betas`` (Adam-like
-    third-party ones: fused, 8-bit, LAMB)."""
-    adaptive = tuple(
-        getattr(torch.optim, name)
-        for name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam")
-        if hasattr(torch.optim, name)
-    )
-    return isinstance(optimizer, adaptive) or "betas" in getattr(optimizer, "defaults", {})
-
-
-@dataclass
-class CommStats:
-    """Gradient-communication statistics of one rank, counted by the strategy's hook (cumulative since ``fit``).
-
-    All byte counts are of the payload this rank hands to the collective (the tensors' ``numel × element_size``),
-    not of wire traffic: a ring all-reduce moves about ``2·(N-1)/N`` times the payload per rank, an all-gather
-    (Top-K, QSGD) receives ``N-1`` times it.
-
-    Attributes:
-        steps: synchronising backward passes (one per optimizer step; accumulation micro-batches under
-            ``no_sync`` do not communicate and do not count).
-        calls: hook calls (one per gradient bucket per synchronising backward).
-        bytes_before: bytes of the gradient buckets before compression (their dtype, usually fp32).
-        bytes_sent: bytes handed to the collectives after compression.
-        powersgd_steps: steps in which PowerSGD compressed (0 for the others; warm-up steps all-reduce plainly).
-        compressed_steps: steps in which the compressor ran (any compression; fp16/bf16: every step).
-    """
-
-    steps: int = 0
-    calls: int = 0
-    bytes_before: int = 0
-    bytes_sent: int = 0
-    powersgd_steps: int = 0
-    compressed_steps: int = 0
-
-    @property
-    def compression_rate(self) -> float:
-        """``bytes_before / bytes_sent`` (1.0 = no compression; nan before the first all-reduce)."""
-        return self.bytes_before / self.bytes_sent if self.bytes_sent else float("nan")
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters and ``compression_rate`` as one flat dict (what ``BottleneckDoctor`` reads)."""
-        return {**asdict(self), "compression_rate": self.compression_rate}
-
-
-def _is_int(value: Any, low: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= low
-
-
-def _check_topk_recipe(
-    warmup_steps: Any, warmup: Any, momentum_correction: Any, adaptive_warmup_steps: Any, error_feedback: bool
-) -> None:
-    """Argument checks of DGC's recipe (``ddp_topk``): each error names the value and the fix."""
-    if not _is_int(warmup_steps, 0):
-        raise ValueError(
-            f"ddp_topk: density_warmup_steps={warmup_steps!r} must be an integer >= 0 (compressed steps per "
-            f"warm-up stage, e.g. {DEFAULT_DENSITY_WARMUP_STEPS}; 0 turns the warm-up off)"
-        )
-    if warmup is not None:
-        if isinstance(warmup, (str, bytes)) or not isinstance(warmup, Sequence):
-            raise ValueError(
-                f"ddp_topk: density_warmup={warmup!r} must be a list of densities, e.g. [0.25, 0.0625, 0.015625], "
-                "or None (DGC's ramp down to the target density)"
-            )
-        for d in warmup:
-            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
-                raise ValueError(
-                    f"ddp_topk: density_warmup={list(warmup)!r} holds {d!r}: every stage's density must be a "
-                    "fraction in (0, 1], e.g. [0.25, 0.0625, 0.015625]"
-                )
-    if momentum_correction not in (None, True, False):
-        raise ValueError(
-            f"ddp_topk: momentum_correction={momentum_correction!r} must be None (automatic: on for SGD with "
-            "momentum), True or False"
-        )
-    if momentum_correction and not error_feedback:
-        raise ValueError(
-            "ddp_topk: momentum_correction=True needs use_error_feedback=True (the velocity accumulates in the "
-            "residual); drop use_error_feedback=False or set momentum_correction=None"
-        )
-    if not _is_int(adaptive_warmup_steps, 0):
-        raise ValueError(
-            f"ddp_topk: adaptive_warmup_steps={adaptive_warmup_steps!r} must be an integer >= 0 (plain all-reduce "
-            f"steps before compressing under Adam-family optimizers, e.g. {DEFAULT_ADAPTIVE_WARMUP_STEPS})"
-        )
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
 
 
 class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
@@ -199,8 +118,8 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
     (one norm per 128 entries: 7.5x fewer bytes; variance bound ``min(d/s², √d/s)`` = 1.6 against 3.2 at the QSGD
     paper's 512, for 3 % more bytes), error feedback off (the quantiser is unbiased; with error feedback the
     bound must be < 1, e.g. ``levels=127``, or the residual grows), ``start_iter=0``. Both exchange by
-    ``all_gather``, which pays only where bytes dominate (see ``core/scaling.py``'s projection and the table in
-    :mod:`.compression_hooks`).
+    ``all_gather``, which pays only where bytes dominate (see ``core/scaling.py``'s projection and the hooks' table
+    in docs/techniques/ddp-compression.md).
 
     Extension point (the contract ``BottleneckDoctor`` relies on): :attr:`comm_hook_wrappers` is a list of
     ``wrapper(hook) -> hook`` applied in order around the strategy's hook when ``setup`` registers it (callbacks'
@@ -276,6 +195,16 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             ``bucket_cap_mb``, ``process_group_backend``, ``timeout``.
     """
 
+    # the knobs live in :attr:`config`, the counters and the compressor in their parts; read and set them here
+    compression: Compression = _Kept("config", "compression")  # type: ignore[assignment]
+    momentum_correction: bool | None = _Kept("config", "momentum_correction")  # type: ignore[assignment]
+    adaptive_warmup_steps: int = _Kept("config", "adaptive_warmup_steps")  # type: ignore[assignment]
+    log_comm_stats: bool = _Kept("config", "log_comm_stats")  # type: ignore[assignment]
+    #: this rank's cumulative :class:`CommStats`.
+    comm_stats: CommStats = _Kept("_counter", "stats")  # type: ignore[assignment]
+    #: the compressor's state object (PowerSGDState, TopKState or QSGDState); None for fp16/bf16
+    compressor_state: Any = _Kept("_compressor", "state")
+
     def __init__(
         self,
         *,
@@ -301,66 +230,14 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         log_comm_stats: bool = True,
         **kwargs: Any,
     ) -> None:
-        if compression not in _COMPRESSIONS:
-            raise ValueError(
-                f"DDPCompressionStrategy(compression={compression!r}): use one of "
-                f"{', '.join(repr(c) for c in _COMPRESSIONS)}"
-            )
+        knobs = locals()  # the arguments, read before any other local is made
+        #: the validated knobs (:class:`~.ddp_compression_config.DDPCompressionConfig`)
+        self.config = DDPCompressionConfig(**{f.name: knobs[f.name] for f in fields(DDPCompressionConfig)})
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if name in kwargs:
                 raise ValueError(
                     f"DDPCompressionStrategy({name}=...): this strategy sets the comm hook itself; use "
                     "`comm_hook_wrappers` to wrap it, or plain DDPStrategy for a hook of your own"
-                )
-        if use_error_feedback is None:
-            use_error_feedback = compression != "qsgd"
-        if compression == "powersgd":
-            if not _is_int(matrix_approximation_rank, 1):
-                raise ValueError(
-                    f"ddp_powersgd: matrix_approximation_rank={matrix_approximation_rank!r} must be an "
-                    "integer >= 1 (torch suggests 1, then 2, 4, ... until accuracy is satisfactory)"
-                )
-            if not _is_int(start_powerSGD_iter, 0):
-                raise ValueError(f"ddp_powersgd: start_powerSGD_iter={start_powerSGD_iter!r} must be an integer >= 0")
-            if (use_error_feedback or warm_start) and start_powerSGD_iter < 2:
-                raise ValueError(
-                    f"ddp_powersgd: start_powerSGD_iter={start_powerSGD_iter} must be >= 2 with error "
-                    "feedback or warm start (DDP rebuilds its buckets after the first step); use >= 2"
-                )
-            if not isinstance(min_compression_rate, (int, float)) or min_compression_rate <= 0:
-                raise ValueError(f"ddp_powersgd: min_compression_rate={min_compression_rate!r} must be > 0, e.g. 2")
-        if compression in ("topk", "qsgd"):
-            if start_iter is None:
-                start_iter = 2 if use_error_feedback else 0
-            if not _is_int(start_iter, 0):
-                raise ValueError(f"ddp_{compression}: start_iter={start_iter!r} must be an integer >= 0")
-            if use_error_feedback and start_iter < 2:
-                raise ValueError(
-                    f"ddp_{compression}: start_iter={start_iter} must be >= 2 with error feedback (DDP "
-                    "rebuilds its buckets after the first step); use start_iter=2 or more"
-                )
-        if compression == "topk" and (
-            isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1
-        ):
-            raise ValueError(f"ddp_topk: density={density!r} must be a fraction in (0, 1], e.g. 0.01 (1 % sent)")
-        if compression == "topk":
-            _check_topk_recipe(
-                density_warmup_steps, density_warmup, momentum_correction, adaptive_warmup_steps, use_error_feedback
-            )
-        if compression == "qsgd":
-            if not _is_int(levels, 1) or levels > 127:
-                raise ValueError(f"ddp_qsgd: levels={levels!r} must be an integer in 1..127 (7 = 4 bits per entry)")
-            if not _is_int(chunk_size, 1):
-                raise ValueError(f"ddp_qsgd: chunk_size={chunk_size!r} must be an integer >= 1, e.g. 128")
-            if not isinstance(seed, int) or isinstance(seed, bool):
-                raise ValueError(f"ddp_qsgd: seed={seed!r} must be an integer")
-            variance = qsgd_variance_bound(levels, chunk_size)
-            if use_error_feedback and variance >= 1:
-                # error feedback needs a contractive compressor: the residual grows by that factor every step
-                raise ValueError(
-                    f"ddp_qsgd: use_error_feedback=True with levels={levels}, chunk_size={chunk_size} "
-                    f"diverges (variance bound min(d/s², √d/s) = {variance:.2f} >= 1); use levels=127 "
-                    "or a smaller chunk_size, or error feedback off (QSGD is unbiased without it)"
                 )
         super().__init__(
             find_unused_parameters=find_unused_parameters,
@@ -368,42 +245,12 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             static_graph=static_graph,
             **kwargs,
         )
-        self.compression: Compression = compression
-        self._powersgd_kwargs = {
-            "matrix_approximation_rank": matrix_approximation_rank,
-            "start_powerSGD_iter": start_powerSGD_iter,
-            "min_compression_rate": min_compression_rate,
-            "use_error_feedback": use_error_feedback,
-            "warm_start": warm_start,
-            "orthogonalization_epsilon": orthogonalization_epsilon,
-        }
-        self._hook_kwargs: dict[str, Any] = {"use_error_feedback": use_error_feedback, "start_iter": start_iter}
-        if compression == "topk":
-            self._hook_kwargs.update(
-                density=float(density),
-                density_warmup_steps=int(density_warmup_steps),
-                density_warmup=None if density_warmup is None else tuple(float(d) for d in density_warmup),
-            )
-        elif compression == "qsgd":
-            self._hook_kwargs.update(levels=levels, chunk_size=chunk_size, seed=seed)
-        self.momentum_correction = momentum_correction
-        self.adaptive_warmup_steps = adaptive_warmup_steps
+        self._compressor = Compressor(self.config)
+        self._counter = CommCounter()
         #: id(optimizer) -> [(param group index, its momentum)] that momentum correction switches off per step
         self._momentum_groups: dict[int, list[tuple[int, float]]] = {}
-        self.log_comm_stats = log_comm_stats
         #: ``wrapper(hook) -> hook``, applied in order around the strategy's hook at registration.
         self.comm_hook_wrappers: list[Callable[[CommHook], CommHook]] = []
-        #: this rank's cumulative :class:`CommStats`.
-        self.comm_stats = CommStats()
-        #: the compressor's state object (PowerSGDState, TopKState or QSGDState); None for fp16/bf16
-        self.compressor_state: Any = None
-        self._restored: dict[str, Any] | None = None
-        self._mover: BucketStateMover | None = None  # per-bucket state through DDP's bucket layouts
-        self._param_index: dict[int, int] = {}
-        self._iters_since_setup = 0
-        self._blocking_powersgd = False
-        self._logged = CommStats()
-        self._lock = threading.Lock()
 
     @property
     def powersgd_state(self) -> Any:
@@ -413,133 +260,35 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
     @property
     def string(self) -> str:
         """The strategy string this configuration is registered under."""
-        return f"ddp_{self.compression}{'_compress' if self.compression in ('fp16', 'bf16') else ''}"
+        return self.config.string
+
+    @property
+    def _powersgd_kwargs(self) -> dict[str, Any]:
+        return self.config.powersgd_kwargs
+
+    @property
+    def _hook_kwargs(self) -> dict[str, Any]:
+        return self.config.hook_kwargs
+
+    @property
+    def _mover(self) -> BucketStateMover | None:
+        return self._compressor.mover
+
+    @property
+    def _param_index(self) -> dict[int, int]:
+        return self._compressor.param_index
 
     # --- hook construction ---------------------------------------------------------------------------------
     def _base_hook(self) -> tuple[Any, CommHook]:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        from lightning_accel.strategies import compression_hooks
-
-        if self.compression == "fp16":
-            return None, default_hooks.fp16_compress_hook
-        if self.compression == "bf16":
-            return None, default_hooks.bf16_compress_hook
-        hook: CommHook
-        if self.compression == "powersgd":
-            state: Any = powerSGD_hook.PowerSGDState(process_group=None, **self._powersgd_kwargs)
-            hook = powerSGD_hook.powerSGD_hook
-        elif self.compression == "topk":
-            state, hook = compression_hooks.TopKState(**self._hook_kwargs), compression_hooks.topk_hook
-        else:
-            state, hook = compression_hooks.QSGDState(**self._hook_kwargs), compression_hooks.qsgd_hook
-        self._apply_restored(state)
-        self.compressor_state = state
-        return state, hook
-
-    def _apply_restored(self, state: Any) -> None:
-        """Put the restored counters and generators into a new state object (pieces go to the mover in setup)."""
-        restored = self._restored
-        if not restored:
-            return
-        state.iter = int(restored["iter"])
-        if self.compression == "powersgd":
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = restored["rng"]
-            state.rng.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-            state.total_numel_before_compression = int(restored["numel_before"])
-            state.total_numel_after_compression = int(restored["numel_after"])
-        else:
-            state.bytes_sent = int(restored.get("hook_bytes_sent", 0))
-            if hasattr(state, "generator_state"):  # QSGD: applied when the generator is made on the device
-                state.generator_state = restored.get("generator")
-
-    def _bucket_dicts(self) -> tuple[str, ...]:
-        """The state object's per-bucket dicts in use (error feedback, PowerSGD's warm-start memories)."""
-        if self.compression == "powersgd":
-            kw = self._powersgd_kwargs
-            return (("error_dict",) if kw["use_error_feedback"] else ()) + (
-                ("p_memory_dict", "q_memory_dict") if kw["warm_start"] else ()
-            )
-        if self.compression == "topk" and self._hook_kwargs["use_error_feedback"]:
-            # the velocity of momentum correction too (empty unless setup turns the correction on)
-            return ("error_dict", "momentum_dict")
-        if self.compression == "qsgd" and self._hook_kwargs["use_error_feedback"]:
-            return ("error_dict",)
-        return ()
+        return self._compressor.build()
 
     def _make_mover(self, parameters: list[torch.Tensor]) -> None:
-        names = self._bucket_dicts()
-        self._param_index = {id(p): i for i, p in enumerate(parameters)}
-        if not names:
-            self._mover = None
-            return
-        kw = self._powersgd_kwargs
-        powersgd = (
-            (int(kw["matrix_approximation_rank"]), float(kw["min_compression_rate"]))
-            if self.compression == "powersgd"
-            else None
-        )
-        self._mover = BucketStateMover([p.shape for p in parameters], names, powersgd=powersgd)
-        pieces = (self._restored or {}).get("pieces") or {}
-        for name in names:
-            self._mover.pieces[name] = {int(param): t for param, t in pieces.get(name, {}).items()}
-
-    def _counting_hook(self, hook: CommHook) -> CommHook:
-        """Wrap ``hook`` so it counts calls and bytes into :attr:`comm_stats` (sizes from shapes: no sync)."""
-        compression = self.compression
-        mover, param_index = self._mover, self._param_index
-
-        # no annotations: DDP compares them (as objects) with dist.GradBucket/Future, and this module's are strings
-        def counted(state, bucket):  # type: ignore[no-untyped-def]
-            buffer = bucket.buffer()
-            before = buffer.numel() * buffer.element_size()
-            active = True
-            if compression in ("fp16", "bf16"):
-                fut = hook(state, bucket)
-                sent = buffer.numel() * 2  # fp16 / bf16: 2 bytes per element
-            else:
-                if mover is not None:  # the state follows its parameters into this bucket layout
-                    mover.enter(state, bucket.index(), [param_index[id(p)] for p in bucket.parameters()], buffer.device)
-                # read per call: setup may move the start (Top-K's warm-up for Adam-family optimizers)
-                start = state.start_powerSGD_iter if compression == "powersgd" else state.start_iter
-                active = state.iter >= start
-                if compression == "powersgd":
-                    numel_after = state.total_numel_after_compression
-                    fut = hook(state, bucket)
-                    if active and self._blocking_powersgd:
-                        # torch's powerSGD_hook calls .wait() inside its future callbacks; on gloo those run on
-                        # gloo's two worker threads, so two buckets in flight can block both and deadlock. Finish
-                        # each bucket before the next (no overlap with backward for PowerSGD on gloo).
-                        fut.wait()
-                    sent = (
-                        (state.total_numel_after_compression - numel_after) * buffer.element_size()
-                        if active
-                        else before
-                    )
-                else:
-                    sent_before = state.bytes_sent
-                    fut = hook(state, bucket)
-                    sent = state.bytes_sent - sent_before
-            with self._lock:
-                stats = self.comm_stats
-                stats.calls += 1
-                stats.bytes_before += before
-                stats.bytes_sent += sent
-                if bucket.is_last():  # DDP reduces bucket 0 last: one per synchronising backward
-                    stats.steps += 1
-                    stats.compressed_steps += int(active)
-                    stats.powersgd_steps += int(active and compression == "powersgd")
-                    self._iters_since_setup += 1
-            return fut
-
-        return counted
+        self._compressor.make_mover(parameters)
 
     def build_comm_hook(self) -> tuple[Any, CommHook]:
         """(state, hook) that ``setup`` registers: the hook, counted, then :attr:`comm_hook_wrappers` in order."""
         state, hook = self._base_hook()
-        hook = self._counting_hook(hook)
+        hook = self._counter.counting_hook(hook, self.compression, self._mover, self._param_index)
         for wrapper in self.comm_hook_wrappers:
             hook = wrapper(hook)
         return state, hook
@@ -563,25 +312,25 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         self._make_mover(list(self.model.parameters()))
         state, hook = self.build_comm_hook()
-        self._iters_since_setup = 0
-        self._blocking_powersgd = torch.distributed.get_backend() == "gloo"
+        self._counter.blocking_powersgd = torch.distributed.get_backend() == "gloo"
         self.model.register_comm_hook(state, hook)
         if self.compression == "powersgd":
             rank_zero_info(
-                f"ddp_powersgd: rank {self._powersgd_kwargs['matrix_approximation_rank']}, plain all-reduce "
-                f"for the first {self._powersgd_kwargs['start_powerSGD_iter']} steps "
+                f"ddp_powersgd: rank {self.config.matrix_approximation_rank}, plain all-reduce "
+                f"for the first {self.config.start_powerSGD_iter} steps "
                 f"(now at step {state.iter})"
             )
         elif self.compression == "qsgd":
             self._log_hook_plan(state)
 
     def _log_hook_plan(self, state: Any) -> None:
+        config = self.config
         knob = (
-            f"density {self._hook_kwargs['density']}"
+            f"density {config.hook_kwargs['density']}"
             if self.compression == "topk"
-            else f"{self._hook_kwargs['levels']} levels ({state.bits} bits per entry)"
+            else f"{config.levels} levels ({state.bits} bits per entry)"
         )
-        feedback = "on" if self._hook_kwargs["use_error_feedback"] else "off"
+        feedback = "on" if config.use_error_feedback else "off"
         if self.compression == "topk" and state.density_warmup_steps and state.density_warmup:
             stages = " → ".join(f"{d:g}" for d in state.density_warmup)
             knob += f" after a warm-up {stages} ({state.density_warmup_steps} steps each)"
@@ -601,57 +350,15 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
     def configure_topk_for_optimizers(self, optimizers: Sequence[Any]) -> None:
         """DGC's optimizer-dependent parts (``setup`` calls it once the optimizers exist; see the class doc):
         momentum correction for momentum SGD, the uncompressed warm-up (with its warning) for Adam-family ones."""
-        state = self.compressor_state
         self._momentum_groups = {}
-        state.momentum, state.nesterov = 0.0, False
-        state.start_iter = int(self._hook_kwargs["start_iter"])
-        adaptive = [type(o).__name__ for o in optimizers if _is_adaptive(o)]
-        sgd = [(o, i, g) for o in optimizers if isinstance(o, torch.optim.SGD) for i, g in enumerate(o.param_groups)]
-        all_momentum_sgd = bool(optimizers) and all(isinstance(o, torch.optim.SGD) for o in optimizers)
-        momenta = sorted({float(g.get("momentum", 0.0)) for _, _, g in sgd})
-        # without error feedback there is no residual to accumulate the velocity in: no correction (True is refused
-        # at construction)
-        correct = self.momentum_correction is not False and bool(self._hook_kwargs["use_error_feedback"])
-        if correct and all_momentum_sgd and momenta != [0.0]:
-            if len(momenta) > 1:
-                raise ValueError(
-                    f"ddp_topk: momentum correction needs one momentum for all parameters; the SGD param groups "
-                    f"have momentum {momenta}: use one value, or momentum_correction=False"
-                )
-            dampening = sorted({float(g.get("dampening", 0.0)) for _, _, g in sgd})
-            if dampening != [0.0]:
-                raise ValueError(
-                    f"ddp_topk: momentum correction with SGD dampening={dampening} is not DGC's momentum; use "
-                    "dampening=0, or momentum_correction=False"
-                )
-            nesterov = {bool(g.get("nesterov", False)) for _, _, g in sgd}
-            if len(nesterov) > 1:
-                raise ValueError(
-                    "ddp_topk: momentum correction needs nesterov the same in every SGD param group; make it so, or "
-                    "use momentum_correction=False"
-                )
-            state.momentum, state.nesterov = momenta[0], nesterov.pop()
-            for o, i, _g in sgd:
-                self._momentum_groups.setdefault(id(o), []).append((i, momenta[0]))
-            rank_zero_info(
-                f"ddp_topk: momentum correction and factor masking for SGD momentum {momenta[0]}"
-                f"{' (Nesterov)' if state.nesterov else ''}: the hook keeps the velocity; SGD steps without "
-                "momentum on compressed steps"
-            )
-        elif self.momentum_correction:
-            names = [type(o).__name__ for o in optimizers]
-            raise ValueError(
-                f"ddp_topk: momentum_correction=True needs torch.optim.SGD with momentum > 0 as every optimizer; "
-                f"the optimizers are {names} (momenta {momenta}): use momentum_correction=None (automatic) or False"
-            )
-        if adaptive:
-            state.start_iter = max(state.start_iter, int(self.adaptive_warmup_steps))
-            rank_zero_warn(
-                f"ddp_topk with {', '.join(adaptive)}: adaptive optimizers on sparsified gradients can diverge or "
-                f"converge worse; plain all-reduce for the first {state.start_iter} steps (adaptive_warmup_steps="
-                f"{self.adaptive_warmup_steps}), then Top-K",
-                category=UserWarning,
-            )
+        self._momentum_groups = configure_topk_for_optimizers(
+            self.compressor_state,
+            optimizers,
+            momentum_correction=self.momentum_correction,
+            use_error_feedback=bool(self.config.use_error_feedback),
+            start_iter=int(self._hook_kwargs["start_iter"]),
+            adaptive_warmup_steps=self.adaptive_warmup_steps,
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -664,44 +371,13 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             for i, momentum in groups or ():  # the optimizer keeps its own momentum outside the step (checkpoints)
                 optimizer.param_groups[i]["momentum"] = momentum
         if self.log_comm_stats:
-            self._maybe_log()
+            self._counter.maybe_log(self.lightning_module)
         return output
 
     def _momentum_off_when_compressed(
         self, optimizer: Any, closure: Callable[[], Any], groups: list[tuple[int, float]]
     ) -> Callable[[], Any]:
-        """``closure`` followed by setting the momentum-corrected groups' momentum for the update that follows: 0
-        when the hook compressed this backward (it already applied momentum), else the optimizer's own. Runs after
-        the backward (inside ``optimizer.step`` with automatic optimization; after ``manual_backward`` otherwise)."""
-        state = self.compressor_state
-
-        def then_momentum() -> Any:
-            out = closure()
-            for i, momentum in groups:
-                optimizer.param_groups[i]["momentum"] = 0.0 if state.last_compressed else momentum
-            return out
-
-        return then_momentum
-
-    def _maybe_log(self) -> None:
-        module = self.lightning_module
-        trainer = _compat.module_trainer(module)
-        if trainer is None or not trainer.training:
-            return
-        every = max(1, trainer.log_every_n_steps)
-        # global_step is incremented after this call, so step N+1 is the one being finished
-        if (trainer.global_step + 1) % every:
-            return
-        stats, last = self.comm_stats, self._logged
-        steps = stats.steps - last.steps
-        if steps <= 0:
-            return
-        before = (stats.bytes_before - last.bytes_before) / steps
-        sent = (stats.bytes_sent - last.bytes_sent) / steps
-        module.log("comm/bytes_before_per_step", before, on_step=True, on_epoch=False)
-        module.log("comm/bytes_sent_per_step", sent, on_step=True, on_epoch=False)
-        module.log("comm/compression_rate", before / sent if sent else float("nan"), on_step=True, on_epoch=False)
-        self._logged = CommStats(**asdict(stats))
+        return momentum_off_when_compressed(self.compressor_state, optimizer, closure, groups)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -716,55 +392,12 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
             self.load_compression_state_dict(checkpoint[_CHECKPOINT_KEY])
         return checkpoint
 
-    def _local_state(self) -> dict[str, Any] | None:
-        """This rank's compressor state: counters, generators, per-bucket tensors (on CPU) with their layouts."""
-        state = self.compressor_state
-        if state is None:
-            return None
-        out: dict[str, Any] = {"iter": int(state.iter)}
-        if self.compression == "powersgd":
-            name, keys, pos, has_gauss, cached = state.rng.get_state()
-            out.update(
-                rng=(name, keys.tolist(), int(pos), int(has_gauss), float(cached)),
-                numel_before=int(state.total_numel_before_compression),
-                numel_after=int(state.total_numel_after_compression),
-            )
-        else:
-            out["hook_bytes_sent"] = int(state.bytes_sent)
-            if self.compression == "topk":  # for reading only: the step counter sets the density on resume
-                out["density"] = float(state.current_density)
-            generator = getattr(state, "generator", None)
-            out["generator"] = (
-                generator.get_state() if generator is not None else getattr(state, "generator_state", None)
-            )
-        # per parameter (position in model.parameters()), so a run with another bucket layout can take it
-        out["pieces"] = self._mover.state_pieces(state) if self._mover is not None else {}
-        return out
-
     def compression_state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (see the class docstring): plain objects and CPU tensors (weights_only-safe).
 
         A collective under a running process group with several ranks: call it on every rank.
         """
-        out: dict[str, Any] = {"compression": self.compression, "comm_stats": asdict(self.comm_stats)}
-        local = self._local_state()
-        if local is None:
-            return out
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, local)
-        else:
-            ranks = [local]
-        out.update(world_size=len(ranks), ranks=ranks)
-        if self.compression == "powersgd":  # the counters of earlier releases, kept readable
-            out.update(
-                powersgd_iter=local["iter"],
-                powersgd_rng=local["rng"],
-                powersgd_numel_before=local["numel_before"],
-                powersgd_numel_after=local["numel_after"],
-            )
-        return out
+        return self._compressor.state_dict(self.comm_stats)
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` (this rank's entry); applied when ``setup`` builds the hook."""
@@ -774,37 +407,8 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
                 f"{self.compression!r}: communication statistics and compressor state are not restored"
             )
             return
-        self.comm_stats = CommStats(**state["comm_stats"])
-        self._logged = CommStats(**state["comm_stats"])
-        restored: dict[str, Any] | None = None
-        if "ranks" in state:
-            ranks = state["ranks"]
-            if len(ranks) == self.world_size:
-                restored = dict(ranks[self.global_rank])
-            else:
-                # counters and generators are the same on every rank (PowerSGD) or per rank (QSGD's seeds): take
-                # rank 0's counters; residuals belong to ranks that no longer exist
-                restored = {**ranks[0], "pieces": {}}
-                if "generator" in restored:
-                    restored["generator"] = None
-                rank_zero_warn(
-                    f"{self.string}: checkpoint written by {len(ranks)} ranks, this run has "
-                    f"{self.world_size}: error-feedback residuals restart from zero"
-                )
-        elif "powersgd_iter" in state:  # a checkpoint of an earlier release: counters only
-            restored = {
-                "iter": state["powersgd_iter"],
-                "rng": state["powersgd_rng"],
-                "numel_before": state["powersgd_numel_before"],
-                "numel_after": state["powersgd_numel_after"],
-            }
-        self._restored = restored
-        if restored is not None and self.compressor_state is not None:  # restored after setup: apply now
-            self._apply_restored(self.compressor_state)
-            if self._mover is not None:
-                self._mover.split_all(self.compressor_state)
-                for name in self._mover.dict_names:
-                    self._mover.pieces[name] = {int(p): t for p, t in restored.get("pieces", {}).get(name, {}).items()}
+        self._counter.restore(state["comm_stats"])
+        self._compressor.load_state_dict(state, world_size=self.world_size, rank=self.global_rank)
 
 
 def ddp_fp16_compress(**kwargs: Any) -> DDPCompressionStrategy:

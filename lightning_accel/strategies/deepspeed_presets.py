@@ -1,29 +1,11 @@
-"""DeepSpeed ZeRO presets that run on CUDA *and* on CPU, and ``deepspeed_auto``, which picks one by memory.
+"""DeepSpeed ZeRO strategies that run on CUDA *and* on CPU, and ``deepspeed_auto``, which picks a preset by memory.
 
-Strings (after ``import lightning_accel``): ``deepspeed_zero1``, ``deepspeed_zero2``, ``deepspeed_zero2_offload``,
-``deepspeed_zero3``, ``deepspeed_zero3_offload``, ``deepspeed_zero3_offload_nvme``, ``deepspeed_auto``.
-
-Lightning's ``DeepSpeedStrategy`` refuses CPUs, though DeepSpeed runs ZeRO on CPU with its CPU accelerator
-(``DS_ACCELERATOR=cpu``) over gloo. :class:`DeepSpeedZeroStrategy` lifts Lightning's three CUDA assumptions (see
-:meth:`DeepSpeedZeroStrategy._cpu_device_rank` and the two ``setup_*`` overrides). DeepSpeed picks its
-accelerator once, when it is first imported: the strategy sets ``DS_ACCELERATOR=cpu`` (``os.environ.setdefault``,
-so an explicit value wins) before importing deepspeed when it is built with a CPU accelerator or on a machine
-without CUDA. On a CUDA machine, to train on CPU with a strategy *string*, export ``DS_ACCELERATOR=cpu`` first (the
-string's factory cannot see ``Trainer(accelerator=...)``), or pass ``DeepSpeedZeroStrategy(preset=...,
-accelerator=CPUAccelerator())``; a mismatch is reported before training starts.
-
-What runs on CPU (DeepSpeed 0.19, checked by ``tests/strategies/test_deepspeed_presets.py``): ZeRO stages 1, 2
-and 3, and the CPU-offload presets, with the LightningModule's own torch optimizer (for offload presets the
-strategy sets ``zero_force_ds_cpu_optimizer: False`` on CPU, since the step runs on the CPU anyway;
-``DeepSpeedCPUAdam`` also works once DeepSpeed has JIT-built its ``cpu_adam`` op). On a CPU accelerator the
-offload presets save no memory — the states already live in host memory — so they are for testing a GPU
-configuration on a laptop or CI. NVMe offload needs DeepSpeed's ``async_io`` op (libaio) on any device; without it
-the strategy raises before training. On CUDA every preset is DeepSpeed's usual configuration.
+Strings (after ``import lightning_accel``): ``deepspeed_zero1`` ... ``deepspeed_zero3_offload_nvme``, ``deepspeed_auto``.
+The presets themselves are data, in :mod:`.zero_presets`. See docs/techniques/zero.md.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,8 +18,15 @@ from typing_extensions import override
 
 from lightning_accel import _compat
 from lightning_accel._imports import require
-from lightning_accel.core.memory import ZeroMemoryEstimate, count_model_params, estimate_zero_memory
+from lightning_accel.core.memory import count_model_params
 from lightning_accel.strategies.outstanding_work import FinishesOutstandingWork
+from lightning_accel.strategies.zero_presets import (
+    NVME_PATH_ENV,
+    PRESETS,
+    _check_nvme_path,
+    choose_zero_preset,
+    preset_config,
+)
 
 _compat.require_versions("the DeepSpeed strategies")
 
@@ -59,94 +48,6 @@ __all__ = [
     "deepspeed_zero3_offload_nvme",
     "preset_config",
 ]
-
-# Bucket sizes and flags from DeepSpeed's config documentation (https://www.deepspeed.ai/docs/config-json/,
-# "ZeRO optimizations") and its ZeRO tutorial (https://www.deepspeed.ai/tutorials/zero/): 5e8-element
-# all-gather/reduce buckets for stages 1-2, overlap_comm + contiguous_gradients on; stage 3 with DeepSpeed's
-# documented stage-3 defaults (prefetch bucket 5e7, persistence threshold 1e5, live parameters / reuse distance 1e9,
-# sub-group 1e9) and a 5e8 reduce bucket.
-_STAGE12 = {
-    "overlap_comm": True,
-    "contiguous_gradients": True,
-    "allgather_partitions": True,
-    "allgather_bucket_size": 500_000_000,
-    "reduce_scatter": True,
-    "reduce_bucket_size": 500_000_000,
-}
-_STAGE3 = {
-    "overlap_comm": True,
-    "contiguous_gradients": True,
-    "reduce_bucket_size": 500_000_000,
-    "sub_group_size": 1_000_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-    "stage3_max_live_parameters": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
-    "stage3_gather_16bit_weights_on_model_save": True,
-}
-#: environment variable read for ``nvme_path`` when the string ``deepspeed_zero3_offload_nvme`` is used
-NVME_PATH_ENV = "LIGHTNING_ACCEL_NVME_PATH"
-
-_OFFLOAD_CPU = {"device": "cpu", "pin_memory": True}
-
-#: preset -> (ZeRO stage, optimizer offload, parameter offload, zero_optimization section)
-PRESETS: dict[str, tuple[int, str | None, str | None, dict[str, Any]]] = {
-    "zero1": (1, None, None, {"stage": 1, **_STAGE12}),
-    "zero2": (2, None, None, {"stage": 2, **_STAGE12}),
-    "zero2_offload": (2, "cpu", None, {"stage": 2, **_STAGE12, "offload_optimizer": dict(_OFFLOAD_CPU)}),
-    "zero3": (3, None, None, {"stage": 3, **_STAGE3}),
-    "zero3_offload": (
-        3,
-        "cpu",
-        "cpu",
-        {"stage": 3, **_STAGE3, "offload_optimizer": dict(_OFFLOAD_CPU), "offload_param": dict(_OFFLOAD_CPU)},
-    ),
-    # buffer_count/buffer_size from DeepSpeed's ZeRO-Infinity docs (offload_param: 5 buffers of 1e8 elements;
-    # offload_optimizer: 4 buffers, >= Adam's states per parameter)
-    "zero3_offload_nvme": (
-        3,
-        "nvme",
-        "nvme",
-        {
-            "stage": 3,
-            **_STAGE3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": None, "pin_memory": True, "buffer_count": 4},
-            "offload_param": {
-                "device": "nvme",
-                "nvme_path": None,
-                "pin_memory": True,
-                "buffer_count": 5,
-                "buffer_size": 100_000_000,
-                "max_in_cpu": 1_000_000_000,
-            },
-        },
-    ),
-}
-
-# Top-level DeepSpeed sections a user may add to a preset (https://www.deepspeed.ai/docs/config-json/); Lightning
-# fills train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping and fp16/bf16 itself.
-_EXTRA_TOP_LEVEL = (
-    "bf16",
-    "fp16",
-    "gradient_clipping",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "communication_data_type",
-    "flops_profiler",
-    "comms_logger",
-    "activation_checkpointing",
-    "aio",
-    "zero_force_ds_cpu_optimizer",
-    "train_micro_batch_size_per_gpu",
-    "optimizer",
-    "scheduler",
-    "data_types",
-    "checkpoint",
-    "memory_breakdown",
-    "dump_state",
-)
 
 # DeepSpeedStrategy arguments that build its default config; a preset passes its own config, so these would be
 # silently ignored: refuse them and point to `overrides`.
@@ -184,85 +85,6 @@ _CONFIG_BUILDING_ARGS = (
 )
 
 
-def _zero_config_keys() -> set[str]:
-    """Valid ``zero_optimization`` keys: DeepSpeed's own schema (fields and their aliases)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    keys: set[str] = set()
-    for name, field in DeepSpeedZeroConfig.model_fields.items():
-        keys.add(name)
-        if field.alias:
-            keys.add(field.alias)
-    return keys
-
-
-def _merge(base: dict[str, Any], overrides: Mapping[str, Any], path: str, valid: Mapping[str, Any]) -> None:
-    for key, value in overrides.items():
-        allowed = valid.get("__keys__") if isinstance(valid, dict) else None
-        if allowed is not None and key not in allowed:
-            where = f"{path}." if path else ""
-            raise ValueError(
-                f"unknown DeepSpeed preset key {where}{key!r}; valid keys{' in ' + path if path else ''}:"
-                f" {', '.join(sorted(allowed))}"
-            )
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value, f"{path}.{key}" if path else key, valid.get(key, {}))
-        else:
-            base[key] = copy.deepcopy(dict(value)) if isinstance(value, Mapping) else value
-
-
-def preset_config(
-    preset: str, overrides: Mapping[str, Any] | None = None, *, nvme_path: str | os.PathLike[str] | None = None
-) -> dict[str, Any]:
-    """The DeepSpeed config dict of ``preset`` with ``overrides`` merged in (nested dicts merge key by key).
-
-    Args:
-        preset: a key of :data:`PRESETS` (``"zero1"`` ... ``"zero3_offload_nvme"``).
-        overrides: e.g. ``{"zero_optimization": {"reduce_bucket_size": 2e8}}``. Top-level keys: the preset's
-            own plus common DeepSpeed sections (``bf16``, ``fp16``, ``gradient_clipping``, ``aio``, ...);
-            ``zero_optimization`` keys: those of DeepSpeed's ``DeepSpeedZeroConfig``.
-        nvme_path: the NVMe directory for ``zero3_offload_nvme``.
-
-    Raises:
-        ValueError: unknown preset or key (the message lists the valid ones).
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown DeepSpeed preset {preset!r}; use one of {', '.join(PRESETS)}")
-    zero = copy.deepcopy(PRESETS[preset][3])
-    for section in ("offload_optimizer", "offload_param"):
-        if section in zero and zero[section]["device"] == "nvme":
-            zero[section]["nvme_path"] = None if nvme_path is None else os.fspath(nvme_path)
-    config: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
-    if overrides:
-        if not isinstance(overrides, Mapping):
-            raise ValueError(f"overrides must be a dict of DeepSpeed config keys, got {type(overrides).__name__}")
-        zero_keys = _zero_config_keys()
-        valid = {"__keys__": set(config) | set(_EXTRA_TOP_LEVEL), "zero_optimization": {"__keys__": zero_keys}}
-        _merge(config, overrides, "", valid)
-    return config
-
-
-def _check_nvme_path(nvme_path: Any, preset: str) -> str:
-    if nvme_path is None:
-        raise ValueError(
-            f"deepspeed_{preset} needs nvme_path=<directory on an NVMe drive>: pass "
-            "DeepSpeedZeroStrategy(preset='zero3_offload_nvme', nvme_path='/local_nvme') or set "
-            f"{NVME_PATH_ENV}=/local_nvme for the strategy string"
-        )
-    path = os.fspath(nvme_path)
-    if not os.path.isdir(path):
-        raise ValueError(
-            f"deepspeed_{preset}: nvme_path {path!r} does not exist or is not a directory; create it "
-            "on the NVMe drive first"
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"deepspeed_{preset}: nvme_path {path!r} is not writable by this user; pick a writable "
-            "directory on the NVMe drive"
-        )
-    return path
-
-
 def _cpu_requested(accelerator: Any) -> bool:
     if isinstance(accelerator, CPUAccelerator) or accelerator == "cpu":
         return True
@@ -295,7 +117,7 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
     loss-scaling arguments, ...); its config-building arguments (``stage``, ``offload_*``, bucket sizes, ``config``)
     are refused — put them in ``overrides``.
 
-    On CPU (see the module docstring) every preset but NVMe runs over gloo with the LightningModule's optimizer;
+    On CPU (see docs/techniques/zero.md) every preset but NVMe runs over gloo with the LightningModule's optimizer;
     offload saves nothing there.
 
     Args:
@@ -326,7 +148,7 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
         elif nvme_path is not None:
             raise ValueError(f"deepspeed_{preset}: nvme_path is only used by zero3_offload_nvme")
         config = preset_config(preset, overrides, nvme_path=nvme_path)
-        # DeepSpeed fixes its accelerator at import; on CPU it must be told before (see module docstring).
+        # DeepSpeed fixes its accelerator at import; on CPU it must be told before (docs/techniques/zero.md).
         if _cpu_requested(kwargs.get("accelerator")):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         require("deepspeed", f"strategy 'deepspeed_{preset}'")
@@ -465,58 +287,6 @@ class DeepSpeedZeroStrategy(FinishesOutstandingWork, DeepSpeedStrategy):
             model_parameters=[],
             dist_init_required=False,
         )
-
-
-def choose_zero_preset(
-    num_params: int,
-    num_devices: int,
-    capacity_bytes: float,
-    *,
-    margin: float = 0.2,
-    host_capacity_bytes: float | None = None,
-    on_cpu: bool = False,
-    nvme: bool = False,
-    **estimate_kwargs: Any,
-) -> tuple[str, list[tuple[str, ZeroMemoryEstimate, bool]]]:
-    """The first preset (zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme) whose estimate fits.
-
-    A preset fits when its per-device bytes are at most ``(1 - margin) × capacity_bytes`` and its host bytes per
-    rank at most ``(1 - margin) × host_capacity_bytes`` (when given). The margin leaves room for what
-    :func:`~lightning_accel.core.memory.estimate_zero_memory` does not model (buckets, prefetch buffers,
-    fragmentation); 0.2 follows the method's "stay under ~80 % of the device". On CPU the "device" is host memory:
-    offload presets are not candidates (they move nothing there) and device and host bytes add up.
-
-    Returns:
-        ``(chosen preset, [(preset, estimate, fits), ...])`` for every candidate considered, in order.
-
-    Raises:
-        ValueError: if nothing fits; the message lists each candidate's need against the budget.
-    """
-    if not 0 <= margin < 1:
-        raise ValueError(f"deepspeed_auto: margin={margin!r} must be in [0, 1), e.g. 0.2 (keep 20 % free)")
-    budget = (1 - margin) * capacity_bytes
-    host_budget = None if host_capacity_bytes is None else (1 - margin) * host_capacity_bytes
-    report: list[tuple[str, ZeroMemoryEstimate, bool]] = []
-    for preset, (stage, opt, par, _) in PRESETS.items():
-        if (on_cpu and (opt or par)) or (opt == "nvme" and not nvme):
-            continue
-        est = estimate_zero_memory(
-            num_params, num_devices, stage, offload_optimizer=opt, offload_params=par, **estimate_kwargs
-        )
-        need = est.device_total + (est.host_total if on_cpu else 0.0)
-        fits = need <= budget and (on_cpu or host_budget is None or est.host_total <= host_budget)
-        report.append((preset, est, fits))
-        if fits:
-            return preset, report
-    lines = "; ".join(
-        f"{p}: device {e.device_total / 1e9:.2f} GB, host {e.host_total / 1e9:.2f} GB" for p, e, _ in report
-    )
-    raise ValueError(
-        f"deepspeed_auto: no ZeRO preset fits {num_params:,} parameters on {num_devices} device(s) "
-        f"with {capacity_bytes / 1e9:.2f} GB each (budget {budget / 1e9:.2f} GB after a {margin:.0%} "
-        f"margin): {lines}. Use more devices, a smaller model or micro-batch, activation "
-        f"checkpointing{', or NVMe offload (nvme_path=...)' if not nvme and not on_cpu else ''}."
-    )
 
 
 class DeepSpeedAutoStrategy(DeepSpeedZeroStrategy):
