@@ -26,7 +26,14 @@ from lightning_accel.callbacks._fit.step_runner import (
     reload_train_dataloader,
 )
 from lightning_accel.callbacks._fit.trainer_state import agree_across_ranks, rank_zero_print
-from lightning_accel.core.batch_size_search import BatchSizeSearch, find_batch_size, find_throughput_batch_size
+from lightning_accel.core.batch_size_search import (
+    LR_RULES,
+    BatchSizeSearch,
+    find_batch_size,
+    find_throughput_batch_size,
+    lr_scale,
+    split_global_batch,
+)
 from lightning_accel.core.memory_probe import PeakMemoryMeter, device_memory_capacity
 from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
@@ -38,7 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchSizeTuner"]
 
 _MODES = ("max_fit", "throughput")
-_LR_RULES = ("linear", "sqrt", "none")
 # param-group keys that hold a learning rate (torch schedulers: `initial_lr`; OneCycleLR: `max_lr`, `min_lr`)
 _LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
@@ -177,8 +183,8 @@ class BatchSizeTuner(Callback):
                 f"BatchSizeTuner(memory_meter={memory_meter!r}): give an object with reset() and "
                 "peak_bytes() methods (see PeakMemoryMeter), or None for the device's own"
             )
-        if lr_scaling not in _LR_RULES:
-            raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {_LR_RULES}")
+        if lr_scaling not in LR_RULES:
+            raise ValueError(f"BatchSizeTuner(lr_scaling={lr_scaling!r}): use one of {LR_RULES}")
         epochs = tuple(epochs)
         if not epochs or any(not is_int(e) or e < 0 for e in epochs):
             raise ValueError(f"BatchSizeTuner(epochs={epochs!r}): give epoch numbers >= 0, e.g. (0,) or (0, 10)")
@@ -321,7 +327,7 @@ class BatchSizeTuner(Callback):
             )
         micro, accum = chosen, old_accum
         if self.target_global_batch_size is not None:
-            micro, accum = self._split_global(self.target_global_batch_size, trainer.world_size, chosen)
+            micro, accum = split_global_batch(self.target_global_batch_size, trainer.world_size, chosen)
         self._adopt(source, micro)
         trainer.accumulate_grad_batches = accum
         old_global = old_batch * trainer.world_size * old_accum
@@ -364,7 +370,7 @@ class BatchSizeTuner(Callback):
             f"global batch {old_global} -> {new_global}"
         )
         if self.print_summary:
-            rank_zero_print(trainer, self._table())
+            rank_zero_print(trainer, _probe_table(self.mode, result, self.summary))
         return micro
 
     def _search(
@@ -438,20 +444,10 @@ class BatchSizeTuner(Callback):
             return None
         return max(1, math.ceil(n / trainer.world_size))
 
-    @staticmethod
-    def _split_global(target: int, devices: int, largest: int) -> tuple[int, int]:
-        """``(micro, accumulation)`` with micro × devices × accumulation == target and micro <= largest."""
-        per_device = target // devices
-        for accum in range(max(1, math.ceil(per_device / largest)), per_device + 1):
-            if per_device % accum == 0:
-                return per_device // accum, accum
-        return 1, per_device
-
     def _rescale_lr(self, trainer: pl.Trainer, old_global: int, new_global: int) -> float:
-        if self.lr_scaling == "none" or old_global == new_global:
+        scale = lr_scale(self.lr_scaling, old_global, new_global)
+        if scale == 1.0:
             return 1.0
-        ratio = new_global / old_global
-        scale = ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
         for i, opt in enumerate(trainer.optimizers):
             for j, group in enumerate(opt.param_groups):
                 old = group["lr"]
@@ -472,39 +468,6 @@ class BatchSizeTuner(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         finish_collectives_at_teardown(self, trainer)
-
-    def _table(self) -> Any:
-        from rich.table import Table
-
-        assert self.result is not None
-        s = self.summary
-        table = Table(
-            title=f"BatchSizeTuner ({self.mode}, budget {s['budget_bytes'] / 2**30:.2f} GiB per device, "
-            f"rank 0's probes)",
-            header_style="bold",
-        )
-        for col in ("batch", "outcome", "peak MiB", "ms/step", "samples/s"):
-            table.add_column(col, justify="right" if col != "outcome" else "left")
-        for p in self.result.probes:
-            table.add_row(
-                str(p.batch_size),
-                p.outcome,
-                "—" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:,.1f}",
-                "—" if p.seconds_per_step is None else f"{1e3 * p.seconds_per_step:,.1f}",
-                "—" if p.samples_per_sec is None else f"{p.samples_per_sec:,.1f}",
-            )
-        model = self.result.model
-        table.caption = (
-            f"chosen {s['batch_size']} × {s['accumulate_grad_batches']} accumulation "
-            f"(global {s['global_batch_size']}); stop: {s['stop_reason']}"
-            + (
-                ""
-                if model is None
-                else f"; fit: {model.fixed_bytes / 2**20:,.0f} MiB + {model.bytes_per_sample / 2**10:,.1f} KiB/sample"
-            )
-            + f"; memory: {s['memory_source']}"
-        )
-        return table
 
 
 def _tracked(state: TrainingState, loader: Any) -> Any:
@@ -542,3 +505,36 @@ def _release_memory(device: torch.device, collect: bool) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+
+
+def _probe_table(mode: str, result: BatchSizeSearch, summary: dict[str, Any]) -> Any:
+    """The rich table of rank 0's probes, its caption the decision of ``summary`` (``BatchSizeTuner.summary``)."""
+    from rich.table import Table
+
+    s = summary
+    table = Table(
+        title=f"BatchSizeTuner ({mode}, budget {s['budget_bytes'] / 2**30:.2f} GiB per device, rank 0's probes)",
+        header_style="bold",
+    )
+    for col in ("batch", "outcome", "peak MiB", "ms/step", "samples/s"):
+        table.add_column(col, justify="right" if col != "outcome" else "left")
+    for p in result.probes:
+        table.add_row(
+            str(p.batch_size),
+            p.outcome,
+            "—" if p.peak_bytes is None else f"{p.peak_bytes / 2**20:,.1f}",
+            "—" if p.seconds_per_step is None else f"{1e3 * p.seconds_per_step:,.1f}",
+            "—" if p.samples_per_sec is None else f"{p.samples_per_sec:,.1f}",
+        )
+    model = result.model
+    table.caption = (
+        f"chosen {s['batch_size']} × {s['accumulate_grad_batches']} accumulation "
+        f"(global {s['global_batch_size']}); stop: {s['stop_reason']}"
+        + (
+            ""
+            if model is None
+            else f"; fit: {model.fixed_bytes / 2**20:,.0f} MiB + {model.bytes_per_sample / 2**10:,.1f} KiB/sample"
+        )
+        + f"; memory: {s['memory_source']}"
+    )
+    return table

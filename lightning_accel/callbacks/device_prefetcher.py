@@ -1,25 +1,8 @@
 """DevicePrefetcher: overlap loading and the host→device copy of the next batch with the current step.
 
-Why a callback that wraps ``strategy.process_dataloader`` (checked against Lightning 2.6): every dataloader the
-Trainer uses passes, after Lightning has injected its ``DistributedSampler``, through the public
-``trainer.strategy.process_dataloader(dataloader)`` (``trainer/connectors/data_connector.py::_process_dataloader``,
-called from ``FitLoop.setup_data`` for each train loader and again on ``reload_dataloaders_every_n_epochs``). Wrapping
-that method on the strategy *instance* for the length of a run therefore sees every loader, whatever produced it
-(``LightningModule``, ``LightningDataModule``, ``trainer.fit(train_dataloaders=...)``, a ``CombinedLoader``'s
-members), keeps Lightning's sampler handling and loops intact, and is one line for the user. The alternatives are
-worse: a ``LightningDataModule`` wrapper only covers data modules and would wrap loaders *before* the sampler
-injection (``_update_dataloader`` re-instantiates ``DataLoader`` objects and cannot re-create a wrapper); a
-``transfer_batch_to_device`` override runs when the batch is already needed, so it cannot overlap anything;
-replacing the loop's data fetcher relies on private loop internals.
-
-The returned :class:`~lightning_accel.core.prefetch.PrefetchingLoader` is iterable, has the inner loader's ``len``
-and forwards other attributes (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``) to it, so Lightning's
-``_set_sampler_epoch`` (which reads ``loader.sampler`` / ``loader.batch_sampler.sampler``) and its length logic work
-unchanged. On CUDA, batches arrive already on the device, so Lightning's ``batch_to_device`` is a no-op for them.
-Lightning's "does not have many workers" hint (given only for ``DataLoader`` instances) is not shown for wrapped
-loaders, and on CUDA the ``on_before_batch_transfer`` hook receives the batch already on the device.
-
-Nothing is logged. Batches, their order and, under DDP, each rank's samples are the same as without the callback.
+A thin callback over :class:`~lightning_accel.core.prefetch.PrefetchingLoader`: it wraps the strategy's
+``process_dataloader`` for the length of a run, so it sees every train loader after Lightning's sampler injection.
+Why that hook, and what Lightning sees of a wrapped loader: ``docs/techniques/prefetch.md``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from lightning_accel.callbacks._fit.window_metrics import log_window
 from lightning_accel.core.batch import samples_in_batch, tokens_in_batch
 from lightning_accel.core.flops import FlopCounter
 from lightning_accel.core.peak import PeakFlops, format_flops, resolve_peak_flops
-from lightning_accel.core.throughput import WindowedThroughput
+from lightning_accel.core.throughput import RankWindows, WindowedThroughput
 from lightning_accel.strategies.outstanding_work import finish_collectives_at_teardown
 
 if TYPE_CHECKING:
@@ -117,8 +116,12 @@ class MFUMonitor(Callback):
         self.prog_bar = prog_bar
         self.print_summary = print_summary
         self.summary: dict[str, Any] = {}
-        self.history: list[dict[str, float | None]] = []
         self._reset_run_state()
+
+    @property
+    def history(self) -> list[dict[str, float | None]]:
+        """One record per measuring window of the last fit: the rates logged, ``seconds``, ``batches`` and ``mfu``."""
+        return self._windows.history
 
     def _reset_run_state(self) -> None:
         self._flops: float | None = self.flops_per_batch
@@ -128,8 +131,7 @@ class MFUMonitor(Callback):
         self._peak: PeakFlops | None = None
         self._initial_peak: PeakFlops | None = None
         self._bf16_peak: PeakFlops | None = None  # an FP8 run's second denominator
-        self._rank_peaks: list[float] = []  # every rank's current peak, as the last window's gather showed them
-        self._achieved_weighted: list[float] = []  # per rank: sum over windows of achieved FLOP/s x window seconds
+        self._windows = RankWindows()
         self._peak_raises = 0
         self._dtype = "fp32"
         self._meter: WindowedThroughput | None = None
@@ -137,18 +139,17 @@ class MFUMonitor(Callback):
         self._recompute_pending = False
         self._skip = self.warmup_batches
         self._tokens_fn: Callable[[Any], int | None] = tokens_in_batch
-        self._batch_replicas = 1
 
     # ------------------------------------------------------------------ setup
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_run_state()
-        self.summary, self.history = {}, []
+        self.summary = {}
         device = trainer.strategy.root_device
         self._dtype = compute_dtype(trainer)
         from lightning_accel.strategies.model_parallel import batch_replicas
 
-        self._batch_replicas = batch_replicas(trainer.strategy)  # TP ranks share a batch: count it once
+        self._windows.batch_replicas = batch_replicas(trainer.strategy)  # TP ranks share a batch: count it once
         try:
             self._peak = resolve_peak_flops(device, self._dtype, self.peak_flops)
         except ValueError as err:  # e.g. an fp8 run on an unknown device: nothing to probe
@@ -275,34 +276,8 @@ class MFUMonitor(Callback):
                 peak,
             ],
         ).tolist()
-        # plain floats: a handful of values per rank, where tensor ops would cost ~10 µs each (the window's flush
-        # is this callback's main hot-path cost)
-        sec = [max(r[3], 1e-12) for r in rows]
-        n = len(rows)
-        no_tokens = any(math.isnan(r[1]) for r in rows)
-        no_flops = any(math.isnan(r[2]) for r in rows)
-        record: dict[str, float | None] = {
-            # a batch shared by a tensor-parallel group is counted once (self._batch_replicas)
-            "samples_per_sec": sum(r[0] / t for r, t in zip(rows, sec)) / self._batch_replicas,
-            "batches_per_sec": sum(r[4] / t for r, t in zip(rows, sec)) / n,
-            "tokens_per_sec": (None if no_tokens else sum(r[1] / t for r, t in zip(rows, sec)) / self._batch_replicas),
-            "flops_per_sec_per_device": None if no_flops else sum(r[2] / t for r, t in zip(rows, sec)) / n,
-            "seconds": max(sec),
-            "batches": sum(r[4] for r in rows),
-        }
+        record = self._windows.add(rows, on_raise=lambda *window: self._raise_peak(trainer, *window))
         fps = record["flops_per_sec_per_device"]
-        record["mfu"] = None
-        if fps is not None and not any(math.isnan(r[5]) for r in rows):
-            achieved = [r[2] / t for r, t in zip(rows, sec)]
-            peaks = [r[5] for r in rows]
-            if any(a > p for a, p in zip(achieved, peaks)):
-                peaks = self._raise_peak(trainer, achieved, peaks, seconds=record["seconds"])
-            record["mfu"] = sum(a / p for a, p in zip(achieved, peaks)) / n
-            self._rank_peaks = peaks
-            if not self._achieved_weighted:
-                self._achieved_weighted = [0.0] * n
-            self._achieved_weighted = [w + a * record["seconds"] for w, a in zip(self._achieved_weighted, achieved)]
-        self.history.append(record)
         if not log:
             return
         values = {"perf/samples_per_sec": record["samples_per_sec"], "perf/batches_per_sec": record["batches_per_sec"]}
@@ -317,20 +292,15 @@ class MFUMonitor(Callback):
         log_window(trainer, pl_module, values, prog_bar=("perf/samples_per_sec", "perf/mfu") if self.prog_bar else ())
 
     def _raise_peak(
-        self, trainer: pl.Trainer, achieved: list[float], peaks: list[float], *, seconds: float
-    ) -> list[float]:
+        self, trainer: pl.Trainer, achieved: list[float], peaks: list[float], raised: list[float], seconds: float
+    ) -> None:
         """A window ran faster than the peak: that rate is a measured lower bound of the true peak, so it becomes the
-        peak. Ranks that started from one peak are one kind of device and keep one peak (the fastest rank's rate);
-        ranks with different peaks are raised each to its own rate. Every rank computes the same list from the
-        gathered rows. Warns once.
+        peak (:func:`~lightning_accel.core.throughput.raised_peaks`; every rank computes the same list from the
+        gathered rows). Warns once.
 
         Re-probing instead would run a matmul inside the measured training (its time then counts as the window's),
         and under the load that made the first probe read low it can read low again; the achieved rate cannot.
         """
-        if len(set(peaks)) == 1:
-            raised = [max(peaks[0], *achieved)] * len(peaks)
-        else:
-            raised = [max(a, p) for a, p in zip(achieved, peaks)]
         rank = max(range(len(peaks)), key=lambda r: achieved[r] / peaks[r])
         window = len(self.history) + 1
         mine = raised[trainer.global_rank]
@@ -346,7 +316,6 @@ class MFUMonitor(Callback):
         if self._peak_raises == 0:
             self._warn_raised(trainer, window, rank, achieved[rank], peaks[rank], seconds)
         self._peak_raises += 1
-        return raised
 
     def _warn_raised(
         self, trainer: pl.Trainer, window: int, rank: int, achieved: float, peak: float, seconds: float
@@ -426,19 +395,13 @@ class MFUMonitor(Callback):
             "dtype": self._dtype,
             "flops_per_batch": self._flops,
             "flops_source": self._flops_source,
-            "peak_flops": (
-                sum(self._rank_peaks) / len(self._rank_peaks)
-                if self._rank_peaks
-                else self._peak.flops
-                if self._peak
-                else None
-            ),
+            "peak_flops": self._windows.mean_peak or (self._peak.flops if self._peak else None),
             "peak_source": self._peak.detail if self._peak else None,
             "peak_flops_initial": self._initial_peak.flops if self._initial_peak else None,
             "peak_source_initial": self._initial_peak.detail if self._initial_peak else None,
             "peak_raises": self._peak_raises,
             "warmup_batches": self._skip,
-            "batches_measured": int(sum(h["batches"] or 0 for h in self.history)),
+            "batches_measured": self._windows.batches_measured,
         }
         if not self.history:
             out["note"] = (
@@ -446,28 +409,7 @@ class MFUMonitor(Callback):
                 f"train longer or lower warmup_batches"
             )
             return out
-        weights = [h["seconds"] or 0.0 for h in self.history]
-
-        def weighted(key: str) -> float | None:
-            vals = [h[key] for h in self.history]
-            if any(v is None for v in vals) or sum(weights) <= 0:
-                return None
-            return sum(v * w for v, w in zip(vals, weights)) / sum(weights)  # type: ignore[operator]
-
-        mfu = None
-        if weighted("mfu") is not None and self._rank_peaks and sum(weights) > 0:
-            # every window against the final peak (windows logged before a raise divided by a lower one)
-            mfu = sum(w / sum(weights) / p for w, p in zip(self._achieved_weighted, self._rank_peaks)) / len(
-                self._rank_peaks
-            )
-        out.update(
-            samples_per_sec=weighted("samples_per_sec"),
-            median_samples_per_sec=statistics.median(h["samples_per_sec"] for h in self.history),
-            tokens_per_sec=weighted("tokens_per_sec"),
-            flops_per_sec_per_device=weighted("flops_per_sec_per_device"),
-            mfu=mfu,
-            seconds_measured=sum(weights),
-        )
+        out.update(self._windows.summary())
         fps = out["flops_per_sec_per_device"]
         if self._bf16_peak is not None and fps is not None:
             out["mfu_bf16_peak"] = fps / self._bf16_peak.flops

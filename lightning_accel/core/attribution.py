@@ -1,31 +1,8 @@
 """Compute attribution: a profiled window's operations → forward and backward time per module of the model.
 
-Pure (no Lightning, no profiler): the doctor's profiling window (``callbacks/doctor/attribution.py``) turns a
-``torch.profiler`` recording into an :class:`OpTable`, one :class:`OpRecord` per operation call, and
-:func:`attribute` turns the table into an :class:`Attribution`: the module tree by time, the costliest operations
-of each module with their input shapes, and the rows that belong to no module. The findings with their fixes
-(:mod:`lightning_accel.core.compute_causes`) read the same table.
-
-How time reaches a module:
-
-* **forward**: an operation is charged to the innermost module whose ``forward`` was running when it was called
-  (module paths as ``named_modules()`` spells them, relative to the LightningModule: ``model.blocks.3.attn``).
-  On a CPU the profiled interval of each module's ``forward`` that none of its sub-modules' intervals covers is
-  charged to it too: besides its operations, that is its Python (the row ``(python)`` among its operations), so the
-  forward rows add up to the measured forward time. Work in ``training_step`` outside every sub-module (a loss
-  computed there) is the row :data:`STEP`.
-* **backward**: each autograd node's work is charged to the module whose forward operation created the node (the
-  profiler's sequence number links the two), and listed under that forward operation. The gradient accumulation
-  into ``.grad`` is :data:`ACCUMULATE`; backward time outside every node (the engine, the loss's seed gradient)
-  is :data:`ENGINE`.
-* On a GPU the seconds are the device time of each operation's kernels instead; the host's Python is not device
-  time and is not charged.
-
-The tree is reported from its first branching level (a LightningModule that holds one ``model`` starts at
-``model``'s children) and one level below; the work of a module above that level that is its own (a residual add
-in ``model.forward``) is the row ``model (own)``, so the first-level rows, these and the rows outside every module
-add up to the attributed forward + backward. Every module's own time (its operations, not its sub-modules') is
-in ``leaves``.
+Pure (no Lightning, no profiler): :func:`attribute` turns an :class:`OpTable` (one :class:`OpRecord` per operation
+call) into an :class:`Attribution`, the module tree by time with each module's costliest operations. How time is
+charged to a module: ``docs/measuring/doctor.md``, "Inside the compute" and "The core, module by module".
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from lightning_accel._checks import check_int
 
 __all__ = [
+    "LR_RULES",
     "BatchSizeSearch",
     "BatchSizeSearchError",
     "MemoryModel",
@@ -30,6 +31,8 @@ __all__ = [
     "find_batch_size",
     "find_throughput_batch_size",
     "is_oom_error",
+    "lr_scale",
+    "split_global_batch",
 ]
 
 OK, OVER_BUDGET, OOM = "ok", "over_budget", "oom"
@@ -459,3 +462,27 @@ def find_throughput_batch_size(
         mode="throughput",
         notes=result.notes,
     )
+
+
+#: How a learning rate follows the effective batch: ``"linear"`` (Goyal et al. 2017, arXiv:1706.02677), ``"sqrt"``
+#: (Krizhevsky 2014, arXiv:1404.5997) or ``"none"``.
+LR_RULES = ("linear", "sqrt", "none")
+
+
+def lr_scale(rule: str, old_global: int, new_global: int) -> float:
+    """The factor ``rule`` (one of :data:`LR_RULES`) multiplies the learning rate by when the effective batch goes
+    from ``old_global`` to ``new_global`` samples per optimizer step."""
+    if rule == "none" or old_global == new_global:
+        return 1.0
+    ratio = new_global / old_global
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+def split_global_batch(target: int, devices: int, largest: int) -> tuple[int, int]:
+    """``(micro, accumulation)`` with micro × devices × accumulation == ``target`` and micro <= ``largest``: the
+    largest micro-batch that divides the per-device share."""
+    per_device = target // devices
+    for accum in range(max(1, math.ceil(per_device / largest)), per_device + 1):
+        if per_device % accum == 0:
+            return per_device // accum, accum
+    return 1, per_device

@@ -1,32 +1,8 @@
 """Timing of DDP gradient communication through a comm-hook wrapper (framework-free: torch only).
 
-DDP splits the gradients into buckets and calls its communication hook once per bucket, as soon as the bucket's
-gradients are computed during backward; the hook starts an asynchronous all-reduce and returns a future. DDP
-overlaps these all-reduces with the rest of backward and, at the end of backward, waits for every future before
-``loss.backward()`` returns.
-
-**Exposed communication** (the doctor's ``communication`` stage) is the all-reduce time *not* hidden behind
-backward. For one backward pass:
-
-    exposed = max over buckets (completion of the bucket's future) − launch of the last bucket
-
-The last bucket is launched when the last gradients are ready, i.e. when local backward compute ends, so this is
-the time backward has to wait for the network after its own work is done (0 if every all-reduce finished before
-the last bucket was ready). It is part of the time ``backward()`` takes; the doctor subtracts it from
-``backward``.
-
-Clocks: on CPU (gloo) launch and completion are host ``perf_counter`` readings (gloo completes the future on its
-worker thread, where the completion callback runs). On CUDA (NCCL) host times say nothing about the device, so the
-recorder records a CUDA event on the current stream at launch and inside the completion callback (which runs
-with the collective's stream as current stream), and reads them only in :meth:`CommRecorder.flush` — no
-synchronisation per step.
-
-Usage::
-
-    recorder = CommRecorder()
-    ddp_model.register_comm_hook(None, timed_comm_hook(default_hooks.allreduce_hook, recorder))
-    ...                                   # train; after each backward: recorder.end_backward()
-    seconds, passes = recorder.flush()    # exposed seconds since the last flush
+:func:`timed_comm_hook` wraps a DDP comm hook so that :class:`CommRecorder` sees each bucket's launch and completion;
+the exposed communication is the all-reduce time not hidden behind backward, read without a per-step
+synchronisation. The formula, the clocks and the usage: ``docs/measuring/doctor.md``, "The core, module by module".
 """
 
 from __future__ import annotations

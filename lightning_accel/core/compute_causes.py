@@ -1,36 +1,8 @@
 """Compute findings: what in the model holds forward + backward, and the change that fixes it.
 
-Pure: reads the :class:`~lightning_accel.core.attribution.OpTable` of the doctor's profiled window. Each cause is
-found from operation names and input shapes, never from a module's class name, so a hand-written model is judged
-like a library one. Each finding names the module (``module``, and the evidence names the layers it repeats in:
-``model.blocks.*.attn``, 4 modules), the operations and their share of forward + backward, and carries its
-``saving``: the share of the step its fix would save, that is the time of the operations it claims × what the fix
-removes of it (below) × forward + backward's share of the step. An operation is claimed by one finding at most,
-in the order of the table, so no two findings count the same seconds.
-
-==========================  ===============================================  ==================================
-rule                        fires when                                       saving (of the claimed time)
-==========================  ===============================================  ==================================
-``python_loop``             a module runs >= 32 small operations a step      ``1 - distinct / calls``: one
-                            (largest input <= 65,536 elements) that repeat   batched operation per distinct one
-                            >= 8 times each: a Python loop                   (Python and dispatch dominate)
-``eager_attention``         a softmax over ``[..., Lq, Lk]`` scores with     half (2x: the low end of what a
-                            Lq x Lk >= 16,384, made by a matmul in the same  fused kernel gains over the
-                            module, and no ``scaled_dot_product_attention``  unfused passes over the scores)
-``large_vocab_loss``        cross-entropy / log-softmax over >= 8,192        half of the passes over the logits
-                            classes (the logits of a large-vocabulary head)  (a fused or chunked loss reads
-                                                                             them once, not 3-4 times)
-``unfused_elementwise``     >= 4 elementwise or normalisation operations in  ``1 - 1/n`` for a chain of n: one
-                            a row (views and arithmetic on scalars between   fused pass instead of n
-                            them neither count nor break it)
-``nchw_convolution``        2-D convolutions in bf16/fp16 on a GPU with      a sixth (1.2x: the low end of what
-                            tensor cores whose weights are in NCHW (the      NHWC kernels gain over NCHW ones,
-                            default memory format, not ``channels_last``)    which transpose around each call)
-``fp32_matmul``             matmuls / convolutions in fp32 (or tf32) on a    a third (1.5x, as the stage rule
-                            GPU with tensor cores (compute capability >= 7)  ``fp32_compute``)
-==========================  ===============================================  ==================================
-
-A finding below ``min_saving`` of the step (3 % by default, as a live code smell) is not reported.
+Pure: reads the :class:`~lightning_accel.core.attribution.OpTable` of the doctor's profiled window, from operation
+names and input shapes, never class names. Each operation is claimed by one finding at most. The rules, their
+thresholds and savings: ``docs/measuring/doctor.md``, "Inside the compute" and "The core, module by module".
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
 """How much memory the model states need per device under ZeRO stages 0-3, with optional CPU/NVMe offload.
 
-The model-state formulas are the ZeRO paper's (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", §3.1 and Figure 1). With ``Ψ`` trainable parameters, ``N_d`` data-parallel
-devices, ``P``/``G`` bytes per parameter for the parameters/gradients the device computes with (2 and 2 in mixed
-precision) and ``K`` bytes per parameter of optimizer states (12 for mixed-precision Adam: fp32 master weights,
-momentum and variance), the per-device model states are::
-
-    stage 0 (plain data parallel)       (P + G + K) · Ψ
-    stage 1 (P_os: optimizer states)    (P + G) · Ψ + K · Ψ / N_d
-    stage 2 (P_os+g: + gradients)       P · Ψ + (G + K) · Ψ / N_d
-    stage 3 (P_os+g+p: + parameters)    (P + G + K) · Ψ / N_d
-
-Figure 1 of the paper (Ψ = 7.5 B, N_d = 64, K = 12) gives 120 GB, 31.4 GB, 16.6 GB and 1.9 GB: this module
-reproduces those numbers (``tests/core/test_memory.py``).
-
-Offload (ZeRO-Offload, Ren et al. 2021, §4.1; ZeRO-Infinity, Rajbhandari et al. 2021) moves shards off the device:
-
-- ``offload_optimizer`` ("cpu" or "nvme", stages 1-3): the device's optimizer-state shard ``K·Ψ/N_d`` *and* the
-  gradient shard the optimizer steps on ``G·Ψ/N_d`` live on the host (or NVMe); at stage 2-3 the device no longer
-  holds a gradient shard (gradients stream to the host bucket by bucket); at stage 1 the device still holds the
-  full gradients, as in stage 1 without offload.
-- ``offload_params`` ("cpu" or "nvme", stage 3 only): the parameter shard ``P·Ψ/N_d`` lives there too.
-
-Frozen parameters (``num_frozen_params``) need only ``P`` bytes each (no gradients, no optimizer state), sharded at
-stage 3 and offloaded with ``offload_params``. Optionally an activation term ``activation_bytes_per_sample ×
-micro_batch_size`` is added to the device. Not modelled: communication buckets, ZeRO-3 prefetch/live-parameter buffers,
-allocator fragmentation and temporary buffers; leave headroom for them (``deepspeed_auto`` keeps a margin of the
-capacity free). Measured on CPU by benchmarks/bench_strategies.py (fp32 MLP): ZeRO-1 matches the formula (13.8 vs 14
-B/param); ZeRO-2 adds ~3 B/param while its reduce bucket holds a small model's whole gradient and ZeRO-3 ~6 B/param for
-gathered parameters — terms bounded by the bucket sizes, not by the model.
-
-Bytes are plain bytes; the CLI prints GB = 10⁹ bytes, as the paper does.
+The ZeRO paper's formulas (Rajbhandari et al. 2020, §3.1), with offload, frozen parameters and an activation term;
+it reproduces the paper's Figure 1 (``tests/core/test_memory.py``). Bytes are plain bytes. The formulas and what is
+not modelled: ``docs/techniques/zero.md``, "How the estimate counts".
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """NVTX ranges for the doctor's stages, in a ``lightning_accel`` domain, so an nsys timeline shows which stage
 launched each kernel (framework-free: torch and, when installed, NVIDIA's ``nvtx`` package).
 
-One emitter, :class:`StageRanges`, is called at the stage boundaries only: the
-:class:`~lightning_accel.core.stages.StageMachine`'s switch (data wait, transfer, forward, backward, optimizer:
-one open at a time, so a push when a stage opens and a pop when it closes) and the
-:class:`~lightning_accel.core.comm.CommRecorder`'s bucket launch / completion (communication: asynchronous,
-overlapping the backward range and completing on the backend's thread, so a start/end range per bucket).
-:func:`nvtx_range` is the same emitter as a context manager, for the Autopilot's trials or any other block.
-
-* Opt-in: nothing is emitted unless a :class:`StageRanges` is given (``BottleneckDoctor(nvtx=True)``); off, the
-  stage machine pays one ``is None`` test per switch.
-* Skipped inside compiled regions (``torch.compiler.is_compiling()``), as DeepSpeed's instrumentation does: a
-  range pushed while dynamo traces would be a graph break or a stale call.
-* Backend: the ``nvtx`` package (``pip install nvtx``), whose ranges carry the ``lightning_accel`` domain that
-  ``nsys`` shows as its own row; without it ``torch.cuda.nvtx`` (no domains: names are prefixed
-  ``lightning_accel/``). Both are no-ops, at about a microsecond a call, when no profiler is attached.
-
-Usage with nsys (capture only the steps between ``cudaProfilerStart`` and ``cudaProfilerStop``, which
-:class:`~lightning_accel.callbacks.nsys_capture.NsysCapture` calls)::
-
-    nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o timeline python train.py
+:class:`StageRanges` is called at the stage boundaries only; :func:`nvtx_range` is the same emitter as a context
+manager. Opt-in, skipped while compiling. The manual: ``docs/measuring/traces.md``.
 """
 
 from __future__ import annotations

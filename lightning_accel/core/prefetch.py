@@ -1,40 +1,8 @@
 """Prefetching iterable: fetch the next batches in a background thread and, on CUDA, copy them on a side stream.
 
-:class:`PrefetchingLoader` wraps any iterable of batches (a ``DataLoader``, a DALI iterator, a generator factory):
-
-* **CPU (and the host side of CUDA).** A background thread keeps up to ``depth`` batches ready in a bounded queue
-  (plus the one it is fetching while the queue is full), so work the loader does in the training process (``collate_fn``, decoding, augmenting with ``num_workers=0``)
-  overlaps the training step. PyTorch and NumPy kernels, file reads and ``time.sleep`` release the GIL, so the
-  overlap is real for them; pure-Python collate code still competes for the GIL and gains little.
-* **CUDA.** The same thread also pins each host tensor (unless it is pinned already, e.g. by
-  ``DataLoader(pin_memory=True)``) and copies it to the device with ``non_blocking=True`` on a side
-  ``torch.cuda.Stream``, recording an event. When the training loop takes the batch, the compute stream waits on
-  that event (a device-side wait: the host does not block) and each copied tensor is marked with
-  ``record_stream(current_stream)`` so the caching allocator does not hand its memory to the side stream while the
-  compute stream still reads it. Batch ``i + 1`` is thus on the device before step ``i`` ends. Tensors already on
-  the device (DALI's GPU output) and non-tensor leaves pass through untouched.
-
-Batches come out identical and in the same order as from the wrapped loader. ``iter()`` of the wrapped loader and
-the first batch are fetched in the calling thread (where an un-wrapped loop would fetch them), so a sampler's seed
-drawn from the global RNG is drawn at the same point. A sized loader is read ahead up to its ``len()`` only: the
-``next()`` past it, which finds the end, is made in the calling thread when the caller asks for it (Lightning's
-loop stops at the length and never does), because it has effects: a ``RandomSampler`` draws the next permutation
-from the DataLoader's ``generator`` there, and the next epoch's order would change. Later randomness a
-``num_workers=0`` loader draws from the *global* torch RNG (per-sample augmentation) interleaves with the training
-step's draws in another order, so for bitwise-reproducible augmentation use worker processes or a generator of the
-dataset's own.
-
-Exceptions raised by the loader are re-raised by ``next()`` in the consumer with their original traceback. The
-thread ends when the loader is exhausted, when the iterator is closed (:meth:`PrefetchIterator.close`,
-:meth:`PrefetchingLoader.close`), when a new pass over the same loader starts (one pass at a time, as a
-``DataLoader`` with persistent workers allows) or when it is garbage-collected; it is a daemon thread, so a loader stuck forever cannot keep
-the interpreter alive. Closing waits for a ``next()`` of the loader that is already running to return.
-
-Attributes the wrapper does not define (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``,
-``num_workers``, ...) are read from and written to the wrapped loader, and ``len()`` is the wrapped loader's, so
-code that inspects loaders (Lightning's ``set_epoch`` on a ``DistributedSampler``, its length checks) keeps working.
-``state_dict``/``load_state_dict`` of a stateful loader are deliberately not forwarded (its state would count the
-batches fetched ahead as consumed), so a resumed run restarts the epoch's data instead of skipping batches.
+:class:`PrefetchingLoader` wraps any iterable of batches; its batches, their order and the loader's randomness are
+those of the wrapped loader. The thread, the side stream, what is read ahead and what is forwarded:
+``docs/techniques/prefetch.md``, "Inside `PrefetchingLoader`".
 """
 
 from __future__ import annotations

@@ -1,46 +1,8 @@
 """Bottleneck rules: stage shares of the step time + what is known about the run → findings, each with the fix.
 
-Pure functions over plain data (no Lightning, no device access), so every rule is unit-tested with exact numbers.
-:func:`diagnose` runs every rule; a rule whose inputs are unknown (``None`` in :class:`RunContext`: no GPU, no NVML,
-no MFU, ...) is *skipped*, and the result says which rules were skipped and why.
-
-Stages (the vocabulary of :data:`STAGES`, in the order a step runs them): ``data`` (waiting for the next batch),
-``transfer`` (host→device copy), ``forward``, ``backward``, ``optimizer``, ``communication`` (gradient all-reduce
-not hidden behind backward) and ``other`` (the rest of the wall time: framework overhead, logging, callbacks).
-
-Default thresholds come from the project's method page (``docs/method.md``) and the sources it summarises:
-
-* data wait > 10 % of the step: the input pipeline starves the device (PyTorch performance tuning guide; Lightning
-  issues #1216, #6981);
-* GPU utilisation < 90 % means "suspect the input pipeline first" (NVIDIA's rule of thumb;
-  some use 85 %);
-* optimizer step > 25 % of the step: the update is memory-bound and unfused (``torch.optim`` docs: foreach/fused
-  implementations);
-* communication > 15 % of the step: all-reduce cost is ~10–15 % of the step on 8 GPUs and grows with scale
-  (docs/method.md, "Communication");
-* memory peak ≥ 90 % of the device with a per-device batch ≤ 8: no room to grow the batch (auto batch size keeps
-  the peak under ~80 %);
-* MFU ÷ compute share < 0.30: the compute stages take the time but deliver little of the peak, the signature of a
-  launch-bound step (well-tuned stacks reach 40–60 % MFU overall, docs/method.md "Compute").
-
-Every finding carries its ``saving``, the share of the step its fix would save, and :func:`diagnose` returns them
-largest saving first, so the first finding is the fix to make first:
-
-* a stage the fix hides or removes (data wait, transfer, communication, the stage a GPU idles for): the whole share;
-* fp32 on tensor cores: a third of forward + backward (1.5x, the low end of the 1.5-2x mixed precision gives);
-* an unfused optimizer: half of the update (the Autopilot's prior for a foreach step, ``EXPECTED_REMOVAL``;
-  in the optimizer scenario of benchmarks/bench_autopilot.py ``Adam(fused=True)`` trains at 1.8x the samples/s of
-  a for-loop step on CPU);
-* launch-bound compute: the compute time above what it takes at ``mfu_per_compute``'s efficiency;
-* memory near capacity and the math SDPA kernel: ``None`` (the gain is a larger batch's, or the attention's share
-  of the compute, neither of which the breakdown measures);
-* a straggler: its excess over the other ranks (:mod:`lightning_accel.core.ranks`).
-
-Time that one finding accounts for is not judged again by another: with a straggler, the step rules see the shares
-without the straggler's extra time and the others' wait for it (:func:`~lightning_accel.core.ranks.straggler_shares`;
-the network is judged by what the all-reduce itself costs), and a caller that attributes time elsewhere (a fit
-phase's tail in the training batches, :func:`~lightning_accel.core.verdict.build_report`) passes it as
-``accounted``. A GPU-utilisation finding whose idle stage already has a finding is folded into that one.
+Pure functions over plain data, so every rule is unit-tested with exact numbers. :func:`diagnose` runs every rule,
+skips those whose inputs are unknown, and returns the findings largest saving first. The thresholds and their
+sources: ``docs/method.md``; the savings: ``docs/measuring/doctor.md``, "The core, module by module".
 """
 
 from __future__ import annotations

@@ -1,60 +1,8 @@
 """Will it scale? An α–β model of data- and tensor-parallel communication, projecting step time and scaling
 efficiency from one measured step to N = 2 … 1024 devices (framework-free: no torch, no Lightning).
 
-**Collectives** (ring algorithms; Thakur, Rabenseifner & Gropp 2005, Patarasuk & Yuan 2009). A message of ``S``
-bytes over ``N`` ranks, with per-message latency ``α`` (seconds) and per-rank link bandwidth ``B`` (bytes/s, one
-direction):
-
-==================  ====================================================
-all-reduce, ring    ``2(N−1)·α + 2·(N−1)/N · S/B``
-all-reduce, tree    ``2⌈log₂N⌉·α + 2 · S/B``  (double binary tree, pipelined)
-all-gather          ``(N−1)·α + (N−1)/N · S/B``  (S = the gathered size)
-reduce-scatter      ``(N−1)·α + (N−1)/N · S/B``  (S = the size before scattering)
-==================  ====================================================
-
-An all-reduce costs the faster of ring and tree, as NCCL picks its algorithm by message size (trees win for small
-messages on many ranks, rings for large ones: the ring is bandwidth-optimal). NCCL has no tree all-gather /
-reduce-scatter, so those stay rings, whose latency grows with N (ZeRO-3 / FSDP at hundreds of ranks).
-
-**Per step**, for ``Ψ`` parameters with ``g`` gradient bytes and ``p`` parameter bytes each (ZeRO paper, Rajbhandari
-et al. 2020, §7: stages 1–2 move ``2Ψ`` elements per rank — a reduce-scatter of the gradients and an all-gather of
-the updated parameters, as much as DDP's all-reduce — and stage 3 moves ``3Ψ``: parameters are all-gathered again
-in backward):
-
-=====================  ==========================================================================================
-strategy               traffic and what hides it
-=====================  ==========================================================================================
-``ddp``                all-reduce ``Ψ·g`` in buckets, overlapped with backward; the last bucket is always exposed
-``ddp_bf16_compress``  the same with 2-byte gradients (also ``ddp_fp16_compress``)
-``ddp_powersgd``       all-reduce of ``Ψ·g / ratio`` (two all-reduces, P and Q, per bucket); compression compute
-                       is not modelled
-``ddp_topk``           all-gather per bucket of every rank's ``ρ·Ψ`` values + int32 indices: ``N · 8ρΨ`` gathered
-                       bytes, so the traffic per rank grows with ``N`` (pays while ``ρ < 1/N`` where bandwidth
-                       dominates); compression compute not modelled
-``ddp_qsgd``           all-gather per bucket of every rank's ``Ψ·(bits/8 + 4/chunk)`` packed codes (``N`` × that)
-``zero1``, ``zero2``   reduce-scatter ``Ψ·g`` in buckets overlapped with backward, then all-gather ``Ψ·p`` after
-                       the optimizer step (exposed)
-``zero3``              per unit (transformer block; FSDP2 likewise): all-gather ``Ψ·p`` prefetched under forward,
-                       all-gather ``Ψ·p`` + reduce-scatter ``Ψ·g`` under backward; the last unit's
-                       reduce-scatter is exposed
-``tp``                 tensor parallel of size ``T`` inside the node (Megatron-LM: 2 all-reduces of the activations
-                       in forward and 2 in backward per transformer layer, on the critical path) × DDP over
-                       ``N/T`` replicas for the remaining ``Ψ·g/T`` gradient bytes
-``pp``                 pipeline of ``P`` stages across nodes × TP ``T`` inside the node × DP over ``N/(P·T)``
-                       replicas: ``m`` micro-batches run in ``m + P - 1`` slots (the bubble, GPipe / 1F1B), each
-                       slot one micro-batch's compute of one stage, its TP all-reduces and two point-to-point
-                       sends (activation forward, its gradient backward: ``tokens/m × hidden`` elements) on the
-                       critical path; then the DP all-reduce of ``Ψ·g/(P·T)`` (its last bucket exposed)
-=====================  ==========================================================================================
-
-Weak scaling: every device keeps its batch (a tensor-parallel group shares one), so
-
-    efficiency = throughput_N / (N · throughput_1) = compute / (T · step_N),   step_N = compute / T + exposed
-
-(for ``pp``: ``compute / (P · T · step_N)``, the bubble counted in ``exposed``).
-
-The projection is a model: it ignores stragglers, congestion, optimizer-step time changes and kernel slow-down
-from overlapping communication. Validate it on 2 devices (``lightning-accel scaling``) before trusting 512.
+The collectives' costs, each strategy's traffic and what hides it, and the model's limits:
+``docs/measuring/scaling.md``.
 """
 
 from __future__ import annotations

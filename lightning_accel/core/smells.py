@@ -1,41 +1,13 @@
 """Code smells: well-known slow set-ups found by looking at the model, optimizers and loader before the first step.
 
-:func:`find_smells` is pure apart from the optional preview (a few optimizer steps on clones of the parameters):
-no Lightning, no hooks, so the ``Autopilot`` and tests call it directly. Each smell is a
-:class:`~lightning_accel.core.rules.Finding` with ``kind="smell"``, a stable rule name (:data:`SMELLS`), the
-evidence and the fix; a smell whose inputs are unknown, or whose model part cannot be inspected, is *skipped* with
-the reason (like the step rules).
-
-Rules (:data:`SMELLS`):
-
-==============================  ==========  ==================================================================
-rule                            stage       fires when
-==============================  ==========  ==================================================================
-``tf32_off``                    forward     fp32 matmuls on a CUDA GPU with compute capability >= 8.0 and
-                                            ``torch.get_float32_matmul_precision() == "highest"``
-``optimizer_not_foreach``       optimizer   a ``torch.optim`` optimizer runs its per-parameter for-loop while the
-                                            installed torch has a foreach/fused version; on CPU only when the
-                                            preview measures >= 1.1x
-``ddp_find_unused_parameters``  backward    ``find_unused_parameters=True`` while every parameter got a gradient
-``batchnorm_accumulation``      forward     BatchNorm in training with micro-batches < 32 under gradient
-                                            accumulation (statistics from the micro-batch, not the effective batch)
-``dims_not_multiple_of_8``      forward     16-bit matmuls on a GPU with Linear/Embedding/Conv sizes not multiples
-                                            of 8 in layers holding >= 1 % of the weights
-``num_workers_zero``            data        ``DataLoader(num_workers=0)`` over a data set that is not in-memory
-                                            tensors, with >= 2 cores, where loading one batch takes >= 1 ms
-                                            (previewed on a map-style data set)
-``pin_memory_off``              transfer    ``pin_memory=False`` while training on a GPU
-``persistent_workers_off``      data        ``num_workers > 0`` with ``persistent_workers=False`` (workers restart
-                                            every epoch and validation run)
-``hf_eager_attention``          forward     a Hugging Face model on ``attn_implementation="eager"`` that supports
-                                            ``"sdpa"``
-==============================  ==========  ==================================================================
+:func:`find_smells` is pure apart from the optional preview (:mod:`~lightning_accel.core.optimizer_preview`): each
+smell is a :class:`~lightning_accel.core.rules.Finding` with ``kind="smell"`` and a stable name (:data:`SMELLS`),
+or a skipped rule with the reason. When each fires: ``docs/measuring/doctor.md``, "The core, module by module".
 """
 
 from __future__ import annotations
 
 import inspect
-import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from lightning_accel.core.findings import Diagnosis, Finding, SkippedRule
+from lightning_accel.core.optimizer_preview import preview_optimizer_step
 
 __all__ = [
     "LIVE_SMELL_MIN_SHARE",
@@ -58,7 +31,6 @@ __all__ = [
 # BatchNorm statistics degrade below ~32 samples per device and sharply below 16 (Wu & He, "Group Normalization",
 # ECCV 2018, Fig. 1).
 _BN_SMALL_BATCH = 32
-_PREVIEW_MAX_NUMEL = 50_000_000  # clones + two optimizer states: ~1.2 GB at fp32 for Adam; larger → no preview
 _PREVIEW_MIN_GAIN = 1.10
 # Loading a batch in the training process matters from ~1 ms (8 % of a 13 ms step); below, workers cost more in
 # start-up and inter-process copies than they save.
@@ -184,68 +156,6 @@ def _candidate(cls: type, device_type: str) -> dict[str, bool] | None:
     if "foreach" in params:
         return {"foreach": True}
     return None
-
-
-def preview_optimizer_step(
-    optimizer: Any, candidate: Mapping[str, bool], *, budget_s: float = 0.1, max_numel: int = _PREVIEW_MAX_NUMEL
-) -> tuple[float, float]:
-    """Seconds of one ``step`` of the optimizer's for-loop implementation and of ``candidate`` (e.g.
-    ``{"fused": True}``), on clones of its parameters with random gradients: the real parameters and state are not
-    touched. Each arm runs two warm-up steps; then the arms step in turn (A B A B: machine noise hits both) until
-    ``budget_s`` is spent, at least 5 and at most 50 steps each; the median of each arm is kept.
-
-    Raises:
-        ValueError: more than ``max_numel`` parameters (the clones would need too much memory), or parameters that
-            are tensor subclasses (DTensor under FSDP/TP: a step on them may communicate).
-    """
-    cls = type(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    plain = (torch.Tensor, torch.nn.Parameter)
-    if any(type(p) not in plain for p in params):
-        # DTensor / FSDP / tensor subclasses: a step on their clones may communicate; never preview those
-        raise ValueError("the parameters are tensor subclasses (e.g. DTensor): not previewed")
-    numel = sum(p.numel() for p in params)
-    if numel > max_numel:
-        raise ValueError(f"{numel:,} parameters exceed the preview's limit of {max_numel:,}")
-    accepted = inspect.signature(cls.__init__).parameters
-    group = optimizer.param_groups[0]
-    hyper = {
-        k: v
-        for k, v in group.items()
-        if k in accepted and k not in ("params", "foreach", "fused", "differentiable", "capturable")
-    }
-    device = params[0].device if params else torch.device("cpu")
-    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def build(impl: Mapping[str, bool]) -> Any:
-        clones = [p.detach().clone() for p in params]
-        gen = torch.Generator(device=device).manual_seed(0)
-        for c in clones:
-            c.grad = torch.randn(c.shape, generator=gen, device=device, dtype=c.dtype) * 1e-3
-        opt = cls(clones, **hyper, **impl)
-        for _ in range(2):  # state initialisation and first-call costs
-            opt.step()
-        return opt
-
-    loop_impl = {k: False for k in ("foreach", "fused") if k in accepted}
-    arms = [build(loop_impl), build(candidate)]
-    sync()
-    times: list[list[float]] = [[], []]
-    spent = 0.0
-    try:
-        while len(times[1]) < 5 or (spent < budget_s and len(times[1]) < 50):
-            for opt, out in zip(arms, times):  # alternate A B A B: machine noise hits both arms alike
-                start = time.perf_counter()
-                opt.step()
-                sync()
-                took = time.perf_counter() - start
-                out.append(took)
-                spent += took
-    finally:
-        del arms
-        if device.type == "cuda":  # give the clones' and states' memory back before training allocates
-            torch.cuda.empty_cache()
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _optimizer_not_foreach(x: _Inputs) -> Finding | None:

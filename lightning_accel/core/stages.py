@@ -1,35 +1,8 @@
 """The stage state machine: training-loop events + a clock → seconds per stage per window, with pauses.
 
-No Lightning here: :class:`~lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor` feeds it from its hooks,
-and any other step loop (a hand-written loop, a test with a fake clock) drives it with the same calls (the
-``Autopilot``'s trials time their stages with the :class:`~lightning_accel.core.timing.StageTimer` underneath, not
-with this machine)::
-
-    machine = StageMachine(clock=time.perf_counter, warmup_batches=2)
-    for batch in loader_iter:                     # per step:
-        machine.batch_requested()                 #   the loop asks for the next batch: data wait opens
-        batch = next(it); machine.batch_arrived()
-        machine.stage_start("forward"); loss = model(batch)
-        machine.stage_start("backward"); loss.backward()
-        machine.stage_start("optimizer"); opt.step(); opt.zero_grad()
-        machine.step_end(samples=len(batch))
-        if machine.window_batches >= 50:
-            window = machine.close_window()       # StageWindow: wall, seconds per stage, shares(), step times
-            diagnose(window.shares(), context)
-
-Semantics:
-
-* one stage is open at a time; :meth:`stage_start` closes the open one. ``data`` is always timed on the host clock
-  (the wait happens there); on CUDA the other stages go through a :class:`~lightning_accel.core.timing.StageTimer`
-  (CUDA events: read once per window, never a synchronisation per step), elsewhere they are host intervals read
-  from the same one clock reading per event;
-* the first ``warmup_batches`` batches are not measured; the window clock starts at the end of the last one;
-* :meth:`pause` / :meth:`resume` take time out of the window (validation, a checkpoint save, the gap between
-  epochs): the open stage stops and continues on resume;
-* :meth:`hold` / :meth:`release` leave whole batches out of every window, their time and their count (the
-  doctor's profiled attribution window: a profiler slows the batches it records);
-* every measured batch's host duration (step end → step end, pauses excluded) and its data wait are kept for the
-  window, for the variability statistics (:mod:`lightning_accel.core.variability`).
+No Lightning here: :class:`~lightning_accel.callbacks.doctor.bottleneck_doctor.BottleneckDoctor` feeds it from its
+hooks, and any other step loop drives it with the same calls. The usage and the semantics of its calls:
+``docs/measuring/doctor.md``, "Without a Trainer" and "The core, module by module".
 """
 
 from __future__ import annotations

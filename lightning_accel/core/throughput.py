@@ -6,14 +6,16 @@ synchronised points the host clock measures exactly the time the device needed f
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 from lightning_accel._checks import check_int
 
-__all__ = ["Rates", "WindowedThroughput"]
+__all__ = ["RankWindows", "Rates", "WindowedThroughput", "raised_peaks"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +154,105 @@ class WindowedThroughput:
 
     def median_samples_per_sec(self) -> float | None:
         return statistics.median(w.samples_per_sec for w in self.windows) if self.windows else None
+
+
+def raised_peaks(achieved: Sequence[float], peaks: Sequence[float]) -> list[float]:
+    """Each rank's peak after a window whose achieved FLOP/s exceeded one: a measured rate is a lower bound of the true
+    peak. Ranks that started from one peak are one kind of device and keep one peak (the fastest rank's rate); ranks
+    with different peaks are raised each to its own rate."""
+    if len(set(peaks)) == 1:
+        return [max(peaks[0], *achieved)] * len(peaks)
+    return [max(a, p) for a, p in zip(achieved, peaks)]
+
+
+#: A raise handler: ``(achieved, peaks, raised, seconds)`` of the window, called before the window is recorded.
+PeakRaise = Callable[[list[float], list[float], list[float], float], None]
+
+
+class RankWindows:
+    """Every rank's windows → global rates, per-device MFU, and the fit's time-weighted summary.
+
+    A window is one row per rank: ``[samples, tokens, flops, seconds, batches, peak]`` (NaN where unknown), as
+    gathered from the ranks. Samples and tokens are summed over ranks (a batch shared by a group of
+    ``batch_replicas`` tensor-parallel ranks counts once); batch and FLOP rates and MFU are means over ranks. MFU is
+    a fraction: a window whose achieved FLOP/s exceeds a rank's peak raises the peaks first (:func:`raised_peaks`).
+
+    Attributes:
+        history: one record per window (``samples_per_sec``, ``batches_per_sec``, ``tokens_per_sec``,
+            ``flops_per_sec_per_device``, ``seconds``, ``batches``, ``mfu``).
+        rank_peaks: every rank's current peak, as the last window's gather showed them.
+    """
+
+    def __init__(self, batch_replicas: int = 1) -> None:
+        self.batch_replicas = batch_replicas
+        self.history: list[dict[str, float | None]] = []
+        self.rank_peaks: list[float] = []
+        self._achieved_weighted: list[float] = []  # per rank: sum over windows of achieved FLOP/s x window seconds
+
+    def add(self, rows: Sequence[Sequence[float]], on_raise: PeakRaise | None = None) -> dict[str, float | None]:
+        """Record one window from its gathered rows; returns its record. ``on_raise`` hears of a raise of the peaks."""
+        # plain floats: a handful of values per rank, where tensor ops would cost ~10 µs each (the window's flush
+        # is the monitor's main hot-path cost)
+        sec = [max(r[3], 1e-12) for r in rows]
+        n = len(rows)
+        no_tokens = any(math.isnan(r[1]) for r in rows)
+        no_flops = any(math.isnan(r[2]) for r in rows)
+        record: dict[str, float | None] = {
+            "samples_per_sec": sum(r[0] / t for r, t in zip(rows, sec)) / self.batch_replicas,
+            "batches_per_sec": sum(r[4] / t for r, t in zip(rows, sec)) / n,
+            "tokens_per_sec": None if no_tokens else sum(r[1] / t for r, t in zip(rows, sec)) / self.batch_replicas,
+            "flops_per_sec_per_device": None if no_flops else sum(r[2] / t for r, t in zip(rows, sec)) / n,
+            "seconds": max(sec),
+            "batches": sum(r[4] for r in rows),
+            "mfu": None,
+        }
+        if not no_flops and not any(math.isnan(r[5]) for r in rows):
+            achieved = [r[2] / t for r, t in zip(rows, sec)]
+            peaks = [r[5] for r in rows]
+            if any(a > p for a, p in zip(achieved, peaks)):
+                raised = raised_peaks(achieved, peaks)
+                if on_raise is not None:
+                    on_raise(achieved, peaks, raised, max(sec))
+                peaks = raised
+            record["mfu"] = sum(a / p for a, p in zip(achieved, peaks)) / n
+            self.rank_peaks = peaks
+            if not self._achieved_weighted:
+                self._achieved_weighted = [0.0] * n
+            self._achieved_weighted = [w + a * max(sec) for w, a in zip(self._achieved_weighted, achieved)]
+        self.history.append(record)
+        return record
+
+    @property
+    def mean_peak(self) -> float | None:
+        """The ranks' mean peak as the last window with MFU left them, or ``None`` before one."""
+        return sum(self.rank_peaks) / len(self.rank_peaks) if self.rank_peaks else None
+
+    @property
+    def batches_measured(self) -> int:
+        return int(sum(h["batches"] or 0 for h in self.history))
+
+    def summary(self) -> dict[str, float | None]:
+        """The windows' time-weighted rates (``None`` where a window lacks one); MFU divides every window by the
+        final peaks (windows recorded before a raise divided by lower ones). Empty before the first window."""
+        if not self.history:
+            return {}
+        weights = [h["seconds"] or 0.0 for h in self.history]
+        total = sum(weights)
+
+        def weighted(key: str) -> float | None:
+            values = [h[key] for h in self.history]
+            if total <= 0 or any(v is None for v in values):
+                return None
+            return sum(cast(float, v) * w for v, w in zip(values, weights)) / total
+
+        mfu = None
+        if weighted("mfu") is not None and self.rank_peaks:
+            mfu = sum(w / total / p for w, p in zip(self._achieved_weighted, self.rank_peaks)) / len(self.rank_peaks)
+        return {
+            "samples_per_sec": weighted("samples_per_sec"),
+            "median_samples_per_sec": statistics.median(cast(float, h["samples_per_sec"]) for h in self.history),
+            "tokens_per_sec": weighted("tokens_per_sec"),
+            "flops_per_sec_per_device": weighted("flops_per_sec_per_device"),
+            "mfu": mfu,
+            "seconds_measured": total,
+        }

@@ -1,79 +1,8 @@
 """The Autopilot's search loop, behind a small backend protocol: nothing here runs a step or imports Lightning.
 
-:class:`AutopilotSearch` decides; a :class:`~lightning_accel.core.autopilot.protocol.SearchBackend` measures a
-window, applies a change (returning its undo), probes numerics, agrees across ranks, proposes what to try for the
-current stage shares, and restores the training state. :class:`lightning_accel.Autopilot` is the Lightning backend;
-the tests drive the loop with a scripted backend and a fake clock, so every decision below is checked with exact
-numbers and no timing. The trials themselves are :mod:`~lightning_accel.core.autopilot.trials`, their paired windows
-:func:`~lightning_accel.core.autopilot.pairing.measure_pairs`, their costs :mod:`~lightning_accel.core.autopilot.budget`.
-
-The protocol, and why (numbers from a 2-core CPU, measured by benchmarks/bench_autopilot.py and
-benchmarks/bench_autopilot_real.py; ``docs/method.md``, "Closing the loop"):
-
-1. **Does a search pay?** With a fit length and the default fractional budget, four steps (two warm-up, two timed:
-   :data:`~lightning_accel.core.autopilot.budget.ESTIMATE_WINDOW`) estimate the step time and its stage shares
-   before anything else. The largest *expected* gain of the fixes on offer
-   (:func:`~lightning_accel.core.autopilot.priors.expected_gain`: the stage share times what the fix can remove)
-   times the fit's duration, less the fix's one-off work (a first compile), is the saving to expect; when it does
-   not exceed twice the cost of a baseline and one trial (its B window, and its confirmation pair unless the fix is
-   expected to be decisive), the search does not start and says so in one line: a 300-step balanced fit trains
-   untouched. Before giving up, a short fit is costed with the shortest windows that still average the machine's noise out
-   (:data:`SHORT_WARMUP_STEPS` untimed + :data:`MIN_WINDOW_SECONDS` timed, at least 3 steps): the 300-step fit of
-   ``bench_autopilot_real.py --short`` whose data wait is ~45 % of its 33 ms step expected to save ~4.5 s, and the
-   default 5 + 20-step windows cost 2.7 s for a baseline and one decisive trial; windows of 2 + 8 steps ~1.0 s. The
-   A/A noise is measured on the windows the search uses, so the gate follows their noise. The search may spend
-   ``max(budget x fit, baseline + first trial)`` when that first trial pays back, the trial costed again once the
-   baseline's windows and numerics probe are measured. After the baseline the fit's length, and so the budget,
-   follows the baseline's step time rather than the estimate's two timed steps.
-2. **Paired windows.** Every decision compares a window of the candidate (B) with a window of the current configuration
-   measured right before it (A), never with a baseline measured minutes earlier: on a shared 2-core CPU the unchanged
-   configuration can measure 1453 samples/s in the baseline and 1058-1222 a few trials later, once other work starts,
-   while one candidate's two paired ratios agree within 3 % (1.162, 1.135). A window of the current configuration is
-   reused by the next trial only when no other window was measured since (a candidate rejected by its numerics probe
-   measured nothing).
-3. **The gate.** A first ratio B/A of at least ``1 + max(threshold, noise)`` (noise: the A/A spread of the baseline's
-   two windows, counted up to twice the threshold: one burst of interference in the baseline measured 24.6 % on a shared
-   2-core CPU and would otherwise hide every later gain) is confirmed by a second pair in reverse order (A B B A: a
-   linear drift of the machine's speed cancels); the change is kept when both ratios exceed 1 and their mean clears the
-   gate. A first ratio of at least ``1 + max(0.5, 4 x gate)`` is decisive and kept without the second pair (the largest
-   burst on a shared 2-core CPU: 25 %). A fix whose expected gain (the offer's) clears the gate gets its second pair for
-   any first ratio above ``1 + min_gain``: one pair in ~10 % noise cannot tell a 15 % gain from none. Two pairs that
-   leave the question open (mean at least half the gate above 1, not kept: one pair under 1, or the mean short of the
-   gate) get a third (A B B A B, the last A shared): kept when two of the three exceed 1 and the mean clears the gate
-   shrunk as the noise of a mean of three, ``gate x sqrt(2/3)``, never under the threshold. Right after a baseline
-   that needed a third window or longer ones, the first measured trial is never decisive on one pair. On a shared 2-core CPU the
-   larger micro-batch's real 15-30 % gain can measure 1.16 then 0.98, or 1.20 then 0.92: with two pairs the unluckiest
-   window decides; a majority of three does not hang on one.
-4. **Compounding small gains.** A change measured at least ``min_gain`` (1 %) faster but below the gate is not thrown
-   away: it is reverted and held. On the GPT-2 script of benchmarks/bench_autopilot_real.py the worker, SDPA,
-   fused-optimizer and micro-batch gains are 2-9 % each, mostly within the 5 % gate alone and 1.45x together. When no
-   candidate is left (or the patience runs out), the held changes are applied together as a *bundle*, checked by the
-   numerics guard (the loosest member's tolerance; bit-identical batches when a member changes data loading) and
-   confirmed with A B B A against the current configuration. A sum of 2-3 % gains reaches the 5 % gate where each alone
-   cannot, and the bundle's two pairs are measured with the whole sum in them. A bundle that fails numerics is split:
-   its members are re-applied one at a time with the guard after each, and a member that breaks the numbers is dropped
-   (the culprit is named). Held changes that set the same knob (a candidate's optional ``knobs``: the fused and the
-   foreach optimizer step) are alternatives, not gains to add up: the bundle keeps the one measured faster and names the
-   other.
-5. **Payback per trial.** A candidate is trialled only while its expected saving over the steps left exceeds the
-   trial's cost; sorted by expected gain, the first one that would not pay back ends the search. One that does not
-   fit the time left but is expected to save :data:`~lightning_accel.core.autopilot.budget.SELF_PAYING_MULTIPLE`
-   times its cost raises the budget to hold it (never an absolute ``budget_seconds``): the budget caps the search,
-   never a trial that pays for itself.
-6. **Windows long enough for the noise.** A baseline whose A/A noise stays above the gate's cap (twice the
-   threshold) after a third window is measured again with windows up to :data:`MAX_LENGTHENING` times longer (noise
-   falls as 1/sqrt(steps)), as the budget allows; noise that longer windows do not settle raises the gate to it, and a
-   gain inside it is refused as "noise too high to resolve a gain of x %".
-7. **The claim.** With something kept, :data:`FINAL_PAIRS` pairs of fresh windows (B A, A B, B A) measure the kept
-   set against the untouched configuration, the kept changes undone and re-applied between them; the claimed
-   speed-up is their geometric mean with a 90 % interval (:func:`claimed_speedup`), not the last trial's winning
-   window (chosen because it won). A kept set whose interval lies below 1 is reverted, and the fixes measured on top
-   of its first change are trialled again against the untouched configuration (once, as the budget allows). A kept
-   change with one-off work (a compile) is not toggled: the claim is the product of the kept trials' paired ratios.
-
-Faults: an apply that raises leaves nothing applied (the backend's undo runs); any error in a trial is reported in
-the table and the search goes on from the last good configuration; every decision that depends on a rank's own
-clock or outcome goes through ``SearchBackend.agree``, so all ranks take the same branch.
+:class:`AutopilotSearch` decides; a :class:`~lightning_accel.core.autopilot.protocol.SearchBackend` measures, applies
+and undoes, so tests drive every decision with a scripted backend and a fake clock. The protocol, its gates and the
+measurements behind them: ``docs/autopilot.md``, "The protocol" and "How the search decides".
 """
 
 from __future__ import annotations
