@@ -1,27 +1,5 @@
-"""ProfileWindow: a short ``torch.profiler`` trace of a few training steps, at a chosen step or on request.
-
-Profiling a whole run produces gigabytes of trace nobody opens, and slows every step. A window of a handful of
-steps, taken where the problem is, is what a person (or ``BottleneckDoctor``, through :meth:`ProfileWindow.request`
-when a finding fires) needs. The profiler exists only for the window: it is created at the window's first step with
-a ``wait``/``warmup``/``active`` schedule (``torch.profiler.schedule``), records ``active`` steps after
-``wait + warmup`` unrecorded ones (warm-up lets the profiler's own start-up cost settle), and is stopped and dropped
-right after. A step is one training batch (one ``training_step``; with gradient accumulation, a micro-batch).
-
-Files written per window into ``dirpath`` (``rank`` is the global rank; each rank profiles itself):
-
-==========================================  =====================================================================
-file                                        content
-==========================================  =====================================================================
-``trace_step{S}_rank{R}.json``              Chrome trace (open in ``chrome://tracing`` or https://ui.perfetto.dev);
-                                            holds exactly ``active`` ``ProfilerStep#`` events
-``top_ops_step{S}_rank{R}.txt``             the reason, the recorded steps, then the operator table from
-                                            ``key_averages()``: top ``row_limit`` ops by self CPU time (CPU runs)
-                                            or self device time (CUDA runs); times in the units the table prints
-==========================================  =====================================================================
-
-``S`` is the global step (``trainer.global_step``) at the window's first step. Files are written to a temporary
-name and renamed, so a crash never leaves a half-written trace. Nothing is logged.
-"""
+"""ProfileWindow: a short ``torch.profiler`` trace of a few training steps, at a chosen step or on request (from a
+person, or from ``BottleneckDoctor`` when a finding fires). Its files and schedule: ``docs/measuring/traces.md``."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=14,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[doctor])
 trainer.fit(Model())
-out = {"report": doctor.report.to_dict(), "buckets": doctor._comm.buckets if doctor._comm is not None else 0,
+out = {"report": doctor.report.to_dict(), "buckets": doctor._measure.comm.buckets if doctor._measure.comm is not None else 0,
        "pid": os.getpid()}
 with open(f"doctor_rank{trainer.global_rank}.json", "w") as fh:
     json.dump(out, fh)
@@ -136,7 +136,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_fp16_compress",
                      callbacks=[doctor])
 trainer.fit(Model())
 with open(f"wrappers_rank{trainer.global_rank}.json", "w") as fh:
-    json.dump({"wrappers_after": len(trainer.strategy.comm_hook_wrappers), "buckets": doctor._comm.buckets,
+    json.dump({"wrappers_after": len(trainer.strategy.comm_hook_wrappers), "buckets": doctor._measure.comm.buckets,
                "measured": doctor.report.context.communication_measured, "shares": doctor.report.shares}, fh)
 """
 )

@@ -447,7 +447,7 @@ def test_a_compiled_model_is_not_attributed_and_the_report_says_why():
 
 def test_core_attribution_matches_the_report_and_the_root_rows_are_named():
     doctor, _ = fit(Task(Stack(FusedAttention, layers=1), tokens(2, 64, 32, 64)))
-    table = doctor._attribution.table
+    table = doctor._measure.attribution.table
     again = attribute(table).to_dict()
     assert [r["module"] for r in again["modules"]] == [r["module"] for r in doctor.report.attribution["modules"]]
     names = {r["module"] for r in again["modules"]}

@@ -1,9 +1,7 @@
-"""The doctor's Lightning side: :class:`BottleneckDoctor` (the callback: arguments, hooks, output) over the pure
-diagnosis in :mod:`lightning_accel.core`. One concern per module: ``timers`` (the stage timer's hooks and
-wrappers), ``facts`` (the run facts the rules read), ``utilisation`` (GPU utilisation and memory sampling),
-``smells`` (the static code smells before the first step), ``live_warnings`` (findings as warnings while the fit
-runs), ``attribution`` (the profiled window that attributes compute to modules) and ``report`` (the report's
-files)."""
+"""The doctor's Lightning side: :class:`BottleneckDoctor` (the hooks and output) hands the moments of the step to
+its measuring object (``measure``, ``pauses``) over the pure diagnosis in :mod:`lightning_accel.core`; beside them
+the timers, run facts, utilisation, smells, live warnings and log, the attribution window and the report's files.
+See ``docs/measuring/doctor.md``."""
 
 from lightning_accel.callbacks.doctor.bottleneck_doctor import BottleneckDoctor
 

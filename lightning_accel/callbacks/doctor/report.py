@@ -1,19 +1,21 @@
-"""The doctor's files at the end of ``fit`` (rank 0): where they go, and the JSON report with its PNG."""
+"""The doctor's files (rank 0): where they go, the window log's place, and the JSON report with its PNG at the end of
+``fit``. See ``docs/measuring/doctor.md``, "Reports"."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_accel.callbacks._fit.trainer_state import rank_zero_print
 from lightning_accel.core.html_report import write_html
 from lightning_accel.core.report import DoctorReport, plot_timeline, run_name
+from lightning_accel.core.window_log import WINDOW_LOG_SUFFIX
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["report_dir", "run_identity", "write_report_files"]
+__all__ = ["report_dir", "report_file", "run_identity", "window_log_file", "write_report_files"]
 
 
 def report_dir(trainer: pl.Trainer) -> Path:
@@ -28,6 +30,22 @@ def report_dir(trainer: pl.Trainer) -> Path:
         if where:
             return Path(where)
     return Path(trainer.default_root_dir)
+
+
+def report_file(trainer: pl.Trainer, report_path: str | Path | None) -> Path:
+    """The report's path: ``report_path``, else ``bottleneck_report.json`` in :func:`report_dir`."""
+    return Path(report_path) if report_path else report_dir(trainer) / "bottleneck_report.json"
+
+
+def window_log_file(trainer: pl.Trainer, window_log: str | Path | bool | None, report_path: Any) -> Path | None:
+    """Where the live window log goes: ``window_log``, else beside the report as ``<report stem>.windows.jsonl``;
+    ``None`` for none (``window_log=False``, or no report files)."""
+    if window_log is False or (window_log is None and report_path is False):
+        return None
+    if window_log is None:
+        report = report_file(trainer, report_path)
+        return report.with_name(report.stem + WINDOW_LOG_SUFFIX)
+    return Path(window_log)
 
 
 def run_identity(trainer: pl.Trainer) -> dict[str, str]:
@@ -50,7 +68,7 @@ def write_report_files(
     in ``.html``: the self-contained HTML page there, the JSON beside it) and, with
     ``plot``, the PNG of the timeline next to it; ``files`` gets the paths written (the JSON first). A missing
     matplotlib is a note in the report; a write that fails warns."""
-    path = Path(report_path) if report_path else report_dir(trainer) / "bottleneck_report.json"
+    path = report_file(trainer, report_path)
     page = None
     if path.suffix.lower() in (".html", ".htm"):  # the page at that path, the JSON beside it
         page, path = path, path.with_suffix(".json")
