@@ -12,7 +12,11 @@ The causes (vanilla = :data:`VANILLA`):
   pairs merged by a fixed merge table), about 1 ms per sample on the 2-core benchmark VM.
 
 The hand-tuned configuration (:data:`HAND_TUNED`) turns the same knobs: SDPA, micro-batch 32 × 1 (same global
-batch), ``AdamW(foreach=True)``, one loader worker, in fp32 and in ``bf16-mixed``.
+batch), ``AdamW(foreach=True)``, one loader worker, in fp32 and in ``bf16-mixed``; :func:`grid` lists every
+combination of the knobs' values (:data:`GRID`), the exhaustive search the Autopilot is compared with.
+
+``bert_cls`` is the classification script: a Hugging Face BERT sequence classifier on eager attention, two
+classes read off the tokens, validated four times an epoch on held-out samples (``val_loss``).
 
 Models are tiny (CPU-sized) and built from config objects: nothing is downloaded.
 """
@@ -20,7 +24,8 @@ Models are tiny (CPU-sized) and built from config objects: nothing is downloaded
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +48,24 @@ VANILLA: dict[str, Any] = {
 }
 #: what a person tuning by hand sets (precision is tried both ways, the better counts)
 HAND_TUNED: dict[str, Any] = {"attention": "sdpa", "optimizer": "foreach", "micro": (32, 1), "num_workers": 1}
+#: every value of each knob the exhaustive grid sets (the knobs the Autopilot may change in these scripts)
+GRID: dict[str, tuple[Any, ...]] = {
+    "attention": ("eager", "sdpa"),
+    "precision": ("32-true", "bf16-mixed"),
+    "optimizer": ("single", "foreach", "fused"),
+    "micro": ((4, 8), (8, 4), (16, 2), (32, 1)),
+    "num_workers": (0, 1, 2),
+}
+
+
+def grid(script: Script, knobs: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Every combination of :data:`GRID`'s values for ``knobs`` (all of them when empty), the others as
+    :data:`VANILLA` sets them; ``attention`` only where the script has an eager attention to replace."""
+    unknown = sorted(set(knobs) - set(GRID))
+    if unknown:
+        raise ValueError(f"grid knobs {unknown!r}: not among {sorted(GRID)}")
+    chosen = [k for k in GRID if (not knobs or k in knobs) and (k != "attention" or script.hf)]
+    return [dict(VANILLA, **dict(zip(chosen, values))) for values in itertools.product(*(GRID[k] for k in chosen))]
 
 
 # ------------------------------------------------------------------------------------------------ the costly dataset
@@ -98,6 +121,21 @@ class TokenizingDataset(Dataset):
         ids = tokenize(self.texts[i], self.table, self.passes)[: SEQ + 1]
         ids += [0] * (SEQ + 1 - len(ids))
         return torch.tensor(ids, dtype=torch.long) % VOCAB
+
+
+class LabelledTokens(Dataset):
+    """:class:`TokenizingDataset`'s samples (``SEQ`` ids) with a class: whether more than five ids come from the
+    merge table's upper half (about half the samples), so the label is learnable from the tokens."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.tokens = TokenizingDataset(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.tokens[i][:SEQ]
+        return ids, ((ids >= VOCAB // 2).sum() > 5).long()
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -159,6 +197,25 @@ def litgpt_gpt(attention: str) -> nn.Module:
     )
 
 
+def hf_bert_classifier(attention: str) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
+            max_position_embeddings=SEQ,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation=attention,
+        )
+    )
+
+
 def demo_gpt(attention: str) -> nn.Module:
     from lightning_accel.demo.model import GPT, GPTConfig
 
@@ -172,6 +229,7 @@ class Script:
     build: Callable[[str], nn.Module]
     hf: bool  # Hugging Face: forward(input_ids=, labels=) returns .loss; has an eager attention to fix
     needs: str = ""
+    classify: bool = False  # a sequence classifier with a validation loop (NaiveClassifier), not a language model
 
     def missing(self) -> str | None:
         if self.needs and importlib.util.find_spec(self.needs) is None:
@@ -199,6 +257,14 @@ SCRIPTS: dict[str, Script] = {
     ),
     "demo": Script(
         "demo", "the demo GPT (lightning_accel.demo, 2 layers, d 128, seq 64), SDPA already", demo_gpt, False
+    ),
+    "bert_cls": Script(
+        "bert_cls",
+        "HF BERT sequence classifier (2 layers, d 128, seq 64, 2 classes), eager attention, validated",
+        hf_bert_classifier,
+        True,
+        "transformers",
+        classify=True,
     ),
 }
 
@@ -240,12 +306,55 @@ class NaiveLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, **flags[self.optimizer_impl])
 
 
+class NaiveClassifier(NaiveLM):
+    """The same user's classifier: :class:`LabelledTokens` batches, and a ``validation_step`` logging ``val_loss``
+    over held-out samples (the Trainer validates four times an epoch: :func:`trainer_arguments`)."""
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), batch_size=len(batch[0]))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            LabelledTokens(self.samples, seed=1),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(2),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(LabelledTokens(64, seed=777), batch_size=16)
+
+
+def trainer_arguments(script: Script) -> dict[str, Any]:
+    """The Trainer's validation settings as the script's author wrote them: none for the language models, four
+    validations an epoch of two held-out batches for the classifier."""
+    if script.classify:
+        return {"val_check_interval": 0.25, "limit_val_batches": 2, "num_sanity_val_steps": 0}
+    return {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+
+
+def example_batch(script: Script, n: int = 4, seed: int = 3) -> Any:
+    """``n`` samples collated as the script's loader collates them."""
+    if script.classify:
+        data = LabelledTokens(n, seed=seed)
+        ids, labels = zip(*(data[i] for i in range(n)))
+        return torch.stack(ids), torch.stack(labels)
+    data = TokenizingDataset(n, seed=seed)
+    return torch.stack([data[i] for i in range(n)])
+
+
 def build(script: Script, config: dict[str, Any], *, samples: int) -> tuple[NaiveLM, dict[str, Any]]:
     """The module and the Trainer arguments of ``config`` (keys of :data:`VANILLA`)."""
     micro, accumulate = config["micro"]
     if micro * accumulate != GLOBAL_BATCH:
         raise ValueError(f"micro={config['micro']!r}: the global batch must stay {GLOBAL_BATCH}")
-    module = NaiveLM(
+    module = (NaiveClassifier if script.classify else NaiveLM)(
         script,
         attention=config["attention"],
         micro=micro,
@@ -259,13 +368,15 @@ def build(script: Script, config: dict[str, Any], *, samples: int) -> tuple[Naiv
     return module, kwargs
 
 
-def heldout_batches(n: int = 4, batch: int = 16) -> list[torch.Tensor]:
-    """Fixed held-out token batches (another seed), tokenised once."""
+def heldout_batches(n: int = 4, batch: int = 16, script: Script | None = None) -> list[Any]:
+    """Fixed held-out batches (another seed), tokenised once; labelled for a classifier."""
+    if script is not None and script.classify:
+        return [example_batch(script, batch, seed=12345 + i) for i in range(n)]
     data = TokenizingDataset(n * batch, seed=12345)
     return [torch.stack([data[i * batch + j] for j in range(batch)]) for i in range(n)]
 
 
-def heldout_loss(module: NaiveLM, batches: list[torch.Tensor]) -> float:
+def heldout_loss(module: NaiveLM, batches: list[Any]) -> float:
     """Mean fp32 loss over the held-out batches (outside any autocast)."""
     was = module.training
     module.eval()

@@ -10,7 +10,12 @@ the order (A B C D, D C B A, …):
 * ``vanilla``: the script as written;
 * ``hand_fp32`` / ``hand_bf16``: the same knobs set by hand (SDPA, 32 × 1, ``AdamW(foreach=True)``, one worker),
   in fp32 and in ``bf16-mixed``; the better of the two is the *hand-tuned best*;
-* ``autopilot``: the script as written plus ``Autopilot()`` at its defaults (``budget=0.05`` of the planned fit).
+* ``autopilot``: the script as written plus ``Autopilot()`` at its defaults (``budget=0.05`` of the planned fit);
+* ``--grid [KNOB ...]``: every combination of the knobs' values (``autopilot_scripts.GRID``; all knobs when none is
+  named), each a run of its own: the best of them is what an exhaustive search reaches, and each search is
+  reported against it (72 runs a script, 144 with an attention knob: about 20-40 minutes a script here).
+
+``bert_cls`` is a classification script with validation (a BERT classifier, ``val_loss`` four times an epoch).
 
 The fit is *planned* 10 minutes long — ``max_steps`` = 600 s ÷ vanilla's seconds per optimizer step, measured by
 the round-0 vanilla run, which runs first — so the Autopilot's default budget is 5 % of a 10-minute fit; the run
@@ -140,6 +145,7 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
         build,
         heldout_batches,
         heldout_loss,
+        trainer_arguments,
     )
 
     _quiet()
@@ -147,6 +153,8 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
     config = dict(VANILLA)
     if spec["variant"].startswith("hand"):
         config.update(HAND_TUNED, precision="bf16-mixed" if spec["variant"] == "hand_bf16" else "32-true")
+    if spec["variant"] == "grid":
+        config.update(spec["config"])
     config["micro"] = tuple(config["micro"])
     steps, skip = spec["steps"], spec["skip"]
     samples = (steps + 20) * 32  # the same dataset (and sample order) in every variant; trials may wrap epochs
@@ -170,9 +178,8 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=callbacks,
+        **trainer_arguments(script),
         **kwargs,
     )
     t0 = time.perf_counter()
@@ -183,7 +190,8 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
         "samples_per_sec": rate.rate(),
         "wall_seconds": wall,
         "global_step": trainer.global_step,
-        "loss": heldout_loss(module, heldout_batches()),
+        "loss": heldout_loss(module, heldout_batches(script=script)),
+        "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
         "torch_threads": torch.get_num_threads(),
         "seconds_per_step": None,
     }
@@ -340,6 +348,8 @@ def _commit() -> str:
 def _say(row: dict[str, Any]) -> None:
     what = row.get("script") or row.get("scenario")
     extra = ""
+    if row["variant"] == "grid":
+        extra = f"  {_config_name(row['config'])}"
     if row["variant"] == "autopilot":
         extra = f"  search {row['search_seconds']:.1f} s, kept: {'; '.join(row['kept']) or 'nothing'}"
     print(
@@ -357,15 +367,22 @@ def drive_real(
     out: Path | None,
     planned: dict[str, int],
     variants: list[str],
+    grid_knobs: list[str] | None = None,
 ) -> list[dict[str, Any]]:
+    from autopilot_scripts import SCRIPTS, grid
+
     rows: list[dict[str, Any]] = []
     for name in scripts:
+        # the grid's points run among the other variants, in the same alternating order
+        runs: list[tuple[str, dict[str, Any] | None]] = [(v, None) for v in variants]
+        if grid_knobs is not None:
+            runs += [("grid", c) for c in grid(SCRIPTS[name], grid_knobs)]
         for r in range(rounds):
-            order = variants if r % 2 == 0 else list(reversed(variants))
-            if name not in planned and "vanilla" in order:  # a vanilla run measures the planned length first
-                first = order.index("vanilla")
-                order = ["vanilla", *order[:first], *order[first + 1 :]]
-            for variant in order:
+            order = runs if r % 2 == 0 else list(reversed(runs))
+            if name not in planned and ("vanilla", None) in order:  # a vanilla run measures the planned length first
+                first = order.index(("vanilla", None))
+                order = [("vanilla", None), *order[:first], *order[first + 1 :]]
+            for variant, config in order:
                 spec = {
                     "kind": "real",
                     "script": name,
@@ -373,6 +390,7 @@ def drive_real(
                     "steps": steps,
                     "skip": skip,
                     "planned_steps": planned.get(name, steps),
+                    **({"config": config} if config is not None else {}),
                 }
                 row = _child(spec, out, timeout=900)
                 rows.append(row)
@@ -414,6 +432,40 @@ def _spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.2f}"
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def _config_name(config: dict[str, Any]) -> str:
+    micro, accumulate = config["micro"]
+    return (
+        f"{config['attention']}, {config['precision']}, {config['optimizer']}, {micro} × {accumulate}, "
+        f"{config['num_workers']} workers"
+    )
+
+
+def grid_table(real: list[dict[str, Any]]) -> list[str]:
+    """Per script with grid runs: the grid's best configuration (median of its runs) and each search's training
+    rate ÷ that best, and how many searches kept the most common set."""
+    lines = [
+        "| script | grid points | grid best (samples/s) | each search ÷ grid best | searches ≥ 0.95× | same kept set |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["script"] for r in real):
+        points: dict[str, list[float]] = {}
+        for r in real:
+            if r["script"] == name and r["variant"] == "grid":
+                points.setdefault(_config_name(r["config"]), []).append(r["samples_per_sec"])
+        auto = [r for r in real if r["script"] == name and r["variant"] == "autopilot"]
+        if not points:
+            continue
+        best_name, best = max(((k, statistics.median(v)) for k, v in points.items()), key=lambda kv: kv[1])
+        ratios = [r["samples_per_sec"] / best for r in auto]
+        kept = [("; ".join(r["kept"]) or "nothing") for r in auto]
+        common = max((kept.count(k) for k in set(kept)), default=0)
+        lines.append(
+            f"| {name} | {len(points)} | {best_name} ({best:.1f}) | {', '.join(f'{x:.2f}' for x in ratios) or '–'} | "
+            f"{sum(x >= 0.95 for x in ratios)} of {len(ratios)} | {common} of {len(kept)} |"
+        )
+    return lines
 
 
 def claims_table(real: list[dict[str, Any]]) -> list[str]:
@@ -499,6 +551,8 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
                 f"{'<br>'.join(f'{k} ({n})' for k, n in kept.items())} |"
             )
         lines += ["", *claims_table(real)]
+        if any(r["variant"] == "grid" for r in real):
+            lines += ["", *grid_table(real)]
     short = [r for r in rows if r.get("kind") == "short"]
     if short and (not commit or any(r["variant"] == "autopilot" for r in short)):
         lines += [
@@ -546,7 +600,7 @@ def report(rows: list[dict[str, Any]], verbose: bool = False, commit: str | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    from autopilot_scripts import SCRIPTS
+    from autopilot_scripts import GRID, SCRIPTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -556,6 +610,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
         choices=["vanilla", "hand_fp32", "hand_bf16", "autopilot"],
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="*",
+        default=None,
+        metavar="KNOB",
+        help="also run every combination of these knobs' values (all knobs when none is named)",
     )
     parser.add_argument("--short", action="store_true", help="the 300-step whole-fit wall-time comparison")
     parser.add_argument(
@@ -588,12 +649,21 @@ def main(argv: list[str] | None = None) -> None:
         print(report(rows, verbose=True))
         return
     rows = []
+    if args.grid is not None and set(args.grid) - set(GRID):
+        parser.error(f"--grid {sorted(set(args.grid) - set(GRID))}: the knobs are {sorted(GRID)}")
     if args.scripts:
         missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
         if missing:
             parser.error("; ".join(missing))
         rows += drive_real(
-            args.scripts, args.rounds, args.steps, args.skip, args.out, _planned_from(args.out), args.variants
+            args.scripts,
+            args.rounds,
+            args.steps,
+            args.skip,
+            args.out,
+            _planned_from(args.out),
+            args.variants,
+            args.grid,
         )
     if args.short:
         rows += drive_short(args.short_scenarios, args.rounds, args.short_steps, args.out)

@@ -39,15 +39,15 @@ def test_the_hand_tuned_attention_is_the_same_model(name):
     script = scripts.SCRIPTS[name]
     if script.missing():
         pytest.skip(script.missing())
-    batch = torch.stack([scripts.TokenizingDataset(4, seed=3)[i] for i in range(4)])
+    batch = scripts.example_batch(script)
     losses = []
     for attention in ("eager", "sdpa"):
-        module = scripts.NaiveLM(script, attention=attention, micro=4, num_workers=0, optimizer="single", samples=8)
+        module, _ = scripts.build(script, dict(scripts.VANILLA, attention=attention), samples=8)
         with torch.no_grad():
             losses.append(float(module.loss(batch)))
     assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-5)
     if script.hf:  # the knob exists: the vanilla model really runs eager attention
-        module = scripts.NaiveLM(script, attention="eager", micro=4, num_workers=0, optimizer="single", samples=8)
+        module, _ = scripts.build(script, dict(scripts.VANILLA), samples=8)
         assert module.model.config._attn_implementation == "eager"
 
 
@@ -113,3 +113,60 @@ def test_every_vanilla_run_asked_for_runs_and_the_first_comes_first(monkeypatch)
     monkeypatch.setattr(real, "_say", lambda row: None)
     real.drive_real(["demo"], 1, 4, 1, None, {}, ["autopilot", "vanilla", "autopilot", "vanilla"])
     assert ran == ["vanilla", "autopilot", "autopilot", "vanilla"]
+
+
+def test_the_grid_holds_every_combination_once_with_vanilla_and_the_hand_tuned_sets_among_them():
+    lm, hf = scripts.grid(scripts.SCRIPTS["demo"]), scripts.grid(scripts.SCRIPTS["gpt2"])
+    assert len(lm) == 2 * 3 * 4 * 3 and len(hf) == 2 * len(lm)  # attention only where there is an eager one
+    assert len({repr(sorted(c.items())) for c in hf}) == len(hf)
+    assert scripts.VANILLA in hf
+    for precision in ("32-true", "bf16-mixed"):
+        assert dict(scripts.VANILLA, **scripts.HAND_TUNED, precision=precision) in hf
+    assert len(scripts.grid(scripts.SCRIPTS["gpt2"], ["micro"])) == 4
+    with pytest.raises(ValueError, match="grid knobs \\['warp'\\]"):
+        scripts.grid(scripts.SCRIPTS["demo"], ["warp"])
+
+
+def test_grid_points_run_among_the_variants_each_with_its_configuration(monkeypatch):
+    ran = []
+    monkeypatch.setattr(
+        real, "_child", lambda spec, out, timeout: ran.append(spec) or {**spec, "seconds_per_step": 0.1}
+    )
+    monkeypatch.setattr(real, "_say", lambda row: None)
+    real.drive_real(["demo"], 2, 4, 1, None, {}, ["vanilla", "autopilot"], ["micro"])
+    first, second = ran[:6], ran[6:]
+    assert [s["variant"] for s in first] == ["vanilla", "autopilot", "grid", "grid", "grid", "grid"]
+    assert [s["config"]["micro"] for s in first[2:]] == [(4, 8), (8, 4), (16, 2), (32, 1)]
+    assert [s["variant"] for s in second] == ["grid"] * 4 + ["autopilot", "vanilla"]  # the next round reversed
+    assert [s["config"]["micro"] for s in second[:4]] == [(32, 1), (16, 2), (8, 4), (4, 8)]
+
+
+def test_the_grid_table_divides_each_search_by_the_best_grid_point():
+    def point(micro, sps):
+        return r("grid", sps, config=dict(scripts.VANILLA, micro=micro))
+
+    rows = [
+        point((4, 8), 100.0),
+        point((32, 1), 200.0),
+        point((32, 1), 180.0),  # the median of a point's runs: 190
+        r("autopilot", 190.0, kept=["32 x 1"]),
+        r("autopilot", 171.0, kept=["32 x 1"]),
+        r("autopilot", 95.0, kept=[]),
+    ]
+    cells = [c.strip() for c in real.grid_table(rows)[-1].split("|")]
+    assert cells[2] == "2" and cells[3].endswith("32 × 1, 0 workers (190.0)")
+    assert cells[4] == "1.00, 0.90, 0.50"
+    assert cells[5] == "1 of 3" and cells[6] == "2 of 3"
+
+
+def test_the_classification_script_trains_and_validates():
+    script = scripts.SCRIPTS["bert_cls"]
+    if script.missing():
+        pytest.skip(script.missing())
+    ids, labels = scripts.example_batch(script, 64, seed=5)
+    assert ids.shape == (64, scripts.SEQ) and set(labels.tolist()) == {0, 1}  # both classes occur
+    row = real.run_real(
+        {"kind": "real", "script": "bert_cls", "variant": "vanilla", "steps": 6, "skip": 1, "planned_steps": 6}
+    )
+    assert row["global_step"] == 6 and math.isfinite(row["loss"])
+    assert row["val_loss"] is not None and math.isfinite(row["val_loss"])  # validation ran inside the fit
