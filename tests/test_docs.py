@@ -204,3 +204,35 @@ def test_the_site_builds_strictly_without_importing_the_package(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "building the docs imported these modules"
     page = (tmp_path / "site" / "reference" / "api" / "DDPCompressionStrategy" / "index.html").read_text()
     assert "<table>" in page and ":func:" not in page and "=====" not in page
+
+
+def architecture_problems(text: str) -> list[str]:
+    """What the architecture page names that the package lacks: a path that does not exist, a name said to be
+    ``in`` a file that the file does not define, and a folder of the package missing from the layout table."""
+    import re
+
+    problems = []
+    for path in sorted(set(re.findall(r"`(lightning_accel[\w/.]*)`", text))):
+        if not (REPO / path.rstrip("/")).exists():
+            problems.append(f"no such path: {path}")
+    for name, path in re.findall(r"`(\w+)` in `(lightning_accel/[\w/]+\.py)`", text):
+        source = (REPO / path).read_text() if (REPO / path).exists() else ""
+        if not re.search(rf"^\s*(def|class) {name}\b|^{name}\b\s*[:=]", source, re.MULTILINE):
+            problems.append(f"{path} defines no {name}")
+    table = {m for m in re.findall(r"^\| `(lightning_accel/[\w/]+)/`", text, re.MULTILINE)}
+    for folder in sorted(p for p in (REPO / "lightning_accel").iterdir() if (p / "__init__.py").exists()):
+        if f"lightning_accel/{folder.name}" not in table and folder.name not in ("demo", "losses"):
+            problems.append(f"the layout table has no row for lightning_accel/{folder.name}/")
+    return problems
+
+
+def test_the_architecture_page_names_files_and_definitions_that_exist():
+    assert architecture_problems((DOCS / "architecture.md").read_text()) == []
+
+
+def test_the_architecture_check_sees_a_moved_file_and_a_renamed_definition():
+    page = (DOCS / "architecture.md").read_text()
+    moved = page.replace("`lightning_accel/core/rules.py`", "`lightning_accel/core/rulez.py`")
+    renamed = page.replace("`_rule_memory` in", "`_rule_memoryy` in")
+    assert any("no such path: lightning_accel/core/rulez.py" in p for p in architecture_problems(moved))
+    assert architecture_problems(renamed) == ["lightning_accel/core/rules.py defines no _rule_memoryy"]
