@@ -128,10 +128,16 @@ def core_dependencies() -> dict[Path, set[str]]:
             for name in imported(node, module_name(path), path.name == "__init__.py"):
                 if not name.startswith("lightning_accel.") or name.startswith("lightning_accel.core"):
                     continue
+                taken = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
                 target = PACKAGE.parent / (name.replace(".", "/") + ".py")
+                package = PACKAGE.parent / name.replace(".", "/")
                 if target.exists():
-                    taken = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
                     out.setdefault(target, set()).update(taken)
+                elif (package / "__init__.py").exists():
+                    # a package re-exporting its modules' names (``_compat``): each module, for the names it defines
+                    for module in sorted(package.glob("*.py")):
+                        defined = {n.name for n in ast.parse(module.read_text()).body if hasattr(n, "name")}
+                        out.setdefault(module, set()).update(taken & defined)
     return out
 
 
@@ -149,7 +155,7 @@ def test_the_core_never_imports_lightning():
 def test_the_core_uses_only_framework_free_helpers_outside_it():
     # callbacks, strategies and commands are Lightning's side: the core must not reach into them
     outside = {p.relative_to(PACKAGE).parts[0] for p in core_dependencies()}
-    assert outside <= {"_atomic.py", "_checks.py", "_imports.py", "_compat.py"}, outside
+    assert outside <= {"_atomic.py", "_checks.py", "_imports.py", "_compat"}, outside
 
 
 def test_the_package_has_no_import_cycle():
@@ -218,3 +224,43 @@ def test_the_autopilot_packages_keep_one_concern_per_small_module():
         for path in sorted((PACKAGE / package).glob("*.py")):
             lines = len(path.read_text().splitlines())
             assert lines <= 400, f"{path.relative_to(PACKAGE.parent)} has {lines} lines: split it by concern"
+
+
+MODULE_LINES, CLASS_LINES, DOCSTRING_LINES = 600, 450, 12
+
+
+def oversized(path: Path) -> list[str]:
+    """What in ``path`` breaks the sizes docs/architecture.md sets: the module's lines, each class's lines, and the
+    module docstring's lines (a manual belongs on a docs page)."""
+    text = path.read_text()
+    tree = ast.parse(text, str(path))
+    where = path.relative_to(PACKAGE.parent)
+    found = []
+    if len(text.splitlines()) > MODULE_LINES:
+        found.append(f"{where}: {len(text.splitlines())} lines (at most {MODULE_LINES})")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            length = node.end_lineno - node.lineno + 1
+            if length > CLASS_LINES:
+                found.append(f"{where}: class {node.name} has {length} lines (at most {CLASS_LINES})")
+    doc = ast.get_docstring(tree, clean=False)
+    if doc and len(doc.splitlines()) > DOCSTRING_LINES:
+        found.append(f"{where}: a {len(doc.splitlines())}-line module docstring: move the manual to its docs page")
+    return found
+
+
+def test_no_module_class_or_module_docstring_outgrows_its_size():
+    found = [f for path in sorted(PACKAGE.rglob("*.py")) for f in oversized(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_size_check_sees_a_long_class_and_a_manual(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(CLASS_LINES))
+    doc = "\n".join(["a manual"] * (DOCSTRING_LINES + 1))
+    module = PACKAGE / "_planted_for_the_size_check.py"
+    module.write_text(f'"""{doc}"""\n\n\nclass Big:\n{body}\n')
+    try:
+        found = oversized(module)
+    finally:
+        module.unlink()
+    assert any("class Big has 451 lines" in f for f in found) and any("module docstring" in f for f in found)

@@ -52,7 +52,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch.utils._python_dispatch",
         "_disable_current_modes",
         _T,
-        ("strategies/pipeline.py:PipelineStrategy._check_first_batch",),
+        ("strategies/pipeline_checks.py:FirstBatchCheck.run",),
         why="the first-batch check runs the whole model outside any active dispatch mode (a FLOP counter "
         "or a compile trace); torch has no public way to suspend the active modes",
     ),

@@ -1,18 +1,6 @@
-"""The stage split of a pipeline-parallel run, and its arithmetic (torch-free: plain numbers in, a plan out).
-
-:func:`plan_stages` divides ``n`` repeated blocks over ``S`` pipeline stages: contiguous runs of blocks, the
-embedding's cost added to the first stage and the head's (final norm, output projection, loss) to the last, so that
-the most expensive stage is as cheap as possible (the pipeline runs at the pace of its slowest stage). Costs are
-parameter counts by default (:mod:`lightning_accel.strategies.pipeline` passes them); any positive measure works
-(measured times, FLOPs).
-
-Stages map onto ranks *looped* (torch's ``ScheduleInterleaved1F1B`` layout, as in torchtitan): with ``P`` pipeline
-ranks and ``V = S / P`` stages per rank, rank ``r`` holds stages ``r, r + P, r + 2P, ...``.
-
-**The bubble.** With ``P`` ranks and ``m`` micro-batches GPipe and 1F1B leave each rank idle for ``P - 1`` of the
-``m + P - 1`` micro-batch slots of a step (GPipe paper, Huang et al. 2019; Narayanan et al. 2021 §2.2), so the idle
-share of a step is ``(P - 1) / (m + P - 1)``; interleaving ``V`` stages per rank divides the bubble's length by
-``V``: ``(P - 1) / (V·m + P - 1)`` (Narayanan et al. 2021 §2.2.2). :func:`bubble_fraction` returns it.
+"""The stage split of a pipeline-parallel run and its arithmetic (torch-free: plain numbers in, a plan out): the
+balanced plan, the schedule and mesh sizes a run can use, and the bubble ``(P - 1) / (V·m + P - 1)``.
+See docs/techniques/pipeline.md.
 """
 
 from __future__ import annotations
@@ -28,7 +16,9 @@ __all__ = [
     "bubble_finding",
     "bubble_fraction",
     "check_schedule",
+    "mesh_sizes",
     "plan_stages",
+    "stage_counts",
     "stage_ranks",
 ]
 
@@ -130,6 +120,46 @@ def check_schedule(schedule: str, *, num_stages: int, pipeline_ranks: int, micro
         )
 
 
+def mesh_sizes(
+    world: int, *, data_parallel: int | str = 1, pipeline: int | str = "auto", compression: str | None = None
+) -> tuple[int, int]:
+    """``(pipeline ranks, data-parallel replicas)`` on ``world`` processes; ``"auto"`` for both is 1 replica below 4
+    processes, 2 from 4 on; refused where they do not fit, or where ``compression`` would have no replicas to
+    reduce over."""
+    dp, p = data_parallel, pipeline
+    if dp == "auto" and p == "auto":
+        dp = 1 if world < 4 else 2
+    if p == "auto":
+        p = world // dp if world % dp == 0 else 0  # type: ignore[operator]
+    if dp == "auto":
+        dp = world // p if p and world % p == 0 else 0  # type: ignore[operator]
+    if not (p and dp) or p * dp != world:  # type: ignore[operator]
+        raise ValueError(
+            f"pipeline: pipeline_size={pipeline} × data_parallel_size={data_parallel} does not "
+            f"fit {world} processes; give sizes whose product is {world}"
+        )
+    if compression is not None and dp == 1:
+        raise ValueError(
+            f"pipeline: compression={compression!r} compresses the all-reduce over data-parallel "
+            f"replicas, but {world} processes with data_parallel_size={data_parallel} make 1 replica "
+            "per stage (nothing to reduce); use strategy='pp_ddp' / data_parallel_size='auto' with "
+            "more processes, or compression=None"
+        )
+    return int(p), int(dp)
+
+
+def stage_counts(
+    schedule: str, pipeline_ranks: int, *, stages: int | None = None, microbatches: int | None = None
+) -> tuple[int, int]:
+    """``(stages, micro-batches)`` of a run, checked by :func:`check_schedule`: the given ones, else the schedule's
+    defaults (``P`` stages, or ``2·P`` interleaved; ``P`` micro-batches, or one per stage interleaved)."""
+    multi = SCHEDULES[schedule][1]
+    num_stages = stages or pipeline_ranks * (2 if multi else 1)
+    m = microbatches or (num_stages if multi else pipeline_ranks)
+    check_schedule(schedule, num_stages=num_stages, pipeline_ranks=pipeline_ranks, microbatches=m)
+    return num_stages, m
+
+
 def plan_stages(
     block_costs: Sequence[float],
     num_stages: int,
@@ -140,7 +170,9 @@ def plan_stages(
     unit: str = "parameters",
     blocks_per_stage: Sequence[int] | None = None,
 ) -> StagePlan:
-    """Divide the blocks into ``num_stages`` contiguous runs with the smallest possible maximum stage cost.
+    """Divide the blocks into ``num_stages`` contiguous runs with the smallest possible maximum stage cost (the
+    pipeline runs at the pace of its slowest stage). Costs are any positive measure: parameter counts (the
+    default), measured times, FLOPs.
 
     Args:
         block_costs: the cost of each repeated block, in order.
@@ -213,7 +245,9 @@ def _balanced_sizes(costs: list[float], stages: int, first: float, last: float) 
 
 
 def bubble_fraction(pipeline_ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """The idle share of a pipeline step: ``(P - 1) / (V·m + P - 1)`` (see the module docstring)."""
+    """The idle share of a pipeline step: ``(P - 1) / (V·m + P - 1)``. GPipe and 1F1B leave each of ``P`` ranks idle
+    for ``P - 1`` of the ``m + P - 1`` micro-batch slots of a step; ``V`` interleaved stages per rank divide the
+    bubble's length by ``V`` (Narayanan et al. 2021 §2.2, §2.2.2)."""
     if pipeline_ranks < 1 or microbatches < 1 or stages_per_rank < 1:
         raise ValueError(
             f"bubble_fraction needs positive sizes, got P={pipeline_ranks}, m={microbatches}, V={stages_per_rank}"

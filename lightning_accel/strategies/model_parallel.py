@@ -1,46 +1,7 @@
 """FSDP2 and tensor parallelism without a hand-written ``configure_model``: ``fsdp2``, ``tp`` and ``fsdp2_tp``.
 
-Each string is :class:`AutoParallelStrategy` over Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` +
-DTensor tensor parallelism on a 2-D device mesh ``(data_parallel, tensor_parallel)``). When the LightningModule's
-``configure_model`` parallelises the model, that is used unchanged (Lightning's behaviour); when it does not, the
-strategy derives
-a plan from the model (:func:`~lightning_accel.strategies.parallel_plan.derive_plan`: the Hugging Face model's own
-tensor-parallel plan, or one read from the module structure), prints it (module → style) once on rank 0, keeps it
-in :attr:`AutoParallelStrategy.plan` and applies it. A ``configure_model`` that only *builds* the model (no DTensor
-parameters afterwards, e.g. litgpt-style lazy construction) gets the automatic plan applied to what it built.
-
-=============  ===============================  ===============================================================
-string         mesh (``"auto"`` sizes)          what it does
-=============  ===============================  ===============================================================
-``fsdp2``      ``(world, 1)``                   FSDP2: parameters, gradients and optimizer state sharded over
-                                                all devices; each block all-gathers its parameters in forward
-                                                and backward and reduce-scatters its gradients
-``tp``         ``(1, world)``                   tensor parallelism over all devices (keep it inside a node:
-                                                every layer all-reduces activations twice per pass)
-``fsdp2_tp``   ``(nodes, devices per node)``    tensor parallelism inside each node × FSDP2 across nodes
-=============  ===============================  ===============================================================
-
-Measuring under these strategies:
-
-* ``MFUMonitor`` counts FLOPs per device: FLOPs of DTensor operations are counted on the local shards
-  (:mod:`lightning_accel.core.sharded_flops`), so under TP the count is the model's ÷ the TP size; samples and tokens
-  are counted once per data-parallel group (TP ranks share a batch).
-* ``BottleneckDoctor`` times communication through DDP comm hooks; FSDP2's all-gathers / reduce-scatters and TP's
-  all-reduces run inside forward and backward (FSDP2 on its own streams on GPU), with no hook to time them, so its
-  report says communication was not timed and their exposed part is inside the forward/backward shares.
-  ``lightning-accel scaling`` measures the exposed share from step times at 1 and N processes instead.
-* Checkpoints: Lightning's ``ModelParallelStrategy`` format (a distributed checkpoint folder by default,
-  ``save_distributed_checkpoint=False`` for one file); resume with the same strategy string and sizes.
-
-Args:
-    mode: ``"fsdp2"``, ``"tp"`` or ``"fsdp2_tp"``.
-    data_parallel_size: devices per data-parallel group (``"auto"``: see the table).
-    tensor_parallel_size: devices per tensor-parallel group (``"auto"``: see the table).
-    reshard_after_forward: FSDP2 frees the gathered parameters after forward and gathers them again in backward
-        (``True``: less memory, ZeRO-3-like traffic; ``False``: keeps them, ZeRO-2-like).
-    print_plan: print the plan on rank 0 at setup.
-    save_distributed_checkpoint: see Lightning's ``ModelParallelStrategy``.
-    **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
+:class:`AutoParallelStrategy` derives a plan from the model (:mod:`.parallel_plan`) when the LightningModule's
+``configure_model`` does not parallelise it. See docs/techniques/fsdp2-tp.md.
 """
 
 from __future__ import annotations
@@ -73,7 +34,22 @@ def _check_size(mode: str, name: str, value: Any) -> None:
 
 
 class AutoParallelStrategy(FinishesOutstandingWork, ModelParallelStrategy):
-    __doc__ = __doc__
+    """FSDP2 and tensor parallelism over Lightning's ``ModelParallelStrategy`` on a 2-D device mesh
+    ``(data_parallel, tensor_parallel)``, with the plan derived from the model
+    (:func:`~lightning_accel.strategies.parallel_plan.derive_plan`) unless ``configure_model`` parallelises it.
+
+    The plan is printed (module → style) once on rank 0 and kept in :attr:`plan`. See docs/techniques/fsdp2-tp.md.
+
+    Args:
+        mode: ``"fsdp2"``, ``"tp"`` or ``"fsdp2_tp"``.
+        data_parallel_size: devices per data-parallel group (``"auto"``: by mode, see the page).
+        tensor_parallel_size: devices per tensor-parallel group (``"auto"``: by mode, see the page).
+        reshard_after_forward: FSDP2 frees the gathered parameters after forward and gathers them again in backward
+            (``True``: less memory, ZeRO-3-like traffic; ``False``: keeps them, ZeRO-2-like).
+        print_plan: print the plan on rank 0 at setup.
+        save_distributed_checkpoint: see Lightning's ``ModelParallelStrategy``.
+        **kwargs: passed to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
+    """
 
     def __init__(
         self,

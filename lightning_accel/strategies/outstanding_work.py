@@ -1,41 +1,8 @@
 """The end of a trainer entry point under a multi-process strategy: the collectives this process started complete,
 and the gloo worker threads have let go of every Python object those collectives held, before Python ends.
 
-Why. A gloo collective runs on one of its group's worker threads, and that thread frees the work object after the
-work completed. Freeing it can need the GIL, because a work holds Python objects:
-
-- the Python callbacks chained on its future (torch's PowerSGD hook, our Top-K and QSGD hooks, the doctor's
-  communication recorder);
-- the Python objects of the tensors it was given, when the caller dropped them first (an ``all_gather`` whose
-  output list went out of scope);
-- on torch 2.13, every collective issued inside ``backward()``: the backward stashes a copy of the caller's
-  ``contextvars`` context in the thread-local state that each work captures, so DDP's own gradient all-reduce holds
-  one.
-
-The main thread, woken by the completed future, runs on; the worker waits for the GIL to free the work. On a loaded
-machine it can wait through the rest of the script (the main thread takes the GIL back after each short release).
-If Python is already finalising when the worker gets its turn, CPython ends that thread in the middle of a C++
-destructor: "terminate called without an active exception", exit -6 after all the work was done. A worker that
-frees the last reference to its own group (PowerSGD's closures hold ``group_to_use``) after
-``destroy_process_group()`` joins itself instead: ``std::system_error: Resource deadlock avoided``, exit -6.
-
-The fix. A gloo worker frees a finished work while it holds its group's queue lock, and every new collective must
-take that lock to be queued; the caller waits for it with the GIL released. A barrier therefore first lets every
-worker finish freeing what it had finished, then snapshots the work in progress and queued and waits for each of
-them. :func:`finish_outstanding_work` runs two such rounds (the second frees what completed during the first) over
-every process group this rank belongs to, in creation order (the same on every rank). After it no worker thread
-holds a Python object, and the groups are freed on the main thread whenever Python drops them
-(``destroy_process_group()``, the strategy's teardown, or Python's own end).
-
-Who calls it. The collection's strategies, from their teardown (:class:`FinishesOutstandingWork`). Under Lightning's
-own strategies (``"ddp"``, ``"fsdp"``, ``"deepspeed"``) the last of the collection's callbacks on the Trainer calls
-it from its ``teardown`` hook. A script that uses neither calls it once after ``trainer.fit(...)``.
-
-It is collective, so it runs only when the entry point ended normally (every rank reaches its teardown). After an
-exception the ranks may not all get there, and a barrier could wait for a rank that is gone: it is skipped, which
-leaves the process to end as it would without this module.
-
-Nothing here touches how the process ends: no exit hook, no replaced ``sys.exit``, no ``os._exit``.
+Otherwise a worker that frees one while Python finalises aborts the process (exit -6). Collective, and only after an
+entry point that ended normally. See docs/distributed.md ("How processes end").
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """Automatic tensor-parallel and FSDP2 plans for a model that has no ``configure_model`` of its own (torch only).
 
-:func:`derive_plan` reads the model, :func:`apply_plan` applies the plan on a device mesh; the
-``fsdp2`` / ``tp`` / ``fsdp2_tp`` strategies (:mod:`.model_parallel`) call both. The plan comes from, in order:
-
-1. **Hugging Face models** (``transformers.PreTrainedModel``): the library's own tensor-parallel plan
-   (``model.tp_plan``: the class's ``_tp_plan`` plus ``config.base_model_tp_plan``, transformers >= 4.50), its
-   styles translated to torch's ``ParallelStyle`` s (table below). With tied input/output embeddings the embedding
-   and ``lm_head`` entries are dropped (sharding one would untie them); both stay replicated.
-2. **Module structure** of common blocks, everywhere else:
-
-   =======================================================  ======================================================
-   found                                                    style
-   =======================================================  ======================================================
-   attention with ``q/k/v`` linears (``q_proj``,            q, k, v column-wise; output (``o_proj``, ``out_proj``,
-   ``query``, ``wq``, …)                                    ``proj``, ``wo``, ``dense``, ``c_proj``) row-wise
-   litgpt's fused ``qkv`` (``CausalSelfAttention``)         column-wise after regrouping its rows per rank (below)
-   MLP ``gate/up → down``, ``fc_1/fc_2 → proj``,            up/gate column-wise, down row-wise
-   ``fc → proj``, ``w1/w3 → w2``, ``fc1 → fc2``,
-   ``c_fc → c_proj``, ``Sequential(Linear, act, Linear)``
-   norms, embeddings, the output head                       replicated
-   =======================================================  ======================================================
-
-**Per-rank arithmetic.** A column-wise linear gives each rank ``out_features / T`` outputs, so the attention of
-each rank must run ``heads / T`` heads: the plan checks that ``T`` divides the query heads, the key/value heads
-(grouped-query attention) and every sharded width, and stops with an error naming the module and the sizes
-otherwise. Attention modules that store their head counts (``num_heads``, ``n_head``, ``num_key_value_heads``, …,
-or litgpt's ``config.n_head`` / ``config.n_query_groups``) get the per-rank counts; Hugging Face attention reshapes
-with ``-1`` heads and needs none.
-
-**litgpt's fused qkv.** litgpt stores ``[q (n_head·hs); k (groups·hs); v (groups·hs)]`` rows in one linear.
-Column-wise sharding cuts contiguous rows, so the plan first regroups the rows to
-``[q₀ k₀ v₀ | q₁ k₁ v₁ | …]`` (rank ``r`` gets its own heads of each) and gives the attention a per-rank config.
-The regrouped rows are what a checkpoint of such a run holds: resume it with the same tensor-parallel size, or undo
-the regrouping of a full state dict with :func:`regroup_fused_qkv` (``inverse=True``).
-
-**FSDP2 units**: each transformer block (the element of a ``ModuleList`` that holds a recognised attention or
-MLP), then each top-level child of the LightningModule that has parameters (embeddings, head, and models with no
-recognised blocks). FSDP2 gathers parameters in the wrapped module's own ``forward``, so the LightningModule itself is
-never wrapped; parameters registered directly on it are refused (their gradients would not be reduced).
+:func:`derive_plan` reads the model (a Hugging Face model's own tensor-parallel plan, or one read from its module
+structure), :func:`apply_plan` applies the plan on a device mesh; the ``fsdp2`` / ``tp`` / ``fsdp2_tp`` strategies
+(:mod:`.model_parallel`) call both. See docs/techniques/fsdp2-tp.md.
 """
 
 from __future__ import annotations

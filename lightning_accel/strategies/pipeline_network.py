@@ -1,17 +1,6 @@
-"""The network side of pipeline parallelism: the structures the strategy splits, the stages cut from them, the
-default batch and loss, and the measured cost of each block.
-
-:func:`find_layout` recognises Hugging Face decoder LMs (``LlamaForCausalLM``-shaped, ``GPT2LMHeadModel``), litgpt
-``GPT`` by their types, and any network whose forward is a stem (token and position embeddings, or a module on
-float features or images), an ``nn.ModuleList`` of blocks of one type, an optional final norm and a head, found by
-type and by the order the forward calls them on the first batch, whatever they are called (nanoGPT's attribute names
-are only a fallback hint); anything else describes itself with a :class:`PipelineLayout` returned from the LightningModule's
-``pipeline_layout()``. Each recognised structure names its pieces as module paths relative to the network and says
-how each is called (the per-block context: rotary embeddings, the causal mask), so a stage can run its share of the
-network's own forward. A :class:`_Stage` is one rank's share (its blocks, with the embedding on the first and the
-final norm and head on the last); :func:`default_pipeline_batch` and :func:`token_cross_entropy` are the batch and
-loss used without the module's ``pipeline_batch`` / ``pipeline_loss`` hooks; :func:`measure_stage_costs` times each
-piece for ``balance="time"``. Torch only: no Lightning here.
+"""The network side of pipeline parallelism (torch only, no Lightning): the structures the strategy recognises
+(:func:`find_layout`) or is given (:class:`PipelineLayout`), the stages cut from them (:class:`_Stage`), the default
+batch and loss, and the measured cost of each block (:func:`measure_stage_costs`). See docs/techniques/pipeline.md.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ for kind in KINDS:
     ref, total = reference(kind, BATCH, STEPS)
     out[f"tp_{kind}"] = {"losses": task.losses, "ref": ref, "flops": monitor.summary.get("flops_per_batch"),
                          "total_flops": total, "plan": t.strategy.plan.describe(),
-                         "replicas": monitor._batch_replicas,
+                         "replicas": monitor._windows.batch_replicas,
                          "sharded": sorted(n for n, p in task.named_parameters() if type(p).__name__ == "DTensor"
                                            or type(getattr(p, "data", None)).__name__ == "DTensor")}
     if kind == "hf":

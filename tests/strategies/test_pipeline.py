@@ -20,6 +20,8 @@ from lightning_accel.strategies.pipeline import (
     default_pipeline_batch,
     find_layout,
 )
+from lightning_accel.strategies.pipeline_checks import reference_precision
+from lightning_accel.strategies.pipeline_split import check_split, sample_batch
 
 
 def test_blocks_are_balanced_with_the_embedding_on_the_first_stage_and_the_head_on_the_last():
@@ -108,7 +110,7 @@ def test_recognised_structures_reproduce_the_forward_stage_by_stage(kind):
         pytest.skip(f"{kind} needs its library (transformers / litgpt)")
     net = models[kind].eval()
     layout = find_layout(net)
-    _strategy()._check_split(layout)  # the composed forward equals the model's own
+    check_split(layout)  # the composed forward equals the model's own
     first = _Stage(layout, range(0, 1), first=True, last=False)
     last = _Stage(layout, range(1, 2), first=False, last=True)
     ids = torch.randint(0, 32, (2, 8))
@@ -141,7 +143,7 @@ def test_a_structure_it_cannot_split_is_refused_with_what_to_give_instead():
 
     layout = find_layout(Scaled(GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)))
     with pytest.raises(ValueError, match=r"does not reproduce its own forward.*pipeline_layout"):
-        _strategy()._check_split(layout)
+        check_split(layout)
 
 
 def test_a_user_layout_describes_an_unrecognised_model():
@@ -328,7 +330,7 @@ def test_balance_by_time_measures_every_block_and_leaves_the_model_as_it_was():
 
 
 def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
-    import lightning_accel.strategies.pipeline as pipeline
+    import lightning_accel.strategies.pipeline_split as pipeline_split
 
     class Task(pl.LightningModule):
         def __init__(self):
@@ -337,7 +339,7 @@ def test_balance_by_time_plans_with_the_measured_costs(monkeypatch):
 
     # the last block measured 5x slower than the others: 3 blocks on stage 0, the slow one alone on stage 1
     monkeypatch.setattr(
-        pipeline, "measure_stage_costs", lambda layout, device, **probe: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0)
+        pipeline_split, "measure_stage_costs", lambda layout, device, **probe: (0.0, [1.0, 1.0, 1.0, 5.0], 0.0)
     )
     strategy = PipelineStrategy(balance="time", print_plan=False)
     strategy.parallel_devices = [torch.device("cpu")]
@@ -431,9 +433,9 @@ class _FakeStage:
 
 def test_the_stage_timer_flags_a_stage_without_the_methods_it_wraps():
     strategy = _strategy()
-    strategy._time_stage(_FakeStage(["forward_one_chunk", "backward_one_chunk"]))
+    strategy._timer.wrap(_FakeStage(["forward_one_chunk", "backward_one_chunk"]))
     assert strategy.stats.timed
-    strategy._time_stage(_FakeStage(["forward_chunk_renamed"]))
+    strategy._timer.wrap(_FakeStage(["forward_chunk_renamed"]))
     assert not strategy.stats.timed
 
 
@@ -467,17 +469,17 @@ def test_on_cuda_the_bubble_is_timed_with_events_read_only_when_asked(monkeypatc
         _FakeEvent.clock[0] += 0.030
 
     stage.forward_one_chunk = stage.backward_one_chunk = compute
-    strategy._time_stage(stage)
-    stats = strategy.stats = PipelineStats(pipeline_ranks=2, microbatches=1)
+    strategy._timer.wrap(stage)
+    stats = strategy._timer.stats = PipelineStats(pipeline_ranks=2, microbatches=1)
     for _ in range(3):  # a step: 40 ms waiting for the other stage, one forward and one backward
-        strategy._chunk_events = []
+        strategy._timer._chunk_events = []
         begin, end = _FakeEvent(), _FakeEvent()
         begin.record()
         _FakeEvent.clock[0] += 0.040
         stage.forward_one_chunk()
         stage.backward_one_chunk()
         end.record()
-        stats.pending.append((begin, end, strategy._chunk_events))
+        stats.pending.append((begin, end, strategy._timer._chunk_events))
     assert stats.step_s == [] and len(stats.pending) == 3  # nothing read, nothing synchronised, during the steps
     assert stats.bubble(skip=0) == pytest.approx(0.4)
     assert stats.pending == [] and stats.step_s == pytest.approx([0.1] * 3)
@@ -492,8 +494,8 @@ def _failing_strategy(error):
     def step(*args, **kwargs):
         raise error
 
-    strategy._schedule = SimpleNamespace(step=step, eval=step)
-    strategy._stages = [SimpleNamespace(stage_index=1, is_first=False, is_last=False)]
+    strategy._runner._schedule = SimpleNamespace(step=step, eval=step)
+    strategy._runner._stages = [SimpleNamespace(stage_index=1, is_first=False, is_last=False)]
     return strategy
 
 
@@ -503,7 +505,7 @@ def test_an_error_of_this_ranks_stage_keeps_its_type_and_message_first():
 
     strategy = _failing_strategy(ShapeError("mat1 and mat2 shapes cannot be multiplied (4x7 and 8x8)"))
     with pytest.raises(ShapeError) as caught:
-        strategy._run(torch.zeros(1), torch.zeros(1), train=True)
+        strategy._runner.run(torch.zeros(1), torch.zeros(1), train=True)
     assert str(caught.value).startswith("mat1 and mat2 shapes")
     assert "stopped answering" not in str(caught.value)
     assert any("raised on pipeline rank 0 (stage 1 of ?) inside the 1f1b schedule" in n for n in caught.value.__notes__)
@@ -521,7 +523,7 @@ def test_a_peer_that_stopped_answering_is_named_as_such(message):
     with pytest.raises(
         RuntimeError, match=r"pipeline rank 0 \(stage 1 of \?\).*stopped answering.*" + re.escape(message[:20])
     ):
-        strategy._run(torch.zeros(1), torch.zeros(1), train=True)
+        strategy._runner.run(torch.zeros(1), torch.zeros(1), train=True)
 
 
 # --------------------------------------------------------------------------------------- float inputs, precision
@@ -556,10 +558,10 @@ def test_the_split_of_a_float_network_is_checked_on_its_own_batch():
     task = _FloatTask()
     layout = _UserLayout(task.net, task.pipeline_layout())
     x = torch.randn(8, 6)
-    _strategy()._check_split(layout, x)  # float features in: the composed forward equals the network's own
+    check_split(layout, x)  # float features in: the composed forward equals the network's own
     # without a batch there is nothing a Linear embedding can be checked on (token ids would not fit it)
     with pytest.raises(ValueError, match=r"no batch to check the split of _FloatNet on.*\(Linear\).*train_dataloader"):
-        _strategy()._check_split(layout)
+        check_split(layout)
 
     class Doubled(_FloatNet):  # a forward that does more than embed -> trunk -> head, seen on the float batch
         def forward(self, x):
@@ -567,11 +569,11 @@ def test_the_split_of_a_float_network_is_checked_on_its_own_batch():
 
     net = Doubled()
     with pytest.raises(ValueError, match=r"does not reproduce its own forward"):
-        _strategy()._check_split(_UserLayout(net, PipelineLayout(embed=net.embed, blocks=net.trunk, head=net.head)), x)
+        check_split(_UserLayout(net, PipelineLayout(embed=net.embed, blocks=net.trunk, head=net.head)), x)
 
 
 def test_the_stage_cost_probe_times_a_micro_batch_of_the_modules_own_batch(monkeypatch):
-    import lightning_accel.strategies.pipeline as pipeline
+    import lightning_accel.strategies.pipeline_split as pipeline_split
     from lightning_accel.strategies.pipeline import measure_stage_costs
 
     task = _FloatTask()
@@ -592,7 +594,7 @@ def test_the_stage_cost_probe_times_a_micro_batch_of_the_modules_own_batch(monke
         seen.update(kwargs)
         return 0.0, [1.0, 1.0, 1.0, 3.0], 0.0
 
-    monkeypatch.setattr(pipeline, "measure_stage_costs", probe)
+    monkeypatch.setattr(pipeline_split, "measure_stage_costs", probe)
     strategy = _strategy(balance="time", microbatches=4)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy._lightning_module = task
@@ -626,12 +628,12 @@ def test_the_first_batch_tolerance_is_the_dtypes(dtype, relative, ok):
     strategy, own = _strategy(), 2.0
     piped = own * (1 + relative)
     if ok:
-        strategy._compare_losses(_FloatTask(), piped, own, dtype)
+        strategy._loss_check.compare(_FloatTask(), piped, own, dtype)
     else:
         with pytest.raises(
             ValueError, match=r"differs from _FloatTask.training_step's \(2\) by more than .*computed in"
         ):
-            strategy._compare_losses(_FloatTask(), piped, own, dtype)
+            strategy._loss_check.compare(_FloatTask(), piped, own, dtype)
     assert strategy.loss_check["dtype"] == str(dtype) and strategy.loss_check["pipeline"] == piped
 
 
@@ -640,13 +642,13 @@ def test_the_reference_runs_in_the_pipelines_precision():
 
     strategy = _strategy()
     strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
-    autocast, dtype = strategy._reference_precision(_FloatTask())
+    autocast, dtype = reference_precision(strategy.precision_plugin, _FloatTask())
     assert dtype == torch.bfloat16
     with autocast:
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
     strategy = _strategy()
     task = _FloatTask().to(torch.bfloat16)  # bf16-true: the parameters' dtype, no autocast added
-    autocast, dtype = strategy._reference_precision(task)
+    autocast, dtype = reference_precision(strategy.precision_plugin, task)
     assert dtype == torch.bfloat16
     with autocast:
         assert not torch.is_autocast_enabled("cpu")
@@ -658,11 +660,11 @@ def test_an_old_pp_ddp_checkpoint_without_compression_state_loads_with_a_warning
     strategy = PipelineStrategy(compression="topk", density=0.1, data_parallel_size="auto", print_plan=False)
     with pytest.warns(UserWarning, match=r"holds no compression state.*restarts from zero.*differs from an uninterr"):
         checkpoint = strategy.load_checkpoint(path)
-    assert checkpoint["pipeline"]["stages"] == 2 and strategy._saved_compression is None
+    assert checkpoint["pipeline"]["stages"] == 2 and strategy._reducer._saved is None
     saved = {"compression": "topk", "comm_stats": {}}
     torch.save({"state_dict": {}, "lightning_accel_ddp_compression": saved}, path)
     strategy.load_checkpoint(path)
-    assert strategy._saved_compression == saved  # kept until the first exchange makes the compressor
+    assert strategy._reducer._saved == saved  # kept until the first exchange makes the compressor
 
 
 # ------------------------------------------------------------------------------ the structure, found by its forward
@@ -713,7 +715,7 @@ class _Wrapped(nn.Module):  # the pieces one level down, in a ModuleDict, and th
 def _assert_splits(net, x, first, blocks, last):
     layout = find_layout(net, x)
     assert (layout.first, layout.blocks, layout.last) == (first, blocks, last), layout.name
-    _strategy()._check_split(layout, x)
+    check_split(layout, x)
     n = len(layout.block_list())
     stages = [_Stage(layout, range(0, 1), first=True, last=False), _Stage(layout, range(1, n), first=False, last=True)]
     net.eval()
@@ -742,7 +744,7 @@ def test_the_structure_is_found_by_type_and_by_its_forward_whatever_the_names():
     strategy = _strategy()
     strategy._split(Task(), (ids, ids))
     assert [list(r) for r in strategy.plan.blocks] == [[0, 1], [2, 3]]
-    assert strategy._tied == [("tok.weight", "out.weight")]
+    assert strategy._stage_split.tied == [("tok.weight", "out.weight")]
 
 
 def test_a_forward_that_is_not_embedding_blocks_head_is_not_split():
@@ -784,12 +786,12 @@ def test_the_first_batch_is_read_from_the_runs_own_loader_leaving_the_random_gen
     strategy = _strategy()
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    inputs, targets = strategy._sample_batch(trainer)
+    inputs, targets = sample_batch(trainer, strategy._pipeline_batch)
     assert torch.equal(torch.get_rng_state(), before)  # the run's own draws (dropout, its sampler) are unchanged
     assert inputs.shape == (4, 6) and targets.shape == (4, 3)
     assert any(torch.equal(inputs[0], row) for row in x)  # a real sample, not a synthetic one
     trainer.state.fn = TrainerFn.VALIDATING  # validate: its loop's loader, here none
-    assert strategy._sample_batch(trainer) is None
+    assert sample_batch(trainer, strategy._pipeline_batch) is None
 
     # a float network with balance_shape given: measured on token ids it cannot take, refused with the fix
     task = _FloatTask()

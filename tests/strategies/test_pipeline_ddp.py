@@ -647,7 +647,7 @@ if mode == "pp":
         task = build(cls)
         t = fit(task, strategy, 2)
         s = t.strategy
-        out[name] = {"dw": max_dw(task, "mlp" if cls is Classifier else name), "layout": s._layout.name, "n": sum(p.numel() for p in task.parameters()),
+        out[name] = {"dw": max_dw(task, "mlp" if cls is Classifier else name), "layout": s._stage_split.layout.name, "n": sum(p.numel() for p in task.parameters()),
                      "plan": [list(r) for r in s.plan.blocks], "unit": s.plan.unit, "costs": list(s.plan.costs),
                      "check": s.loss_check, "steps": t.global_step}
     first = FirstBatch()
@@ -720,7 +720,7 @@ def fit(kwargs, epochs, ckpt_path=None, save=None):
     residual = getattr(state, "error_dict", {}).get(0)
     # the tied embedding: the first stage's copy and the last stage's, whichever this rank holds
     params = dict(task.named_parameters(remove_duplicate=False))
-    (first, last), = s._tied
+    (first, last), = s._stage_split.tied
     tied = next(params[n] for n in ("model." + first, "model." + last) if n in params)
     return t, {"iter": state.iter, "stats": s.comm_stats.as_dict(), "tied": tied.detach().double().tolist(),
                "residual": None if residual is None else float(residual.abs().sum())}, [
