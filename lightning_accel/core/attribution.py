@@ -269,7 +269,7 @@ def _first_branch(paths: Iterable[str], seconds: Mapping[str, float]) -> int:
 
 
 def attribute(table: OpTable, *, rank_tables: Sequence[Mapping[str, Mapping[str, float]]] = ()) -> Attribution:
-    """The module tree by time from an :class:`OpTable` (see the module docstring).
+    """The module tree by time from an :class:`OpTable` (docs/measuring/doctor.md, Compute attribution and findings).
 
     Args:
         table: this rank's records (rank 0's on a multi-rank run).

@@ -99,7 +99,7 @@ _LOOP_MIN_CALLS = 32
 _LOOP_MIN_REPEAT = 8
 _LOOP_SMALL_NUMEL = 65_536
 _CHAIN_MIN = 4
-# What each fix takes off the time it claims (the module docstring's table).
+# What each fix takes off the time it claims (the table in docs/measuring/doctor.md).
 _ATTENTION_GAIN = 2.0
 _LOSS_REMOVABLE = 0.5
 _MIXED_SPEEDUP = 1.5  # as core.rules: the low end of the 1.5-2x mixed precision gives
@@ -392,7 +392,7 @@ def find_compute_causes(
     min_saving: float = _MIN_SAVING,
     vocab_min: int = VOCAB_MIN,
 ) -> list[Finding]:
-    """The compute findings of a profiled window (see the module docstring), largest saving first.
+    """The compute findings of a profiled window (docs/measuring/doctor.md), largest saving first.
 
     Args:
         table: the window's operations (rank 0's).

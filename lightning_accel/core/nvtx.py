@@ -97,7 +97,7 @@ def _compiling() -> bool:
 
 
 class StageRanges:
-    """Emits the doctor's stages as NVTX ranges (see the module docstring).
+    """Emits the doctor's stages as NVTX ranges (docs/measuring/traces.md, How the ranges are emitted).
 
     Args:
         domain: the NVTX domain (default ``"lightning_accel"``).

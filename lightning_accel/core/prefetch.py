@@ -119,7 +119,7 @@ def _produce(
 
 
 class PrefetchIterator(Iterator[Any]):
-    """One pass over a :class:`PrefetchingLoader`; see the module docstring."""
+    """One pass over a :class:`PrefetchingLoader`; see docs/techniques/prefetch.md (Inside PrefetchingLoader)."""
 
     def __init__(
         self, iterable: Iterable[Any], depth: int, transfer: CudaTransfer | None, length: int | None = None
@@ -130,7 +130,7 @@ class PrefetchIterator(Iterator[Any]):
         self._thread: threading.Thread | None = None
         self._done = False
         self._first: tuple[str, Any] | None
-        # iter() and the first batch in the caller's thread: see the module docstring (RNG draw order)
+        # iter() and the first batch in the caller's thread: docs/techniques/prefetch.md says why (order and randomness)
         source = iter(iterable)
         self._source: Iterator[Any] | None = source
         if length is not None and length <= 0:  # nothing to read ahead: the caller's next() looks for the end

@@ -61,7 +61,7 @@ class StageWindow:
 
 
 class StageMachine:
-    """Training-loop events → seconds per stage, window by window (see the module docstring).
+    """Training-loop events → seconds per stage, window by window (docs/measuring/doctor.md, The stage machine).
 
     Args:
         clock: host clock in seconds (``time.perf_counter``; a fake one in tests).

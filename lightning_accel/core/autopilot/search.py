@@ -51,7 +51,7 @@ def _window_length(window: MeasurementLike) -> float:
 
 
 class AutopilotSearch(Claim):
-    """The loop (see the module docstring). ``budget_seconds`` set: an absolute budget, no pay-back estimate;
+    """The loop (docs/autopilot.md, How the search decides). ``budget_seconds`` set: an absolute budget, no pay-back estimate;
     otherwise ``budget`` × the fit's expected duration (``steps_left`` × the estimated step time), or
     ``unknown_length_seconds`` without a fit length."""
 

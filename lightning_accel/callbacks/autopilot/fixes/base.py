@@ -1,5 +1,6 @@
 """The protocol of the Autopilot's fixes: :class:`Run` (what a fix may look at and change) and
-:class:`Intervention` (the base class: ``change(run, undo)`` or ``apply`` + ``revert``; see the package docstring).
+:class:`Intervention` (the base class: ``change(run, undo)`` or ``apply`` + ``revert``). The contract: docs/autopilot.md,
+Fixes of your own.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Run:
 
 
 class Intervention:
-    """Base class of the Autopilot's fixes (see the module docstring). Subclasses may be passed to
+    """Base class of the Autopilot's fixes (the contract is in docs/autopilot.md, Fixes of your own). Subclasses may be passed to
     ``Autopilot(interventions=[...])`` to trial fixes of your own with the same protocol and numerics guard."""
 
     name: ClassVar[str] = ""
