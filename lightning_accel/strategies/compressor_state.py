@@ -169,9 +169,15 @@ class Compressor:
             )
         return out
 
-    def load_state_dict(self, saved: dict[str, Any], *, world_size: int, rank: int) -> None:
-        """Take this rank's entry of :meth:`state_dict` (of the same compression), applied when :meth:`build` runs,
-        or at once when the state object exists already."""
+    def load_state_dict(self, saved: dict[str, Any], *, world_size: int, rank: int) -> bool:
+        """Take this rank's entry of :meth:`state_dict`, applied when :meth:`build` runs, or at once when the state
+        object exists already. A checkpoint of another compression is not restored (a warning says so): False."""
+        if saved.get("compression") != self.config.compression:
+            rank_zero_warn(
+                f"checkpoint was written with compression={saved.get('compression')!r}, this run uses "
+                f"{self.config.compression!r}: communication statistics and compressor state are not restored"
+            )
+            return False
         restored: dict[str, Any] | None = None
         if "ranks" in saved:
             ranks = saved["ranks"]
@@ -200,3 +206,4 @@ class Compressor:
             if self.mover is not None:
                 self.mover.split_all(self.state)
                 self._give_pieces(restored.get("pieces", {}))
+        return True

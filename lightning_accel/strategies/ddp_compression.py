@@ -401,14 +401,8 @@ class DDPCompressionStrategy(FinishesOutstandingWork, DDPStrategy):
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`compression_state_dict` (this rank's entry); applied when ``setup`` builds the hook."""
-        if state.get("compression") != self.compression:
-            rank_zero_warn(
-                f"checkpoint was written with compression={state.get('compression')!r}, this run uses "
-                f"{self.compression!r}: communication statistics and compressor state are not restored"
-            )
-            return
-        self._counter.restore(state["comm_stats"])
-        self._compressor.load_state_dict(state, world_size=self.world_size, rank=self.global_rank)
+        if self._compressor.load_state_dict(state, world_size=self.world_size, rank=self.global_rank):
+            self._counter.restore(state["comm_stats"])
 
 
 def ddp_fp16_compress(**kwargs: Any) -> DDPCompressionStrategy:

@@ -194,7 +194,6 @@ class PipelineStrategy(FinishesOutstandingWork, DDPStrategy):
             tie_group=groups.tied,
             world_size=self.world_size,
             rank=self.global_rank,
-            cluster_environment=self.cluster_environment,
         )
 
     # ----------------------------------------------------------------------------------------- the split

@@ -41,10 +41,9 @@ class GradientReducer:
         self._net_attr = ""
         self._has_first = self._has_last = False
         self._world_size, self._rank = 1, 0
-        self._cluster_environment: Any = None
         self._dp_hook: tuple[Any, Callable[..., Any]] | None = None
-        #: the ``ddp_<compression>`` strategy object whose state-dict methods save and restore the compressor's state
-        self._holder: Any = None
+        #: the replica average's compressor: its state, and that state in ``ddp_<compression>``'s checkpoint format
+        self._compressor: Any = None
 
     def configure(
         self,
@@ -54,13 +53,12 @@ class GradientReducer:
         tie_group: Any,
         world_size: int,
         rank: int,
-        cluster_environment: Any,
     ) -> None:
         """The groups of a new split: a compression hook's state is bound to the replica group, so it starts over."""
         self._dp_group, self._dp_size, self._tie_group = dp_group, dp_size, tie_group
-        self._world_size, self._rank, self._cluster_environment = world_size, rank, cluster_environment
+        self._world_size, self._rank = world_size, rank
         self._dp_hook = None
-        self._holder = None
+        self._compressor = None
 
     def place(self, *, net_attr: str, tied: list[tuple[str, str]], has_first: bool, has_last: bool) -> None:
         """Which tied weights this rank's stages hold: ``tied`` pairs of names in the network ``net_attr``."""
@@ -129,34 +127,33 @@ class GradientReducer:
         self._attach_compressor_state(module, state)
         return state, hook
 
-    def holder(self) -> Any:
-        """A ``DDPCompressionStrategy`` of this compression, never set up: it holds the replica average's compressor
-        state so that its own ``compression_state_dict`` / ``load_compression_state_dict`` save and restore it, in
-        ``ddp_topk`` / ``ddp_qsgd``'s checkpoint format (one copy of that code)."""
-        if self._holder is None:
-            from lightning_accel.strategies.ddp_compression import DDPCompressionStrategy
+    def compressor(self) -> Any:
+        """The replica average's :class:`~.compressor_state.Compressor`, the one ``ddp_<compression>`` uses: it
+        holds the compressor state and saves and restores it in that strategy's checkpoint format."""
+        if self._compressor is None:
+            from lightning_accel.strategies.compressor_state import Compressor
+            from lightning_accel.strategies.ddp_compression_config import DDPCompressionConfig
 
-            holder = DDPCompressionStrategy(compression=self.compression, **self.knobs)  # type: ignore[arg-type]
-            holder.cluster_environment = self._cluster_environment  # its ranks are this run's
-            self._holder = holder
-        return self._holder
+            self._compressor = Compressor(DDPCompressionConfig(compression=self.compression, **self.knobs))  # type: ignore[arg-type]
+        return self._compressor
 
     def _attach_compressor_state(self, module: nn.Module, state: Any | None) -> None:
-        """Give the new compressor state to the holder, with a mover that splits the stage's one flat bucket into
+        """Give the new compressor state to the compressor, with a mover that splits the stage's one flat bucket into
         per-parameter pieces (the checkpoint's format), then restore a checkpoint's state into it."""
-        holder = self.holder()
-        holder.compressor_state = state
-        holder._make_mover(list(module.parameters()))  # same package: ddp_compression's per-parameter layout
-        saved = self._saved
-        if saved is not None:
-            holder.load_compression_state_dict(saved)
-            self._saved = None
-            by_rank = saved.get("comm_stats_of_ranks")
-            if holder.compression == saved.get("compression") and by_rank and len(by_rank) == self._world_size:
-                from lightning_accel.strategies.ddp_compression import CommStats
+        from lightning_accel.strategies.comm_stats import CommStats
 
-                holder.comm_stats = CommStats(**by_rank[self._rank])  # this rank's own counters
-        self.comm_stats = holder.comm_stats  # restored counters, or the holder's fresh ones
+        compressor = self.compressor()
+        compressor.state = state
+        compressor.make_mover(list(module.parameters()))
+        stats = CommStats()
+        saved, self._saved = self._saved, None
+        if saved is not None and compressor.load_state_dict(saved, world_size=self._world_size, rank=self._rank):
+            by_rank = saved.get("comm_stats_of_ranks")
+            # this rank's own counters (they differ by stage), else the checkpoint's
+            stats = CommStats(
+                **(by_rank[self._rank] if by_rank and len(by_rank) == self._world_size else saved["comm_stats"])
+            )
+        self.comm_stats = stats
 
     def _reduce_compressed(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         """Average the stage's gradients over the replicas through a DDP compression hook: all of them as one
@@ -166,10 +163,10 @@ class GradientReducer:
         state, hook = self._dp_hook
         flat = torch.cat([p.grad.detach().reshape(-1).to(torch.float32) for p in params])  # type: ignore[union-attr]
         bucket = _FlatBucket(flat, params)
-        holder = self._holder
-        if holder is not None and holder._mover is not None:  # the residual follows its parameters (a resume)
-            layout = [holder._param_index[id(p)] for p in params]
-            holder._mover.enter(state, 0, layout, flat.device)
+        compressor = self._compressor
+        if compressor is not None and compressor.mover is not None:  # the residual follows its parameters (a resume)
+            layout = [compressor.param_index[id(p)] for p in params]
+            compressor.mover.enter(state, 0, layout, flat.device)
         started = getattr(state, "iter", 0) >= getattr(state, "start_iter", 0)
         sent_before = getattr(state, "bytes_sent", 0)
         reduced = hook(state, bucket).wait()
@@ -196,12 +193,12 @@ class GradientReducer:
 
         import torch.distributed as dist
 
-        holder = self.holder()
-        if self.comm_stats is not None:
-            holder.comm_stats = self.comm_stats
-        state = holder.compression_state_dict()
+        from lightning_accel.strategies.comm_stats import CommStats
+
+        stats = self.comm_stats if self.comm_stats is not None else CommStats()
+        state = self.compressor().state_dict(stats)
         # the counters differ by stage (ddp_<compression>'s are rank 0's, the same on every rank there): every rank's
-        mine = asdict(holder.comm_stats)
+        mine = asdict(stats)
         ranks: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

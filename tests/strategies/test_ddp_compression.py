@@ -230,3 +230,17 @@ def test_single_device_warns_that_it_does_nothing(tmp_path):
     # on one process the hook still runs (it is registered on CPU too): 2 steps, halved bytes
     stats = trainer.strategy.comm_stats
     assert stats.steps == 2 and stats.bytes_sent * 2 == stats.bytes_before
+
+
+def test_a_checkpoint_of_another_compression_is_not_restored_and_says_so():
+    # the one check both ddp_<compression> and pp_ddp's replica average go through
+    from lightning_accel.strategies.compressor_state import Compressor
+    from lightning_accel.strategies.ddp_compression_config import DDPCompressionConfig
+
+    compressor = Compressor(DDPCompressionConfig(compression="topk"))
+    saved = {"compression": "qsgd", "comm_stats": {}, "world_size": 1, "ranks": [{"iter": 7, "pieces": {}}]}
+    with pytest.warns(UserWarning, match=r"compression='qsgd', this run uses 'topk'.*not restored"):
+        assert compressor.load_state_dict(saved, world_size=1, rank=0) is False
+    assert compressor.restored is None
+    assert compressor.load_state_dict({**saved, "compression": "topk"}, world_size=1, rank=0) is True
+    assert compressor.restored == {"iter": 7, "pieces": {}}
