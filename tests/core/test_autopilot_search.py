@@ -233,6 +233,23 @@ def test_a_promising_fix_under_the_gate_earns_its_confirmation_pairs() -> None:
     assert rows["bundle"].kept  # the two small gains together clear the gate
 
 
+def test_a_promising_fix_with_one_unlucky_pair_just_under_one_is_confirmed_and_kept() -> None:
+    # a 20 % gain whose first B window ran 17.5 % slow: 0.99x on one pair. Refused on it, the search would keep or
+    # lose the fix by the luck of one window; the confirmation and a third pair measure it at 1.2x
+    backend = Scripted([Change("micro_batch", 1.2, expected=0.2)], noise=[1.0, 1.0, 0.825])
+    result = _search(backend).run()
+    record = result.records[1]
+    assert record.kept and record.reason.startswith("paired 0.990x and 1.200x and 1.200x beat")
+    assert _measured(backend) == [(), (), ("micro_batch",), ("micro_batch",), (), ("micro_batch",)]
+
+
+def test_a_promising_fix_measured_slower_than_the_gate_is_refused_on_one_pair() -> None:
+    backend = Scripted([Change("micro_batch", 0.9, expected=0.2)])
+    result = _search(backend).run()
+    assert not result.records[1].kept and result.records[1].reason.startswith("paired 0.900x below the 1.05x gate")
+    assert _measured(backend) == [(), (), ("micro_batch",)]
+
+
 def test_small_gains_are_held_and_kept_together_as_a_bundle() -> None:
     changes = [Change("sdpa", 1.03), Change("fused_adamw", 1.02), Change("workers", 1.025), Change("slower", 0.97)]
     backend = Scripted(changes)
