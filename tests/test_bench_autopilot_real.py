@@ -141,6 +141,24 @@ def test_grid_points_run_among_the_variants_each_with_its_configuration(monkeypa
     assert [s["config"]["micro"] for s in second[:4]] == [(32, 1), (16, 2), (8, 4), (4, 8)]
 
 
+def test_the_fastest_grid_points_run_again_so_the_best_is_a_median_not_the_luckiest_run(monkeypatch):
+    rates = {(4, 8): 100.0, (8, 4): 130.0, (16, 2): 120.0, (32, 1): 110.0}
+    ran = []
+
+    def child(spec, out, timeout):
+        ran.append(spec)
+        rate = rates[tuple(spec["config"]["micro"])] if spec["variant"] == "grid" else 90.0
+        return {**spec, "samples_per_sec": rate, "seconds_per_step": 0.1}
+
+    monkeypatch.setattr(real, "_child", child)
+    monkeypatch.setattr(real, "_say", lambda row: None)
+    rows = real.drive_real(["demo"], 1, 4, 1, None, {}, ["vanilla"], ["micro"], grid_top=2)
+    again = [tuple(s["config"]["micro"]) for s in ran[5:]]
+    assert again == [(8, 4), (16, 2), (16, 2), (8, 4)]  # the two fastest, twice more, alternating
+    assert len(rows) == 9 and all(s["steps"] == 4 and s["planned_steps"] == ran[1]["planned_steps"] for s in ran[5:])
+    assert len(real.drive_real(["demo"], 1, 4, 1, None, {}, ["vanilla"], ["micro"])) == 5  # grid_top=0: none
+
+
 def test_the_grid_table_divides_each_search_by_the_best_grid_point():
     def point(micro, sps):
         return r("grid", sps, config=dict(scripts.VANILLA, micro=micro))
@@ -154,7 +172,7 @@ def test_the_grid_table_divides_each_search_by_the_best_grid_point():
         r("autopilot", 95.0, kept=[]),
     ]
     cells = [c.strip() for c in real.grid_table(rows)[-1].split("|")]
-    assert cells[2] == "2" and cells[3].endswith("32 × 1, 0 workers (190.0)")
+    assert cells[2] == "2" and cells[3].endswith("32 × 1, 0 workers (190.0, median of 2)")
     assert cells[4] == "1.00, 0.90, 0.50"
     assert cells[5] == "1 of 3" and cells[6] == "2 of 3"
 
