@@ -26,6 +26,7 @@ from lightning_accel.core.autopilot import (
     paired_bar,
     rank_by_expected_gain,
 )
+from lightning_accel.core.autopilot.budget import SHORT_ESTIMATE_WINDOW
 
 SAMPLES_PER_STEP = 10
 
@@ -371,12 +372,13 @@ def test_a_fit_too_short_to_repay_a_search_is_not_searched() -> None:
     balanced = {"forward": 0.35, "backward": 0.35, "optimizer": 0.1, "data": 0.1, "other": 0.1}
     backend = Scripted([Change("fused_adamw", 1.5, expected=0.02)], shares=balanced)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=300).run()
-    # four steps estimated the 0.1 s step; 0.02 x 30 s is far below twice a baseline + one trial (4 x 2.5 s)
+    # two steps estimated the 0.1 s step (four would be over 1 % of a 300-step fit); 0.02 x 30 s is far below twice a
+    # baseline + one trial (4 x 2.5 s)
     assert _measured(backend) == [()] and result.records == [] and result.kept == []
     assert result.stopped.startswith(
         "not searched: the fit (~30 s) is too short to repay a search: the best fix on offer is expected to save ~0.6 s"
     )
-    assert backend.t == pytest.approx(0.4)
+    assert backend.t == pytest.approx(0.2)  # not searching cost the fit two steps
 
 
 def test_a_dominant_stage_is_searched_even_in_a_short_fit_and_the_budget_follows_its_payback() -> None:
@@ -490,7 +492,7 @@ def test_a_short_fit_whose_fix_repays_short_windows_is_searched_with_them() -> N
     # decisive trial: 3.2 x 2.5 s), but twice windows of 2 + 3 steps (0.25 s timed; 3.2 x 0.5 s): searched with those
     assert [c.name for c in result.kept] == ["dataloader"]
     # the estimate, the baseline A A, the decisive B
-    assert backend.windows == [ESTIMATE_WINDOW, (2, 3), (2, 3), (2, 3)]
+    assert backend.windows == [SHORT_ESTIMATE_WINDOW, (2, 3), (2, 3), (2, 3)]
     assert any(n.startswith("a short fit (~30 s): windows of 2 + 3 steps instead of 5 + 20") for n in result.notes)
 
 
@@ -514,7 +516,7 @@ def test_a_fit_too_short_even_for_short_windows_says_so_with_their_cost() -> Non
     backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=30).run()
     # a 3 s fit: ~1.5 s to save, twice the short windows' ~1.6 s (a baseline and a decisive B) would not be repaid
-    assert backend.windows == [ESTIMATE_WINDOW] and result.records == [] and result.kept == []
+    assert backend.windows == [SHORT_ESTIMATE_WINDOW] and result.records == [] and result.kept == []
     assert result.stopped.endswith("less than twice the ~1.6 s a baseline and one trial cost")
     assert not any(n.startswith("a short fit") for n in result.notes)
 
@@ -524,7 +526,9 @@ def test_a_long_fit_keeps_the_full_windows() -> None:
     backend = Windows([Change("dataloader", 2.0, expected=0.5)], shares=data_bound)
     result = _search(backend, budget_seconds=None, budget=0.05, steps_left=3000).run()
     assert [c.name for c in result.kept] == ["dataloader"]
-    assert backend.windows[1:] == [(5, 20)] * 3 and not any(n.startswith("a short fit") for n in result.notes)
+    assert backend.windows == [ESTIMATE_WINDOW] + [(5, 20)] * 3 and not any(
+        n.startswith("a short fit") for n in result.notes
+    )
 
 
 def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:

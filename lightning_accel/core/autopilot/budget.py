@@ -17,6 +17,8 @@ from lightning_accel.core.autopilot.protocol import MeasurementLike, Offer
 __all__ = [
     "BUNDLE_WINDOWS",
     "ESTIMATE_WINDOW",
+    "SHORT_ESTIMATE_FIT",
+    "SHORT_ESTIMATE_WINDOW",
     "FEED_MARGIN",
     "MAX_COMPILE_GAIN",
     "MIN_WINDOW_SECONDS",
@@ -32,6 +34,7 @@ __all__ = [
     "compile_pays_back",
     "compile_verdict",
     "decisive_ratio",
+    "estimate_window",
     "expects_confirmation",
     "feasible_worker_counts",
     "main_process_load_seconds",
@@ -54,6 +57,14 @@ MIN_WINDOW_SECONDS = 0.25
 #: sets no window length from it (with more timed steps it would be taken for the baseline's first window, and
 #: every later window capped at the estimate's few steps).
 ESTIMATE_WINDOW = (2, 2)
+#: (warm-up, timed) steps of the estimate on a fit of fewer than :data:`SHORT_ESTIMATE_FIT` steps: the estimate's
+#: steps are extra work a fit that is not searched pays for, 4 % of a 100-step fit with four (whole fit 0.96x
+#: vanilla's on ``bench_autopilot_real.py --short --short-scenarios short_decode --short-steps 100``, 0.97x with
+#: two); one warm-up step estimated that fit's step at the same 17-18 ms as two
+SHORT_ESTIMATE_WINDOW = (1, 1)
+#: fits shorter than this many optimizer steps are estimated with :data:`SHORT_ESTIMATE_WINDOW` (there the
+#: estimate's four steps would cost over 1 % of the fit)
+SHORT_ESTIMATE_FIT = 400
 #: Untimed warm-up steps of a short fit's windows (a new loader's workers start in the first; 5 by default)
 SHORT_WARMUP_STEPS = 2
 #: windows a bundle's confirmation costs (A, B, B, A and some slack), reserved in the budget once two gains are held
@@ -61,6 +72,12 @@ BUNDLE_WINDOWS = 4.4
 
 
 # ------------------------------------------------------------------------------------------------ windows
+def estimate_window(steps_left: int) -> tuple[int, int]:
+    """(warm-up, timed) optimizer steps of the pay-back estimate of a fit of ``steps_left`` steps:
+    :data:`ESTIMATE_WINDOW`, or :data:`SHORT_ESTIMATE_WINDOW` under :data:`SHORT_ESTIMATE_FIT` steps."""
+    return SHORT_ESTIMATE_WINDOW if steps_left < SHORT_ESTIMATE_FIT else ESTIMATE_WINDOW
+
+
 def window_steps(warmup_steps: int, steps: int, accumulate: int) -> tuple[int, int]:
     """The optimizer steps a window of ``warmup_steps`` + ``steps`` runs with ``accumulate`` micro-batches per step:
     ``ceil(warmup / k)`` warm-up and ``ceil(steps / sqrt(k))`` timed steps (at least 1 and 2). Worker start-up and the

@@ -12,7 +12,7 @@ import statistics
 
 from lightning_accel.core.autopilot.budget import (
     BUNDLE_WINDOWS,
-    ESTIMATE_WINDOW,
+    estimate_window,
     expects_confirmation,
     opening,
     pays_back,
@@ -147,7 +147,7 @@ class AutopilotSearch(Claim):
             )
         else:
             self._phase("estimating the step time")
-            estimate = self.backend.measure(*ESTIMATE_WINDOW)
+            estimate = self.backend.measure(*estimate_window(self.steps_left))
             self._current = estimate
             offers = self.backend.offers(estimate.shares(), set())
             plan = opening(
