@@ -44,6 +44,7 @@ taken in separate sessions (under a CPU lock, a few minutes at a time) add up.
     python benchmarks/bench_autopilot_real.py --short --rounds 2 --out /tmp/ap.jsonl
     python benchmarks/bench_autopilot_real.py --report /tmp/ap.jsonl [--verbose]
     python benchmarks/bench_autopilot_real.py --quick      # smoke test: every script, a few steps, one round
+    python benchmarks/bench_autopilot_real.py --optimizer-step --scripts gpt2 litgpt   # AdamW's step per knob value
 """
 
 from __future__ import annotations
@@ -317,6 +318,32 @@ def run_short(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ driver (parent)
+def optimizer_step_ms(name: str, repeats: int = 15) -> dict[str, Any]:
+    """One AdamW step (and ``zero_grad``) on script ``name``'s parameters, per optimizer knob value, in ms (median of
+    ``repeats``): what the grid's optimizer knob can change of a step, beside the Autopilot's optimizer prior."""
+    import torch
+    from autopilot_scripts import SCRIPTS, VANILLA, build
+
+    module, _ = build(SCRIPTS[name], dict(VANILLA), samples=64)
+    params = [p for p in module.parameters() if p.requires_grad]
+    row: dict[str, Any] = {"script": name, "tensors": len(params), "parameters": sum(p.numel() for p in params)}
+    arguments = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    for knob, kwargs in arguments.items():
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+        for _ in range(3):  # the state is created on the first step
+            optimizer.step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            times.append(time.perf_counter() - t0)
+        row[knob] = 1e3 * statistics.median(times)
+    return row
+
+
 def _child(spec: dict[str, Any], out: Path | None, timeout: float) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
@@ -659,6 +686,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--commit", default=None, help="with --report: only the Autopilot rows measured at this commit")
     parser.add_argument("--verbose", action="store_true", help="with --report: every Autopilot trial row")
     parser.add_argument("--quick", action="store_true", help="smoke test: every script, 6 steps, one round")
+    parser.add_argument(
+        "--optimizer-step", action="store_true", help="with --scripts: time one AdamW step per optimizer knob value"
+    )
     args = parser.parse_args(argv)
     if args.one:
         spec = json.loads(args.one)
@@ -676,6 +706,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     if args.grid is not None and set(args.grid) - set(GRID):
         parser.error(f"--grid {sorted(set(args.grid) - set(GRID))}: the knobs are {sorted(GRID)}")
+    if args.optimizer_step:
+        print("| script | parameters (tensors) | AdamW step, ms: single / foreach / fused |\n|---|---|---|")
+        for name in args.scripts or list(SCRIPTS):
+            r = optimizer_step_ms(name)
+            print(
+                f"| {name} | {r['parameters'] / 1e6:.2f} M ({r['tensors']}) | "
+                f"{r['single']:.2f} / {r['foreach']:.2f} / {r['fused']:.2f} |"
+            )
+        return
     if args.scripts:
         missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
         if missing:

@@ -177,6 +177,13 @@ def test_the_grid_table_divides_each_search_by_the_best_grid_point():
     assert cells[5] == "1 of 3" and cells[6] == "2 of 3"
 
 
+def test_the_optimizer_step_is_timed_per_knob_value_on_the_scripts_own_parameters():
+    row = real.optimizer_step_ms("demo", repeats=2)
+    module, _ = scripts.build(scripts.SCRIPTS["demo"], dict(scripts.VANILLA), samples=8)
+    assert row["parameters"] == sum(p.numel() for p in module.parameters()) and row["tensors"] > 1
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("single", "foreach", "fused"))
+
+
 def test_the_classification_script_trains_and_validates():
     script = scripts.SCRIPTS["bert_cls"]
     if script.missing():
