@@ -463,6 +463,18 @@ def test_a_short_fit_counts_only_the_confident_share_of_a_prior_before_searching
         )
 
 
+def test_a_trial_raises_the_budget_on_its_prior_not_on_the_confident_share_of_it() -> None:
+    # a 1000 s fit of 0.1 s steps: the loader's trial (refused after its confirmation pair) leaves too little of the
+    # budget for bf16's 3 s trial. Its prior, 1.2 % of the step over 10,000 steps, saves 12 s: 4x the trial, past
+    # the 3x multiple; the confident half (6 s, 2x) would pass it over although the multiple is the margin already
+    balanced = {"forward": 0.45, "backward": 0.45, "optimizer": 0.1}
+    changes = [Change("dataloader", 0.97, expected=0.3), Change("precision", 1.3, expected=0.012)]
+    backend = Confident(changes, 0.5, shares=balanced)
+    result = _search(backend, budget_seconds=None, budget=0.01, steps_left=10000).run()
+    assert [c.name for c in result.kept] == ["precision"]
+    assert any("for the precision trial (~3.0 s): it is expected to save ~12.0 s" in n for n in result.notes)
+
+
 def test_bf16_on_a_cpu_with_it_in_hardware_is_counted_at_half_its_prior() -> None:
     from lightning_accel.core.autopilot import prior_confidence
 
