@@ -706,9 +706,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     if args.grid is not None and set(args.grid) - set(GRID):
         parser.error(f"--grid {sorted(set(args.grid) - set(GRID))}: the knobs are {sorted(GRID)}")
+    if args.scripts:
+        missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
+        if missing:
+            parser.error("; ".join(missing))
     if args.optimizer_step:
         print("| script | parameters (tensors) | AdamW step, ms: single / foreach / fused |\n|---|---|---|")
-        for name in args.scripts or list(SCRIPTS):
+        for name in args.scripts or [n for n in SCRIPTS if SCRIPTS[n].missing() is None]:
             r = optimizer_step_ms(name)
             print(
                 f"| {name} | {r['parameters'] / 1e6:.2f} M ({r['tensors']}) | "
@@ -716,9 +720,6 @@ def main(argv: list[str] | None = None) -> None:
             )
         return
     if args.scripts:
-        missing = [f"{n}: {SCRIPTS[n].missing()}" for n in args.scripts if SCRIPTS[n].missing()]
-        if missing:
-            parser.error("; ".join(missing))
         rows += drive_real(
             args.scripts,
             args.rounds,

@@ -17,13 +17,13 @@ from lightning_accel.core.autopilot.protocol import MeasurementLike, Offer
 __all__ = [
     "BUNDLE_WINDOWS",
     "ESTIMATE_WINDOW",
-    "SHORT_ESTIMATE_FIT",
-    "SHORT_ESTIMATE_WINDOW",
     "FEED_MARGIN",
     "MAX_COMPILE_GAIN",
     "MIN_WINDOW_SECONDS",
     "SEARCH_BATCHES",
     "SELF_PAYING_MULTIPLE",
+    "SHORT_ESTIMATE_FIT",
+    "SHORT_ESTIMATE_WINDOW",
     "SHORT_WARMUP_STEPS",
     "TYPICAL_COMPILE_SECONDS",
     "WORKER_SPEEDUP_BOUND",
@@ -58,9 +58,9 @@ MIN_WINDOW_SECONDS = 0.25
 #: every later window capped at the estimate's few steps).
 ESTIMATE_WINDOW = (2, 2)
 #: (warm-up, timed) steps of the estimate on a fit of fewer than :data:`SHORT_ESTIMATE_FIT` steps: the estimate's
-#: steps are extra work a fit that is not searched pays for, 4 % of a 100-step fit with four (whole fit 0.96x
-#: vanilla's on ``bench_autopilot_real.py --short --short-scenarios short_decode --short-steps 100``, 0.97x with
-#: two); one warm-up step estimated that fit's step at the same 17-18 ms as two
+#: steps are extra work a fit that is not searched pays for, 4 % of a 100-step fit with four and 2 % with two
+#: (``bench_autopilot_real.py --short --short-scenarios short_decode --short-steps 100``); one warm-up step estimated
+#: that fit's step at the same 17-18 ms as two
 SHORT_ESTIMATE_WINDOW = (1, 1)
 #: fits shorter than this many optimizer steps are estimated with :data:`SHORT_ESTIMATE_WINDOW` (there the
 #: estimate's four steps would cost over 1 % of the fit)
