@@ -58,6 +58,35 @@ GRID: dict[str, tuple[Any, ...]] = {
 }
 
 
+#: the Autopilot's fixes whose effect :func:`trained_config` reads back as one of :data:`GRID`'s knobs; a kept fix
+#: outside these puts the trained configuration outside the grid
+GRID_FIXES = frozenset(
+    {"micro_batch", "precision", "optimizer_foreach", "optimizer_fused", "fused_attention", "dataloader"}
+)
+
+
+def trained_config(trainer: pl.Trainer, module: NaiveLM, micro: int, kept: Sequence[str] = ()) -> dict[str, Any]:
+    """The knobs (keys of :data:`VANILLA`) as the fit trained with them, read back from the trainer after it, so a
+    search's kept set is named as a grid point: ``micro`` is the micro-batch the training loader gave, ``kept`` the
+    names of the Autopilot's kept fixes (any outside :data:`GRID_FIXES` lands under ``"other"``)."""
+    dtype = getattr(trainer.precision_plugin, "compute_dtype", None)  # AutoMixedPrecision: what it resolved to
+    names = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", torch.float32: "32-true"}
+    precision = names.get(dtype, str(trainer.precision))
+    group = trainer.optimizers[0].param_groups[0]
+    optimizer = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "single"
+    loader = trainer.train_dataloader
+    attention = module.model.config._attn_implementation if module.script.hf else VANILLA["attention"]
+    config = {
+        "attention": attention,
+        "precision": precision,
+        "optimizer": optimizer,
+        "micro": (micro, GLOBAL_BATCH // max(1, micro)),
+        "num_workers": int(getattr(loader, "num_workers", 0)),
+    }
+    other = sorted(set(kept) - GRID_FIXES)
+    return {**config, "other": other} if other else config
+
+
 def grid(script: Script, knobs: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Every combination of :data:`GRID`'s values for ``knobs`` (all of them when empty), the others as
     :data:`VANILLA` sets them; ``attention`` only where the script has an eager attention to replace."""

@@ -177,6 +177,42 @@ def test_the_grid_table_divides_each_search_by_the_best_grid_point():
     assert cells[5] == "1 of 3" and cells[6] == "2 of 3"
 
 
+def test_a_run_reads_back_the_configuration_it_trained_with_as_a_grid_point():
+    config = dict(scripts.VANILLA, precision="bf16-mixed", optimizer="fused", micro=(16, 2))
+    spec = {"kind": "real", "script": "demo", "variant": "grid", "config": config, "steps": 2, "skip": 1}
+    row = real.run_real({**spec, "planned_steps": 2})
+    assert row["trained_config"] == config  # read from the trainer, the optimizer and the batches after the fit
+    assert real._config_name(row["trained_config"]) == real._config_name(config)
+    vanilla = real.run_real({**spec, "variant": "vanilla", "planned_steps": 2})
+    assert vanilla["trained_config"] == dict(scripts.VANILLA)
+    assert "other" not in vanilla["trained_config"]
+
+
+def test_the_grid_table_names_each_kept_configuration_as_the_grid_measured_it_pooled_over_the_optimizer():
+    def point(sps, **knobs):
+        return r("grid", sps, config=dict(scripts.VANILLA, **knobs))
+
+    def search(sps, **knobs):
+        return r("autopilot", sps, kept=["x"], trained_config=dict(scripts.VANILLA, **knobs))
+
+    rows = [
+        point(100.0, micro=(4, 8)),
+        point(200.0, micro=(32, 1), optimizer="single"),
+        point(210.0, micro=(32, 1), optimizer="fused"),  # the best single point: 210
+        point(150.0, micro=(32, 1), optimizer="foreach"),  # pooled 32 x 1: median of 200, 210, 150 = 200
+        point(190.0, micro=(32, 1), precision="bf16-mixed"),
+        search(100.0, micro=(32, 1), optimizer="foreach"),  # an unlucky run of the pooled best: 1.00
+        search(230.0, micro=(32, 1), precision="bf16-mixed"),  # a lucky run of a worse one: 0.95
+        search(150.0, micro=(32, 1), other=["compile"]),
+    ]
+    cells = [c.strip() for c in real.grid_table(rows)[-1].split("|")]
+    assert cells[3].endswith("fused, 32 × 1, 0 workers (210.0, median of 1)")
+    assert cells[4] == "0.48, 1.10, 0.71"  # each search's own run ÷ the best single point
+    assert cells[7] == "eager, 32-true, 32 × 1, 0 workers (200.0, median of 3)"
+    assert cells[8] == "1.00 (3), 0.95 (1), not in the grid"
+    assert cells[9] == "2 of 3"
+
+
 def test_the_optimizer_step_is_timed_per_knob_value_on_the_scripts_own_parameters():
     row = real.optimizer_step_ms("demo", repeats=2)
     module, _ = scripts.build(scripts.SCRIPTS["demo"], dict(scripts.VANILLA), samples=8)
