@@ -168,7 +168,10 @@ if os.environ.get("LOCAL_RANK") == "1":  # rank 1's measuring breaks at its firs
     StageMachine.close_window = broken
 
 
-doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False)
+# no automatic compute attribution: when a loaded machine makes this step look compute-bound, its window holds the
+# stage breakdown for three steps and two of the four windows are not counted (the count below would depend on load)
+doctor = BottleneckDoctor(window=2, warmup_batches=1, report_path=False, print_report=False, warn=False,
+                          attribute_compute=False)
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=9, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[doctor])
