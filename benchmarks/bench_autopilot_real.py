@@ -502,6 +502,11 @@ def _config_name(config: dict[str, Any], pooled: tuple[str, ...] = ()) -> str:
 POOLED_KNOBS = ("optimizer",)
 
 
+def _best_median(points: dict[str, list[float]]) -> tuple[str, float]:
+    """The point with the highest median rate, and that median."""
+    return max(((k, statistics.median(v)) for k, v in points.items()), key=lambda kv: kv[1])
+
+
 def grid_table(real: list[dict[str, Any]]) -> list[str]:
     """Per script with grid runs: the grid's best configuration (median of its runs) and each search's training
     rate ÷ that best, how many searches kept the most common set, and each search's kept configuration (read back
@@ -523,13 +528,11 @@ def grid_table(real: list[dict[str, Any]]) -> list[str]:
         auto = [r for r in real if r["script"] == name and r["variant"] == "autopilot"]
         if not points:
             continue
-        best_name, best = max(((k, statistics.median(v)) for k, v in points.items()), key=lambda kv: kv[1])
+        best_name, best = _best_median(points)
         ratios = [r["samples_per_sec"] / best for r in auto]
         kept = [("; ".join(r["kept"]) or "nothing") for r in auto]
         common = max((kept.count(k) for k in set(kept)), default=0)
-        pooled_best_name, pooled_best = max(
-            ((k, statistics.median(v)) for k, v in pooled.items()), key=lambda kv: kv[1]
-        )
+        pooled_best_name, pooled_best = _best_median(pooled)
         kept_cells, kept_ratios = [], []
         for r in auto:
             runs = pooled.get(_config_name(r["trained_config"], POOLED_KNOBS)) if r.get("trained_config") else None
