@@ -159,7 +159,10 @@ def test_a_checkpoint_written_before_the_split_resumes_as_one_written_now(ddp_sc
     ranks = read_rank_json(tmp_path, "compat", world_size=_world(kind))
     for rank in ranks:
         old, new = rank["old"], rank["new"]
-        assert old == new, (kind, old, new)
+        # the counters exactly; Top-K's residuals to 1e-5 relative: four gloo processes on two cores
+        # round their sums differently from run to run (1.1564035 against 1.1564037); one restored 0.1 % off: 3e-4
+        assert (old["iter"], old["step"]) == (new["iter"], new["step"]), (kind, old, new)
+        assert old["residual"] == pytest.approx(new["residual"], rel=1e-5), (kind, old, new)
         assert old["step"] > 0, old
         if kind != "pp":  # the compressor's step counter came back (pp has no compressor)
             assert old["iter"] is not None, old
