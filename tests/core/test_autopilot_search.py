@@ -6,6 +6,7 @@ factor``; every window advances the fake clock by its steps' duration, so budget
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -27,6 +28,7 @@ from lightning_accel.core.autopilot import (
     rank_by_expected_gain,
 )
 from lightning_accel.core.autopilot.budget import SHORT_ESTIMATE_WINDOW
+from lightning_accel.core.autopilot.plan import Outcome
 
 SAMPLES_PER_STEP = 10
 
@@ -550,6 +552,18 @@ def test_the_budget_stops_the_search_before_a_trial_it_cannot_afford() -> None:
     assert any("too small for one trial" in n for n in result.notes)
 
 
+def test_the_fixes_the_budget_ended_before_are_shown_with_their_cost() -> None:
+    # the baseline spends 5 of the 6 s: both trials (~3 s) pay back and neither fits; each is a row with its cost
+    result = _search(Scripted([Change("a", 1.5), Change("b", 1.3)]), budget_seconds=6.0).run()
+    rows = {r.name: r for r in result.records}
+    assert result.kept == [] and result.stopped.startswith("time budget spent (5.0 of 6.0 s")
+    for name in ("a", "b"):
+        assert not rows[name].kept and rows[name].outcome == Outcome.NOT_TRIALLED
+        assert re.fullmatch(
+            r"not trialled: its trial needs ~\d+\.\d s, 1\.0 s of the budget are left", rows[name].reason
+        )
+
+
 def test_the_budget_follows_the_baselines_step_time_not_the_estimates() -> None:
     # the estimate's steps ran at half speed (0.2 s a step): 5 % of a 10000-step fit looked like 100 s; the
     # baseline's windows (0.1 s a step) put it at 50 s
@@ -608,7 +622,8 @@ def test_trials_are_costed_at_the_window_length_of_the_configuration_kept() -> N
     result = _search(backend, budget_seconds=30.0).run()
     assert [c.name for c in result.kept] == ["jump"]
     assert result.stopped.startswith("time budget spent") and backend.t <= 30.0
-    assert all(r.name != "later" for r in result.records)
+    rows = {r.name: r for r in result.records}  # "later" was not measured: a row with its cost says so
+    assert rows["later"].samples_per_sec is None and rows["later"].reason.startswith("not trialled: its trial needs ~")
 
 
 def test_a_trial_longer_than_the_time_left_is_passed_over_for_a_cheaper_one() -> None:
@@ -632,7 +647,8 @@ def test_the_search_stops_on_the_budget_when_no_trial_fits() -> None:
     compile_.warmup_steps = 100
     result = _search(Scripted([compile_]), budget_seconds=30.0).run()
     assert result.stopped.startswith("time budget spent (5.0 of 30.0 s; the next trial needs ~")
-    assert [r.name for r in result.records] == ["baseline"]
+    assert [r.name for r in result.records] == ["baseline", "compile"]  # the compile as a row with its cost
+    assert result.records[1].reason.startswith("not trialled: its trial needs ~")
 
 
 def test_the_state_is_restored_after_every_trial_and_at_the_end() -> None:
@@ -729,7 +745,8 @@ def test_the_budget_keeps_the_time_to_confirm_held_gains() -> None:
     result = _search(Scripted(changes), budget_seconds=26.0).run()
     bundle = next(r for r in result.records if r.name == "bundle")
     assert bundle.kept and bundle.change == "a + b"
-    assert [r.name for r in result.records] == ["baseline", "a", "b", "bundle"]
+    assert [r.name for r in result.records] == ["baseline", "a", "b", "bundle", "c", "d"]
+    assert all(r.samples_per_sec is None and not r.kept for r in result.records[4:])  # shown, not measured
 
 
 class FallingBack(Scripted):

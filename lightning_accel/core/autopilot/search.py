@@ -257,6 +257,7 @@ class AutopilotSearch(Claim):
         misses = 0
         while True:
             stopped = ""
+            pending: list[tuple[Offer, float]] = []  # the offers the budget ended before, when it did
             while True:
                 assert self._current is not None  # the baseline measured it
                 offers = backend.offers(self._current.shares(), tried)
@@ -288,6 +289,7 @@ class AutopilotSearch(Claim):
                     self._record(self._new_record(name, o.candidate.describe(), why_not, outcome))
                 if offer is None:
                     stopped = self._stop_reason(too_long, reserve)
+                    pending = too_long
                     break
                 tried.add(offer.candidate.name)
                 left = self._budget - self._spent()
@@ -315,5 +317,9 @@ class AutopilotSearch(Claim):
                     continue  # the bottleneck moved: diagnose again
             elif len(self._held) >= 2:
                 stopped += f"; {len(self._held)} small gains held, no time left to confirm them together"
+            left = self._budget - self._spent()
+            for o, cost in pending:  # paying back, but the budget ended first: shown with their cost, not dropped
+                why = f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
+                self._record(self._new_record(o.candidate.name, o.candidate.describe(), why, Outcome.NOT_TRIALLED))
             result.stopped = stopped
             return
