@@ -292,14 +292,9 @@ class AutopilotSearch(Claim):
                     pending = too_long
                     break
                 tried.add(offer.candidate.name)
-                left = self._budget - self._spent()
-                for o, cost in too_long:  # passed over for a cheaper fix: said once, not offered again
+                for o, _ in too_long:  # passed over for a cheaper fix: said once, not offered again
                     tried.add(o.candidate.name)
-                    why = (
-                        f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
-                        f" (the cheaper {offer.candidate.name} is tried instead)"
-                    )
-                    self._record(self._new_record(o.candidate.name, o.candidate.describe(), why, Outcome.NOT_TRIALLED))
+                self._record_too_long(too_long, f" (the cheaper {offer.candidate.name} is tried instead)")
                 kept, measured = self._trial(offer.candidate, offer.gain)
                 if kept:
                     misses = 0
@@ -317,9 +312,13 @@ class AutopilotSearch(Claim):
                     continue  # the bottleneck moved: diagnose again
             elif len(self._held) >= 2:
                 stopped += f"; {len(self._held)} small gains held, no time left to confirm them together"
-            left = self._budget - self._spent()
-            for o, cost in pending:  # paying back, but the budget ended first: shown with their cost, not dropped
-                why = f"not trialled: its trial needs ~{cost:.1f} s, {max(0.0, left):.1f} s of the budget are left"
-                self._record(self._new_record(o.candidate.name, o.candidate.describe(), why, Outcome.NOT_TRIALLED))
+            self._record_too_long(pending)  # paying back, but the budget ended first: shown, not dropped
             result.stopped = stopped
             return
+
+    def _record_too_long(self, too_long: list[tuple[Offer, float]], after: str = "") -> None:
+        """A row for each fix that pays back but whose trial (its cost) does not fit the time left."""
+        left = max(0.0, self._budget - self._spent())
+        for o, cost in too_long:
+            why = f"not trialled: its trial needs ~{cost:.1f} s, {left:.1f} s of the budget are left{after}"
+            self._record(self._new_record(o.candidate.name, o.candidate.describe(), why, Outcome.NOT_TRIALLED))
